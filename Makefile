@@ -1,0 +1,71 @@
+# One venv, everything installed by `make setup`; every other target depends on it.
+SHELL := /bin/bash
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.setup-stamp
+APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup test distill bench clean help image
+
+help:
+	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
+	@echo "make test      the test suite (what CI runs)"
+	@echo "make setup     create $(VENV) and install what the kit needs"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "note: the embedded corpus and Apertium need Debian packages; run:"; \
+	    echo "  sudo apt-get install -y --no-install-recommends$$missing"; \
+	  fi; \
+	fi
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned resolve pulls the multi-GB CUDA build
+	$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" || $(VPY) -m pip install -q "torch>=2.4"
+	$(VPY) -m pip install -q -e ".[test,baselines]"
+	touch $@
+
+# The submission image; MODEL defaults to the latest exported student under runs/.
+# Starts nothing: needs a running docker daemon (.ci/run shows how to start one).
+MODEL ?=
+IMAGE ?= wmt-kit:latest
+image: setup
+	$(VPY) -m submission.image $(if $(MODEL),--model $(MODEL)) --tag $(IMAGE)
+
+# make distill [PRESET=default|wmt] [NAME=run] [NPROC=N] [TEACHER_CMD="apertium -u eng-spa" |
+#   TEACHER_MODEL="dir [dir ...]" | TEACHER_HF=dir] [SRC=f.en TGT=f.es [SRC_LANG=.. TGT_LANG=..]]
+#   [BASELINE=1] [MIX=1] [DISTILL_ARGS="--any --other option"]   (python -m student.distill --help)
+PRESET ?= default
+NPROC  ?= 1
+DISTILL_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VPY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC),$(VPY))
+shq = '$(subst ','\'',$(1))'
+DISTILL_OPTS = --preset $(PRESET) $(if $(NAME),--name $(call shq,$(NAME))) \
+  $(if $(TEACHER_CMD),--teacher-cmd $(call shq,$(TEACHER_CMD))) \
+  $(foreach m,$(TEACHER_MODEL),--teacher-model $(call shq,$(m))) \
+  $(if $(TEACHER_HF),--teacher-hf $(call shq,$(TEACHER_HF))) \
+  $(if $(SRC),--src $(call shq,$(SRC))) $(if $(TGT),--tgt $(call shq,$(TGT))) \
+  $(if $(SRC_LANG),--src-lang $(SRC_LANG)) $(if $(TGT_LANG),--tgt-lang $(TGT_LANG)) \
+  $(if $(filter 1 yes true,$(BASELINE)),--baseline-student) $(if $(filter 0 no false,$(BASELINE)),--no-baseline-student) \
+  $(if $(filter 1 yes true,$(MIX)),--mix-original)
+
+distill: setup
+	$(DISTILL_LAUNCH) -m student.distill $(DISTILL_OPTS) $(DISTILL_ARGS)
+
+test: setup
+	$(VPY) -m pytest -q tests; rc=$$?; if [ $$rc = 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# ablation table (docs/bench/); BENCH_ARGS e.g. --model DIR --threads 2
+bench: setup
+	$(VPY) -m decoder.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf build .pytest_cache

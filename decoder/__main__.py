@@ -1,0 +1,56 @@
+"""python -m decoder --model DIR [--beam N] [--device cpu|cuda] [--precision ...] < in > out
+
+Reads stdin incrementally as bytes (invalid UTF-8 is replaced, CRLF accepted),
+writes one line per input line, in order, flushed after every chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
+    p.add_argument("--beam", type=int, default=1, help="beam size; 1 = greedy (default)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp16"],
+                   help="auto: int8 on CPU, fp16 on CUDA")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--max-tokens", type=int, default=4096, help="padded source tokens per batch")
+    p.add_argument("--max-sentences", type=int, default=512)
+    p.add_argument("--chunk-lines", type=int, default=20000,
+                   help="lines read, sorted and batched together before output")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--max-len-a", type=float, default=1.5)
+    p.add_argument("--max-len-b", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def read_lines(stream):
+    for raw in stream:  # binary: splits on b"\n" only
+        yield raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8", errors="replace")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from .modeldir import ModelDirError
+    try:
+        from .translator import Translator
+        tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
+                        beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
+                        chunk_lines=a.chunk_lines, length_penalty=a.length_penalty,
+                        max_len_a=a.max_len_a, max_len_b=a.max_len_b)
+    except (ModelDirError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = sys.stdout.buffer
+    for line in tr.translate_stream(read_lines(sys.stdin.buffer)):
+        # errors="replace": a lone surrogate must not cost us the line
+        out.write(line.encode("utf-8", errors="replace") + b"\n")
+        out.flush()  # a pipe reader sees each line as soon as it is in order
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

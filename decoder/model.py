@@ -1,0 +1,249 @@
+"""Inference-time Transformer for a model dir (the math of student/model.py).
+
+Pre-norm encoder-decoder in M2M100 layout: x = shared[ids]*sqrt(d) + pos[p]
+with fairseq positions p = index + pad_id + 1; per layer x += attn(LN(x)) and
+x += fc2(act(fc1(LN(x)))); a final LayerNorm per stack; tied (or lm_head) output.
+
+Two decoder states implement the same `step(tokens, t) -> logits` interface so
+the searches (decoder/search.py) do not care which one runs:
+
+- `IncrementalState`: self-attention K/V in one preallocated cache
+  (layers, 2, rows, heads, max_len, head_dim) written at position t (gpt-fast);
+  cross-attention K/V computed once per sentence and shared by its beams: the
+  beams of a sentence are the query positions of one attention call (FastSeq),
+  so nothing is copied per beam. Beam reorder is an in-place gather.
+- `RecomputeState`: the naive reference: re-runs the whole prefix every step
+  with encoder output copied per beam and cross K/V recomputed every time.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import modeldir
+from .quant import DTYPES, make_linear
+
+
+def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> torch.Tensor:
+    half = dim // 2
+    w = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / (half - 1)))
+    ang = torch.arange(n_positions, dtype=torch.float)[:, None] * w[None]  # (n, half)
+    table = torch.cat([torch.sin(ang), torch.cos(ang)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(n_positions, 1)], dim=1)
+    table[pad_id] = 0
+    return table  # (n_positions, dim)
+
+
+class Attention:
+    def __init__(self, w: dict, p: str, precision: str, fused: bool, self_attn: bool, fused_ops: bool):
+        lin = lambda n: make_linear(w[f"{p}.{n}.weight"], w[f"{p}.{n}.bias"], precision, fused_ops)  # noqa: E731
+        cat = lambda ns: make_linear(torch.cat([w[f"{p}.{n}.weight"] for n in ns]),  # noqa: E731
+                                     torch.cat([w[f"{p}.{n}.bias"] for n in ns]), precision, fused_ops)
+        self.fused = fused
+        if fused and self_attn:
+            self.qkv = cat(("q_proj", "k_proj", "v_proj"))
+        elif fused:  # cross-attention: q from the decoder, k/v from the encoder
+            self.q, self.kv = lin("q_proj"), cat(("k_proj", "v_proj"))
+        else:
+            self.q, self.k, self.v = lin("q_proj"), lin("k_proj"), lin("v_proj")
+        self.out = lin("out_proj")
+
+    def project_qkv(self, x):
+        if self.fused:
+            return self.qkv(x).chunk(3, dim=-1)
+        return self.q(x), self.k(x), self.v(x)
+
+    def project_kv(self, x):
+        if self.fused:
+            return self.kv(x).chunk(2, dim=-1)
+        return self.k(x), self.v(x)
+
+
+class Norm:
+    def __init__(self, w: dict, p: str, eps: float, dtype):
+        self.w, self.b, self.eps = w[f"{p}.weight"].to(dtype), w[f"{p}.bias"].to(dtype), eps
+
+    def __call__(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+
+
+class FFN:
+    def __init__(self, w: dict, p: str, precision: str, activation: str, fused_ops: bool):
+        self.fc1 = make_linear(w[f"{p}.fc1.weight"], w[f"{p}.fc1.bias"], precision, fused_ops)
+        self.fc2 = make_linear(w[f"{p}.fc2.weight"], w[f"{p}.fc2.bias"], precision, fused_ops)
+        self.relu = activation == "relu"
+
+    def __call__(self, x):
+        if self.relu:  # bias + relu in the int8 op's epilogue
+            return self.fc2(self.fc1(x, relu=True))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def heads(x, h):
+    # (B, T, d) -> (B, h, T, hd)
+    B, T, d = x.shape
+    return x.view(B, T, h, d // h).transpose(1, 2)
+
+
+def merge(o):
+    # (B, h, T, hd) -> (B, T, d)
+    B, h, T, hd = o.shape
+    return o.transpose(1, 2).reshape(B, T, h * hd)
+
+
+class Model:
+    """Weights laid out for decoding; built from a model dir by `Model.load`."""
+
+    def __init__(self, cfg: modeldir.ModelConfig, w: dict, *, precision: str = "fp32",
+                 device: str = "cpu", fused_qkv: bool = True, fused_ops: bool = True):
+        a = cfg.arch
+        self.cfg, self.arch, self.precision, self.device = cfg, a, precision, torch.device(device)
+        self.dtype = DTYPES[precision]  # activations: fp32 around int8 matmuls
+        w = {k: v.to(self.device) for k, v in w.items()}
+        self.n_heads, self.d = a.n_heads, a.d_model
+        self.embed_scale = math.sqrt(a.d_model)
+        self.emb = w["shared.weight"].to(self.dtype)  # (V, d)
+        self.pos = sinusoidal_table(a.max_positions + cfg.pad_id + 1, a.d_model, cfg.pad_id).to(
+            self.device, self.dtype)  # (P, d)
+        out_w = w["shared.weight"] if a.tie_embeddings else w["lm_head.weight"]
+        self.out_proj = make_linear(out_w, None, precision, fused_ops)
+        eps, act = a.layer_norm_eps, a.activation
+        self.enc_layers = []
+        for i in range(a.encoder_layers):
+            p = f"encoder.layers.{i}"
+            self.enc_layers.append(dict(
+                ln1=Norm(w, f"{p}.self_attn_layer_norm", eps, self.dtype),
+                attn=Attention(w, f"{p}.self_attn", precision, fused_qkv, True, fused_ops),
+                ln2=Norm(w, f"{p}.final_layer_norm", eps, self.dtype),
+                ffn=FFN(w, p, precision, act, fused_ops)))
+        self.enc_norm = Norm(w, "encoder.layer_norm", eps, self.dtype)
+        self.dec_layers = []
+        for i in range(a.decoder_layers):
+            p = f"decoder.layers.{i}"
+            self.dec_layers.append(dict(
+                ln1=Norm(w, f"{p}.self_attn_layer_norm", eps, self.dtype),
+                attn=Attention(w, f"{p}.self_attn", precision, fused_qkv, True, fused_ops),
+                ln2=Norm(w, f"{p}.encoder_attn_layer_norm", eps, self.dtype),
+                cross=Attention(w, f"{p}.encoder_attn", precision, fused_qkv, False, fused_ops),
+                ln3=Norm(w, f"{p}.final_layer_norm", eps, self.dtype),
+                ffn=FFN(w, p, precision, act, fused_ops)))
+        self.dec_norm = Norm(w, "decoder.layer_norm", eps, self.dtype)
+
+    @classmethod
+    def load(cls, model_dir: str, **kw) -> "Model":
+        cfg, weights, _ = modeldir.load(model_dir)
+        return cls(cfg, weights, **kw)
+
+    def embed(self, ids, start: int = 0):
+        # ids: (B, T); fairseq positions start at pad_id + 1
+        p0 = start + self.cfg.pad_id + 1
+        return self.emb[ids] * self.embed_scale + self.pos[p0:p0 + ids.shape[1]]  # (B, T, d)
+
+    def encode(self, src):
+        """src (B, S) right-padded -> (encoder output (B, S, d), key mask (B, 1, 1, S))."""
+        mask = (src != self.cfg.pad_id)[:, None, None, :]
+        x = self.embed(src)
+        h = self.n_heads
+        for L in self.enc_layers:
+            y = L["ln1"](x)
+            q, k, v = L["attn"].project_qkv(y)
+            o = F.scaled_dot_product_attention(heads(q, h), heads(k, h), heads(v, h), attn_mask=mask)
+            x = x + L["attn"].out(merge(o))
+            x = x + L["ffn"](L["ln2"](x))
+        return self.enc_norm(x), mask
+
+    def logits(self, y):
+        return self.out_proj(self.dec_norm(y))
+
+
+class IncrementalState:
+    """Cached decoding of `beam` rows per sentence; rows of one sentence are adjacent."""
+
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+        self.m, self.beam, self.mask = model, beam, mask
+        B, S, _ = enc.shape
+        h, hd = model.n_heads, model.d // model.n_heads
+        # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd)
+        self.cross = [tuple(heads(t, h) for t in L["cross"].project_kv(enc)) for L in model.dec_layers]
+        self.cache = torch.empty(len(model.dec_layers), 2, B * beam, h, max_len, hd,
+                                 dtype=model.dtype, device=enc.device)  # (L, 2, rows, h, T, hd)
+        self.t = 0
+
+    def step(self, tokens, t: int):
+        """tokens (rows,) at position t -> logits (rows, V)."""
+        m, h = self.m, self.m.n_heads
+        N = tokens.shape[0]
+        B = N // self.beam
+        x = m.embed(tokens[:, None], start=t)  # (N, 1, d)
+        for i, L in enumerate(m.dec_layers):
+            y = L["ln1"](x)
+            q, k, v = L["attn"].project_qkv(y)
+            kc, vc = self.cache[i, 0], self.cache[i, 1]  # (N, h, T, hd)
+            kc[:, :, t] = k.view(N, h, -1)
+            vc[:, :, t] = v.view(N, h, -1)
+            o = F.scaled_dot_product_attention(heads(q, h), kc[:, :, :t + 1], vc[:, :, :t + 1])
+            x = x + L["attn"].out(merge(o))
+            # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)
+            q = L["cross"].q(L["ln2"](x)).view(B, self.beam, -1)
+            ck, cv = self.cross[i]
+            o = F.scaled_dot_product_attention(heads(q, h), ck, cv, attn_mask=self.mask)  # (B, h, beam, hd)
+            x = x + L["cross"].out(merge(o).view(N, 1, -1))
+            x = x + L["ffn"](L["ln3"](x))
+        self.t = t + 1
+        return m.logits(x[:, 0])  # (N, V)
+
+    def reorder(self, rows):
+        """Row r takes the history of row rows[r] (beam reorder), in place."""
+        live = self.cache[:, :, :, :, :self.t]
+        live.copy_(live.index_select(2, rows))
+
+    def keep(self, sents, rows):
+        """Shrink to the sentences `sents` whose rows (already reordered) are `rows`."""
+        # copy only the positions written so far: the rest of the buffer is garbage
+        L, two, _, h, T, hd = self.cache.shape
+        cache = self.cache.new_empty(L, two, rows.numel(), h, T, hd)
+        torch.index_select(self.cache[:, :, :, :, :self.t], 2, rows, out=cache[:, :, :, :, :self.t])
+        self.cache = cache
+        self.cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
+        self.mask = self.mask.index_select(0, sents)
+
+
+class RecomputeState:
+    """Naive decoding: the whole prefix again every step, encoder output per beam row."""
+
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+        self.m, self.beam = model, beam
+        self.enc = enc.repeat_interleave(beam, 0)  # (B*beam, S, d)
+        self.mask = mask.repeat_interleave(beam, 0)  # (B*beam, 1, 1, S)
+        self.prefix = None  # (rows, t) tokens fed so far
+
+    def step(self, tokens, t: int):
+        m, h = self.m, self.m.n_heads
+        ys = tokens[:, None] if self.prefix is None else torch.cat([self.prefix, tokens[:, None]], 1)
+        self.prefix = ys  # (N, t+1)
+        T = ys.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=ys.device).tril()
+        x = m.embed(ys)
+        for L in m.dec_layers:
+            y = L["ln1"](x)
+            q, k, v = L["attn"].project_qkv(y)
+            o = F.scaled_dot_product_attention(heads(q, h), heads(k, h), heads(v, h), attn_mask=causal)
+            x = x + L["attn"].out(merge(o))
+            y = L["ln2"](x)
+            k, v = L["cross"].project_kv(self.enc)
+            o = F.scaled_dot_product_attention(heads(L["cross"].q(y), h), heads(k, h), heads(v, h),
+                                               attn_mask=self.mask)
+            x = x + L["cross"].out(merge(o))
+            x = x + L["ffn"](L["ln3"](x))
+        return m.logits(x[:, -1])  # (N, V)
+
+    def reorder(self, rows):
+        self.prefix = self.prefix.index_select(0, rows)
+
+    def keep(self, sents, rows):
+        self.prefix = self.prefix.index_select(0, rows)
+        self.enc = self.enc.index_select(0, rows)
+        self.mask = self.mask.index_select(0, rows)

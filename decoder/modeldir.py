@@ -1,0 +1,196 @@
+"""The model-dir contract: the only thing training and decoding share.
+
+    model/
+      config.json        format_version, architecture, special ids, languages,
+                         normaliser settings, provenance
+      model.safetensors  weights, names in TENSOR_NAMES below (decoder/README.md)
+      spm.model          joint SentencePiece model
+
+Loading runs no code from the directory (safetensors, JSON), and every problem
+is one `ModelDirError` whose message names the offending file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+FORMAT_VERSION = 1
+CONFIG, WEIGHTS, SPM = "config.json", "model.safetensors", "spm.model"
+
+
+class ModelDirError(Exception):
+    """A model dir that cannot be used; str(e) is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    ffn_dim: int
+    encoder_layers: int
+    decoder_layers: int
+    max_positions: int = 1024
+    activation: str = "relu"
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Arch
+    bos_id: int = 0
+    pad_id: int = 1
+    eos_id: int = 2
+    unk_id: int = 3
+    decoder_start_id: int = 2  # fairseq/M2M100: the decoder starts from </s>
+    src_lang: str = "en"
+    tgt_lang: str = "es"
+    normaliser: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+    extra_files: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        a = self.arch
+        return {
+            "format_version": FORMAT_VERSION,
+            "architecture": {
+                "type": "transformer-prenorm",  # M2M100 layout, see decoder/README.md
+                "vocab_size": a.vocab_size, "d_model": a.d_model, "n_heads": a.n_heads,
+                "ffn_dim": a.ffn_dim, "encoder_layers": a.encoder_layers,
+                "decoder_layers": a.decoder_layers, "max_positions": a.max_positions,
+                "activation": a.activation, "tie_embeddings": a.tie_embeddings,
+                "layer_norm_eps": a.layer_norm_eps,
+                "positions": "sinusoidal-fairseq", "scale_embedding": True,
+            },
+            "special_ids": {"bos": self.bos_id, "pad": self.pad_id, "eos": self.eos_id,
+                            "unk": self.unk_id, "decoder_start": self.decoder_start_id},
+            "languages": {"src": self.src_lang, "tgt": self.tgt_lang},
+            "normaliser": self.normaliser,
+            "provenance": self.provenance,
+            "files": {"weights": WEIGHTS, "spm": SPM, **self.extra_files},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = CONFIG) -> "ModelConfig":
+        try:
+            a = d["architecture"]
+            arch = Arch(**{k: a[k] for k in (
+                "vocab_size", "d_model", "n_heads", "ffn_dim", "encoder_layers",
+                "decoder_layers", "max_positions", "activation", "tie_embeddings",
+                "layer_norm_eps")})
+            s = d["special_ids"]
+            cfg = cls(arch=arch, bos_id=s["bos"], pad_id=s["pad"], eos_id=s["eos"],
+                      unk_id=s["unk"], decoder_start_id=s["decoder_start"],
+                      src_lang=d["languages"]["src"], tgt_lang=d["languages"]["tgt"],
+                      normaliser=d.get("normaliser", {}), provenance=d.get("provenance", {}),
+                      extra_files={k: v for k, v in d.get("files", {}).items()
+                                   if k not in ("weights", "spm")})
+        except (KeyError, TypeError) as e:
+            raise ModelDirError(f"{where}: missing or malformed field {e}") from None
+        if arch.d_model % arch.n_heads:
+            raise ModelDirError(f"{where}: d_model {arch.d_model} not divisible by n_heads {arch.n_heads}")
+        if arch.activation not in ("relu", "gelu"):
+            raise ModelDirError(f"{where}: unsupported activation {arch.activation!r}")
+        return cfg
+
+
+def tensor_shapes(a: Arch) -> dict[str, tuple[int, ...]]:
+    """Every tensor of model.safetensors and its shape (the table in decoder/README.md).
+
+    Names follow Hugging Face M2M100 without the leading "model.", so the HF
+    converter is a rename-free copy and the CTranslate2 converter a fixed map.
+    """
+    d, f = a.d_model, a.ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {"shared.weight": (a.vocab_size, d)}
+    if not a.tie_embeddings:
+        shapes["lm_head.weight"] = (a.vocab_size, d)
+
+    def attn(p):
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{p}.{n}.weight"] = (d, d)
+            shapes[f"{p}.{n}.bias"] = (d,)
+
+    def norm(p):
+        shapes[f"{p}.weight"] = (d,)
+        shapes[f"{p}.bias"] = (d,)
+
+    def ffn(p):
+        shapes[f"{p}.fc1.weight"] = (f, d)
+        shapes[f"{p}.fc1.bias"] = (f,)
+        shapes[f"{p}.fc2.weight"] = (d, f)
+        shapes[f"{p}.fc2.bias"] = (d,)
+
+    for i in range(a.encoder_layers):
+        p = f"encoder.layers.{i}"
+        attn(f"{p}.self_attn"); norm(f"{p}.self_attn_layer_norm")
+        ffn(p); norm(f"{p}.final_layer_norm")
+    norm("encoder.layer_norm")
+    for i in range(a.decoder_layers):
+        p = f"decoder.layers.{i}"
+        attn(f"{p}.self_attn"); norm(f"{p}.self_attn_layer_norm")
+        attn(f"{p}.encoder_attn"); norm(f"{p}.encoder_attn_layer_norm")
+        ffn(p); norm(f"{p}.final_layer_norm")
+    norm("decoder.layer_norm")
+    return shapes
+
+
+def read_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, CONFIG)
+    if not os.path.isdir(model_dir):
+        raise ModelDirError(f"{model_dir}: model dir does not exist")
+    if not os.path.isfile(path):
+        raise ModelDirError(f"{path}: missing file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ModelDirError(f"{path}: expected a JSON object")
+    v = d.get("format_version")
+    if v != FORMAT_VERSION:
+        raise ModelDirError(f"{path}: unknown format_version {v!r} (this decoder reads {FORMAT_VERSION})")
+    return ModelConfig.from_json(d, where=path)
+
+
+def load(model_dir: str, device: str = "cpu"):
+    """(config, {name: tensor}, spm_path) of a validated model dir."""
+    import torch  # noqa: F401  (safetensors.torch needs it)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = read_config(model_dir)
+    wpath, spath = os.path.join(model_dir, WEIGHTS), os.path.join(model_dir, SPM)
+    for p in (wpath, spath):
+        if not os.path.isfile(p):
+            raise ModelDirError(f"{p}: missing file")
+    try:
+        weights = load_file(wpath, device=device)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ModelDirError(f"{wpath}: unreadable safetensors ({str(e).splitlines()[0]})") from None
+    expected = tensor_shapes(cfg.arch)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelDirError(f"{wpath}: missing tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ModelDirError(f"{wpath}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected)")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelDirError(f"{wpath}: shape mismatch for {name}: "
+                                f"{tuple(weights[name].shape)} in file, {shape} from {CONFIG}")
+    try:
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=spath)
+    except Exception as e:  # sentencepiece raises OSError/RuntimeError variously
+        raise ModelDirError(f"{spath}: unreadable SentencePiece model ({str(e).splitlines()[0]})") from None
+    if sp.get_piece_size() != cfg.arch.vocab_size:
+        raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
+                            f"{CONFIG} says {cfg.arch.vocab_size}")
+    return cfg, weights, spath

@@ -1,0 +1,87 @@
+"""Linear layers per precision, built once at load time.
+
+int8 is our own dynamic quantisation on `torch._int_mm`: weights int8 with one
+scale per output row (symmetric), activations int8 with one scale per input
+row computed on the fly, int32 accumulation, one fused rescale + bias. Why this
+path and not the others is measured in decoder/README.md ("int8"): fbgemm's
+`quantized::linear_dynamic` was as fast but needs the deprecated quantized
+tensor types; `_weight_int8pack_mm` (weight-only) and oneDNN `qlinear_pointwise`
+(per-tensor activation scale) were 2-5x slower at our shapes. `_int_mm`
+dispatches to oneDNN, which picks VNNI/AVX-512/AVX2 kernels at run time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+
+
+class Linear:
+    """y = x @ w.T + b in the compute dtype of the precision."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype):
+        self.w = w.to(dtype).contiguous()  # (out, in)
+        self.b = None if b is None else b.to(dtype).contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.w.shape[0]
+
+    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        y = F.linear(x, self.w, self.b)
+        return F.relu(y) if relu else y
+
+
+class Int8Linear:
+    """Dynamic int8: per-row activation scales, per-output-channel weight scales."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True):
+        # fused: one C++ call (decoder/csrc/int8_linear.cpp) instead of ~8 tensor ops
+        self.fused = fused and ops.available()
+        w = w.float()
+        self.w_scale = (w.abs().amax(1).clamp_min(1e-12) / 127.0)  # (out,)
+        # (in, out) contiguous: _int_mm's fast layout (a transposed view is ~40% slower)
+        self.wq_t = torch.round(w / self.w_scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()
+        self.b = None if b is None else b.float().contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.wq_t.shape[1]
+
+    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        if self.fused:
+            return ops.int8_linear(x, self.wq_t, self.w_scale, self.b, relu)
+        y = self.reference(x)
+        return y.relu_() if relu else y
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch definition the fused op is tested against."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # (M, in)
+        # few, in-place passes: at decode shapes the elementwise work rivals the matmul
+        amax = x2.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (M, 1)
+        xq = torch.mul(x2, 127.0 / amax).round_().to(torch.int8)
+        y = torch._int_mm(xq, self.wq_t).float()  # (M, out)
+        y.mul_(amax.mul_(1.0 / 127.0))
+        if self.b is None:
+            y.mul_(self.w_scale)
+        else:
+            torch.addcmul(self.b, y, self.w_scale, out=y)
+        return y.view(*shape[:-1], -1)
+
+
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, fused_ops: bool = True):
+    if precision == "int8":
+        return Int8Linear(w, b, fused=fused_ops)
+    return Linear(w, b, DTYPES[precision])
+
+
+def int8_available() -> bool:
+    try:
+        torch._int_mm(torch.ones(17, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+        return True
+    except RuntimeError:
+        return False

@@ -1,0 +1,112 @@
+"""Greedy and beam search over a decoder state (decoder/model.py).
+
+A state has `step(tokens (rows,), t) -> logits (rows, V)`, `reorder(rows)` and
+`keep(sentences, rows)`; the searches own nothing else. `limits` (B,) is the
+most target tokens a sentence may have including </s> (a·src_len + b, capped):
+at the last allowed step </s> is forced, so every sentence ends.
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_free: bool = True,
+           early_stop: bool = True, shrink_ratio: float = 0.25) -> list[list[int]]:
+    """Argmax decoding; returns token ids without </s>, one list per sentence.
+
+    Finished rows are fed <pad> until at least `shrink_ratio` of the rows are
+    finished, then they leave the batch together: every shrink copies the live
+    K/V cache, so shrinking per sentence costs more than it saves."""
+    B, dev = limits.shape[0], limits.device
+    tokens = torch.full((B,), start_id, dtype=torch.long, device=dev)
+    alive = torch.arange(B)  # input sentence of each row
+    hist = torch.empty((B, 0), dtype=torch.long, device=dev)  # (rows, t)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    out: list = [None] * B
+    fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
+    for t in range(int(limits.max())):
+        logits = state.step(tokens, t)  # (rows, V)
+        if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
+            logits = torch.log_softmax(logits.float(), -1)
+        nxt = logits.argmax(-1)
+        nxt = torch.where(limits <= t + 1, eos_id, nxt)
+        nxt = torch.where(done, pad_id, nxt)
+        hist = torch.cat([hist, nxt[:, None]], 1)
+        fin = nxt == eos_id
+        if bool(fin.any()):
+            for r in fin.nonzero()[:, 0].tolist():
+                out[int(alive[r])] = hist[r, :-1].tolist()
+            done |= fin
+            n_done = int(done.sum())
+            if n_done == done.numel():
+                break
+            if early_stop and not fixed and n_done >= shrink_ratio * done.numel():
+                keep = (~done).nonzero()[:, 0]
+                state.keep(keep, keep)
+                alive, hist, limits, nxt, done = (alive[keep.cpu()], hist[keep], limits[keep],
+                                                  nxt[keep], done[keep])
+        tokens = nxt
+    return out
+
+
+def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
+                length_penalty: float = 1.0, early_stop: bool = True,
+                shrink_ratio: float = 0.25) -> list[list[int]]:
+    """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
+    finished once `beam` hypotheses ended; best by score / len**length_penalty."""
+    B, K, dev = limits.shape[0], beam, limits.device
+    tokens = torch.full((B * K,), start_id, dtype=torch.long, device=dev)
+    scores = torch.zeros(B, K, device=dev)  # (sentences, beam) summed log-probs
+    scores[:, 1:] = NEG_INF  # all beams start equal: keep one
+    hist = torch.empty((B * K, 0), dtype=torch.long, device=dev)  # (rows, t)
+    finals: list[list] = [[] for _ in range(B)]
+    alive = list(range(B))
+    done = torch.zeros(B, dtype=torch.bool)
+    beam_ar = torch.arange(K, device=dev)
+    fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
+    for t in range(int(limits.max())):
+        logits = state.step(tokens, t)  # (nb*K, V)
+        nb, V = limits.shape[0], logits.shape[-1]
+        cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
+        force = limits <= t + 1  # (nb,) last allowed step: only </s>
+        if bool(force.any()):
+            eos_col = cand[:, :, eos_id].clone()
+            cand[force] = NEG_INF
+            cand[:, :, eos_id] = torch.where(force[:, None], eos_col, cand[:, :, eos_id])
+        top_s, top_i = cand.view(nb, K * V).topk(2 * K, dim=1)  # (nb, 2K)
+        src_beam, tok = top_i // V, top_i % V
+        is_eos = tok == eos_id
+        ends = is_eos[:, :K] & (top_s[:, :K] > NEG_INF)
+        if bool(ends.any()):
+            for b, j in ends.nonzero().tolist():
+                fb = finals[alive[b]]
+                if len(fb) < K and not done[b]:
+                    r = b * K + int(src_beam[b, j])
+                    fb.append((float(top_s[b, j]) / (t + 1) ** length_penalty, hist[r].tolist()))
+        # the best K continuations that are not </s>
+        rank = torch.arange(2 * K, device=dev).expand(nb, -1) + is_eos.long() * (2 * K)
+        sel = rank.topk(K, dim=1, largest=False).indices  # (nb, K) ascending rank
+        scores = top_s.gather(1, sel)
+        rows = (torch.arange(nb, device=dev)[:, None] * K + src_beam.gather(1, sel)).view(-1)
+        tokens = tok.gather(1, sel).view(-1)
+        hist = torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+        # forced </s> ends a sentence even if fewer than K hypotheses were finite
+        now_done = torch.tensor([len(finals[a]) >= K for a in alive]) | force.cpu()
+        if bool(now_done.all()):
+            break
+        done = now_done
+        if early_stop and not fixed and int(done.sum()) >= max(1.0, shrink_ratio * nb):
+            keep = (~done).nonzero()[:, 0]
+            kd = keep.to(dev)
+            rows = rows.view(nb, K)[kd].view(-1)
+            state.keep(kd, rows)  # reorder and shrink in one gather
+            krows = (kd[:, None] * K + beam_ar).view(-1)
+            alive = [alive[i] for i in keep.tolist()]
+            scores, limits = scores[kd], limits[kd]
+            tokens, hist = tokens[krows], hist[krows]
+            done = done[keep]
+        else:
+            state.reorder(rows)
+    return [max(f, key=lambda s: s[0])[1] for f in finals]

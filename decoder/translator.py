@@ -1,0 +1,135 @@
+"""`Translator`: the library entry point. Every optimisation is a switch so the
+benchmark (decoder/bench.py) can turn them on one at a time."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from . import modeldir
+from .batching import make_batches, restore
+from .graphs import StaticState
+from .model import IncrementalState, Model, RecomputeState
+from .pipeline import Text, run
+from .quant import int8_available
+from .runtime import retain_freed_memory
+from .search import beam_search, greedy
+
+
+@dataclass
+class Options:
+    beam: int = 1
+    cache: bool = True          # K/V cache + cross K/V once per sentence (else recompute the prefix)
+    sort: bool = True           # length-sorted batches (else input order)
+    softmax_free: bool = True   # greedy argmax on logits (else log-softmax first)
+    early_stop: bool = True     # finished sentences leave the batch
+    shrink_ratio: float = 0.25  # ... once this fraction of the rows has finished
+    fused_qkv: bool = True      # one matmul for q/k/v (cross: one for k/v)
+    fused_ops: bool = True      # C++ int8 linear (quantise + matmul + bias/relu in one call)
+    pipeline: bool = True       # text processing in worker threads
+    cuda_graphs: bool = True    # on CUDA: fixed-shape steps replayed from one CUDA graph
+    static_shapes: bool = False  # the fixed-shape state without graphs, on any device (tests)
+    retain_memory: bool = True  # glibc keeps freed blocks (no page faults per step); process-wide
+    max_tokens: int = 4096      # padded source tokens per batch
+    max_sentences: int = 512
+    length_penalty: float = 1.0
+    max_len_a: float = 1.5      # output cap a * source tokens + b
+    max_len_b: int = 10
+    chunk_lines: int = 20000    # lines read, sorted and batched together
+
+
+def resolve_device_precision(device: str, precision: str) -> tuple[str, str]:
+    """(device, precision) that will actually run; falls back to CPU without CUDA."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("warning: CUDA is not available; running on CPU", file=sys.stderr, flush=True)
+        device = "cpu"
+        if precision == "fp16":
+            precision = "auto"
+    if precision == "auto":
+        if device.startswith("cuda"):
+            precision = "fp16"
+        else:  # fastest measured on AVX2 and AVX-512 alike (decoder/README.md)
+            precision = "int8" if int8_available() else "fp32"
+    if device == "cpu" and precision == "fp16":
+        raise ValueError("fp16 is a GPU precision; use bf16 or int8 on CPU")
+    if device.startswith("cuda") and precision == "int8":
+        raise ValueError("int8 is a CPU precision; use fp16 on CUDA")
+    if precision not in ("fp32", "bf16", "int8", "fp16"):
+        raise ValueError(f"unknown precision {precision!r}")
+    return device, precision
+
+
+class Translator:
+    def __init__(self, model_dir: str, *, device: str = "cpu", precision: str = "fp32",
+                 threads: int | None = None, **switches):
+        self.opts = Options(**switches)
+        if self.opts.retain_memory:
+            retain_freed_memory()
+        if threads:
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
+        self.device, self.precision = resolve_device_precision(device, precision)
+        cfg, weights, spm_path = modeldir.load(model_dir)
+        self.cfg = cfg
+        self.model = Model(cfg, weights, precision=self.precision, device=self.device,
+                           fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops)
+        self.text = Text(cfg, spm_path, cfg.arch.max_positions)
+
+    # -- token level ---------------------------------------------------------------
+    def limits(self, lengths: list[int]) -> torch.Tensor:
+        o, a = self.opts, self.cfg.arch
+        # same formula (and float32 rounding) as student.model.Transformer.greedy
+        n = torch.tensor(lengths, dtype=torch.float)
+        return torch.clamp((n * o.max_len_a + o.max_len_b).long(), max=a.max_positions - 1)
+
+    @torch.inference_mode()
+    def translate_ids(self, srcs: list[list[int]]) -> list[list[int]]:
+        """Source ids (with </s>) of one batch -> target ids (without </s>)."""
+        o, c = self.opts, self.cfg
+        S = max(len(s) for s in srcs)
+        src = torch.full((len(srcs), S), c.pad_id, dtype=torch.long)
+        for i, s in enumerate(srcs):
+            src[i, :len(s)] = torch.tensor(s)
+        src = src.to(self.model.device)
+        limits = self.limits([len(s) for s in srcs]).to(self.model.device)
+        enc, mask = self.model.encode(src)
+        graphs = o.cuda_graphs and self.model.device.type == "cuda"
+        if o.cache and (graphs or o.static_shapes):
+            state = StaticState(self.model, enc, mask, o.beam, int(limits.max()), graphs=graphs)
+        else:
+            State = IncrementalState if o.cache else RecomputeState
+            state = State(self.model, enc, mask, o.beam, int(limits.max()))
+        if o.beam == 1:
+            return greedy(state, limits, start_id=c.decoder_start_id, eos_id=c.eos_id, pad_id=c.pad_id,
+                          softmax_free=o.softmax_free, early_stop=o.early_stop,
+                          shrink_ratio=o.shrink_ratio)
+        return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
+                           length_penalty=o.length_penalty, early_stop=o.early_stop,
+                           shrink_ratio=o.shrink_ratio)
+
+    # -- text level ----------------------------------------------------------------
+    def _compute(self, srcs: list, submit):
+        o = self.opts
+        idx = [i for i, s in enumerate(srcs) if s is not None]
+        batches = make_batches([len(srcs[i]) for i in idx], o.max_tokens, o.max_sentences, o.sort)
+        futs = []
+        for b in batches:
+            ids = self.translate_ids([srcs[idx[j]] for j in b])
+            futs.append(submit(self.text.decode, ids))
+
+        def finish() -> list[str]:
+            done = restore(batches, [f.result() for f in futs], len(idx))
+            out = [""] * len(srcs)  # empty lines stay empty
+            for i, s in zip(idx, done):
+                out[i] = s
+            return out
+        return finish
+
+    def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
+        """One output per input line, in order, produced chunk by chunk."""
+        return run(lines, self.opts.chunk_lines, self.text.encode, self._compute,
+                   overlap=self.opts.pipeline)
+
+    def translate(self, lines: Iterable[str]) -> list[str]:
+        return list(self.translate_stream(lines))

@@ -1,0 +1,136 @@
+"""Reading parallel text: user files (plain or .gz) and the embedded Bible (SWORD modules)."""
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+import shutil
+import subprocess
+import tempfile
+
+from tqdm import tqdm
+
+SWORD_PATH = os.environ.get("SWORD_PATH", "/usr/share/sword")
+SWORD_PACKAGES = ["sword-text-web", "sword-text-sparv"]
+APT_COMMAND = "apt-get install -y --no-install-recommends " + " ".join(SWORD_PACKAGES)
+# module name per language; the Spanish module drives the book walk because the
+# English one also lists deuterocanonical books that have no Spanish side
+BIBLE_MODULES = {"en": "engWEB2015eb", "es": "spaRV1909eb"}
+BIBLE_TEST_BOOK, BIBLE_DEV_BOOK = "Acts", "Judges"
+
+
+class DataError(Exception):
+    """A problem with the user's data or setup; the CLI prints it as one line."""
+
+
+def read_lines(path: str) -> tuple[list[str], int]:
+    """Lines of a plain or gzipped UTF-8 file, stripped; returns (lines, lines with invalid UTF-8).
+
+    Splits on '\\n' only: str.splitlines would also split on U+2028, \\x1c, ... and
+    silently shift one side of a parallel corpus against the other.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        gz = fh.read(2) == b"\x1f\x8b"  # sniff, so a .gz without the suffix works too
+    with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
+        data = fh.read()
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    lines, bad = [], 0
+    for raw in data.split(b"\n") if data else []:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line, bad = raw.decode("utf-8", errors="replace"), bad + 1
+        lines.append(line.strip())
+    return lines, bad
+
+
+def read_parallel(src: str, tgt: str) -> tuple[list[tuple[str, str]], int]:
+    """Pairs from two line-aligned files; returns (pairs, lines with invalid UTF-8)."""
+    s, bad_s = read_lines(src)
+    t, bad_t = read_lines(tgt)
+    if len(s) != len(t):
+        raise DataError(f"line counts differ: {src} has {len(s)} lines, {tgt} has {len(t)} lines")
+    return list(zip(s, t)), bad_s + bad_t
+
+
+def write_lines(path: str, lines) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as fh:
+        for line in lines:
+            fh.write(line + "\n")
+
+
+def ensure_sword_modules(verbose: bool = True) -> None:
+    """Install the Bible packages with apt when we are root, else say exactly what to run."""
+    if _missing_modules():
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            if verbose:
+                print(f"installing Debian packages: {' '.join(SWORD_PACKAGES)}", flush=True)
+            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+            for cmd in ("apt-get update -qq", APT_COMMAND + " -qq"):
+                if subprocess.run(cmd.split(), env=env, stdout=subprocess.DEVNULL).returncode:
+                    raise DataError(f"`{cmd}` failed; the embedded corpus needs: {APT_COMMAND}")
+        missing = _missing_modules()
+        if missing:
+            raise DataError(f"SWORD modules {', '.join(missing)} not found in {SWORD_PATH}; "
+                            f"install them with: sudo {APT_COMMAND}")
+
+
+def _missing_modules() -> list[str]:
+    from pysword.modules import SwordModules
+    try:
+        found = SwordModules(SWORD_PATH).parse_modules() if os.path.isdir(SWORD_PATH) else {}
+    except Exception:  # pysword raises on a half-present install; treat it as missing
+        found = {}
+    return [m for m in BIBLE_MODULES.values() if m not in found]
+
+
+def _open_bible(module: str):
+    from pysword.modules import SwordModules
+    bible = SwordModules(SWORD_PATH)
+    bible.parse_modules()
+    bible = bible.get_bible_from_module(module)
+    # pysword decompresses a whole block for every verse; caching blocks takes the
+    # extraction from minutes to seconds
+    bible._decompressed_text = functools.lru_cache(maxsize=None)(bible._decompressed_text)
+    return bible
+
+
+def extract_bible(out_dir: str, verbose: bool = True) -> str:
+    """Write en.txt, es.txt and book.txt (one verse per line) to out_dir once; returns out_dir."""
+    if os.path.isdir(out_dir):
+        return out_dir
+    ensure_sword_modules(verbose)
+    en, es = _open_bible(BIBLE_MODULES["en"]), _open_bible(BIBLE_MODULES["es"])
+    books = [b for testament in es.get_structure().get_books().values() for b in testament]
+    lines = {"en": [], "es": [], "book": []}
+    for book in tqdm(books, desc="extracting bible", unit="book", disable=not verbose):
+        for chapter, n_verses in enumerate(book.chapter_lengths, 1):
+            for verse in range(1, n_verses + 1):
+                ref = dict(books=[book.name], chapters=[chapter], verses=[verse])
+                # removed markup leaves runs of spaces and newlines
+                lines["en"].append(" ".join(en.get(**ref).split()))
+                lines["es"].append(" ".join(es.get(**ref).split()))
+                lines["book"].append(book.name)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-bible-", dir=parent)
+    try:
+        for name, content in lines.items():
+            write_lines(os.path.join(tmp, f"{name}.txt"), content)
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename a finished temp dir into place; a concurrent run that got there first wins."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            raise

@@ -1,0 +1,239 @@
+"""prepare(): corpus -> cleaned splits + joint SentencePiece model, cached by a hash of everything that shapes them."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .clean import clean_pairs, normalise, normaliser_settings
+from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, _publish,
+                     extract_bible, read_lines, read_parallel, write_lines)
+
+FORMAT = 1  # bump when the output changes for the same inputs, so old caches are not reused
+SPLITS = ("train", "dev", "test")
+HELD_OUT_MAX = 1000  # dev and test size for a seeded split: 5% of the corpus, at most this
+
+
+@dataclasses.dataclass
+class Prepared:
+    dir: str
+    src_lang: str
+    tgt_lang: str
+    spm_model: str
+    normaliser: dict
+    splits: dict      # split -> (src_path, tgt_path); raw text, normalise when encoding
+    counts: dict
+    cache_hit: bool = False
+
+    def read(self, split: str, normalised: bool = False) -> tuple[list[str], list[str]]:
+        sides = []
+        for path, lang in zip(self.splits[split], (self.src_lang, self.tgt_lang)):
+            lines = read_lines(path)[0]
+            sides.append([normalise(x, lang, self.normaliser) for x in lines] if normalised else lines)
+        return sides[0], sides[1]
+
+
+def default_data_dir() -> str:
+    if os.environ.get("KIT_DATA_DIR"):
+        return os.environ["KIT_DATA_DIR"]
+    repo = Path(__file__).resolve().parents[2]
+    return str(repo / "data" if (repo / "pyproject.toml").exists() else Path.cwd() / "data")
+
+
+def spm_options(vocab_size: int) -> dict:
+    # ids fixed to the M2M100/fairseq layout: the model-dir contract relies on them
+    return dict(vocab_size=vocab_size, model_type="unigram", character_coverage=0.9999,
+                byte_fallback=True, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
+                bos_piece="<s>", pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
+                input_sentence_size=2_000_000, shuffle_input_sentence=True)
+
+
+def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | None = None,
+            src_lang: str | None = None, tgt_lang: str | None = None,
+            dev_src: str | None = None, dev_tgt: str | None = None,
+            test_src: str | None = None, test_tgt: str | None = None,
+            vocab_size: int = 8000, max_words: int = 200, min_ratio: float = 0.3,
+            max_ratio: float = 2.0, seed: int = 1, data_dir: str | None = None,
+            verbose: bool = True) -> Prepared:
+    """Clean and split a corpus and train its SentencePiece model, or reuse the cached result.
+
+    corpus: "bible-en-es" (embedded; "bible-es-en" for the other direction), or with
+    src/tgt given, a name for the user's files. Raises DataError on bad input.
+    """
+    log = _logger(verbose)
+    data_dir = os.path.abspath(data_dir or default_data_dir())
+    if src or tgt:
+        inputs = _user_inputs(corpus, src, tgt, src_lang, tgt_lang, dev_src, dev_tgt, test_src, test_tgt)
+    else:
+        inputs = _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose)
+    name, s_lang, t_lang, files = inputs
+    norm = normaliser_settings(s_lang, t_lang)
+    options = dict(format=FORMAT, langs=[s_lang, t_lang], max_words=max_words, min_ratio=min_ratio,
+                   max_ratio=max_ratio, seed=seed, normaliser=norm, spm=spm_options(vocab_size))
+    key = hashlib.sha256(json.dumps(
+        [options, {role: _file_digest(p) for role, p in files.items()}], sort_keys=True).encode())
+    out = os.path.join(data_dir, "prepared", f"{name}-{key.hexdigest()[:12]}")
+
+    if not os.path.isfile(os.path.join(out, "prepared.json")):
+        t0 = time.time()
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=os.path.dirname(out))
+        try:
+            _build(tmp, files, s_lang, t_lang, options, verbose)
+            _publish(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"prepared in {time.time() - t0:.1f} s: {out}")
+        hit = False
+    else:
+        log(f"cache hit: {out}")
+        hit = True
+    prep = _load(out, hit)
+    log(summary(prep))
+    return prep
+
+
+def summary(prep: Prepared) -> str:
+    c = prep.counts
+    removed = ", ".join(f"{rule} {n}" for rule, n in c["removed"].items())
+    return (f"{prep.src_lang}-{prep.tgt_lang}: read {c['pairs_read']} pairs, "
+            f"{c['invalid_utf8_lines']} lines with invalid UTF-8 replaced\n"
+            f"cleaning train removed: {removed}; dev/test empty pairs removed: {c['dev_test_empty']}\n"
+            f"splits: train {c['train']}, dev {c['dev']}, test {c['test']}\n"
+            f"sentencepiece: {prep.spm_model}")
+
+
+def _user_inputs(corpus, src, tgt, src_lang, tgt_lang, dev_src, dev_tgt, test_src, test_tgt):
+    files = {"src": src, "tgt": tgt, "dev_src": dev_src, "dev_tgt": dev_tgt,
+             "test_src": test_src, "test_tgt": test_tgt}
+    for a, b in (("src", "tgt"), ("dev_src", "dev_tgt"), ("test_src", "test_tgt")):
+        if bool(files[a]) != bool(files[b]):
+            raise DataError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} go together")
+    s_lang, t_lang = src_lang or _lang_from_name(src), tgt_lang or _lang_from_name(tgt)
+    if not s_lang or not t_lang or s_lang == t_lang:
+        raise DataError("give distinct --src-lang and --tgt-lang (could not tell them from the file names)")
+    name = corpus if corpus and corpus != "bible-en-es" else Path(src).name.split(".")[0]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{s_lang}-{t_lang}")
+    return name, s_lang, t_lang, {k: os.path.abspath(v) for k, v in files.items() if v}
+
+
+def _lang_from_name(path: str) -> str | None:
+    # corpus.de, corpus.de.gz -> "de"
+    parts = Path(path).name.split(".")
+    parts = parts[:-1] if parts[-1] == "gz" else parts
+    return parts[-1] if len(parts) > 1 and 2 <= len(parts[-1]) <= 3 and parts[-1].isalpha() else None
+
+
+def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose):
+    m = re.fullmatch(r"bible-(\w+)-(\w+)", corpus or "")
+    if not m or {m[1], m[2]} != set(BIBLE_MODULES):
+        raise DataError(f"unknown corpus {corpus!r}: use bible-en-es, bible-es-en, or --src/--tgt files")
+    if (src_lang or m[1], tgt_lang or m[2]) != (m[1], m[2]):
+        raise DataError(f"{corpus} is {m[1]}->{m[2]}, not {src_lang}->{tgt_lang}")
+    raw = extract_bible(os.path.join(data_dir, "bible-en-es"), verbose)
+    files = {"src": f"{raw}/{m[1]}.txt", "tgt": f"{raw}/{m[2]}.txt", "book": f"{raw}/book.txt"}
+    return corpus, m[1], m[2], files
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _logger(verbose: bool):
+    # progress goes to stderr: the CLI keeps stdout for the prepared dir alone
+    return (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
+
+
+def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbose: bool) -> None:
+    pairs, bad = read_parallel(files["src"], files["tgt"])
+    held, train = {}, pairs
+    for split in ("dev", "test"):
+        if f"{split}_src" in files:
+            held[split], b = read_parallel(files[f"{split}_src"], files[f"{split}_tgt"])
+            bad += b
+    if "book" in files:  # the Bible: split by book, so test verses are unseen
+        books = read_lines(files["book"])[0]
+        held = {"dev": [p for p, b in zip(pairs, books) if b == BIBLE_DEV_BOOK],
+                "test": [p for p, b in zip(pairs, books) if b == BIBLE_TEST_BOOK]}
+        train = [p for p, b in zip(pairs, books) if b not in (BIBLE_DEV_BOOK, BIBLE_TEST_BOOK)]
+    elif len(held) < 2:
+        held, train = _seeded_split(pairs, held, options["seed"])
+
+    n_held = sum(map(len, held.values()))
+    # dev/test stay raw so BLEU is computed against the real references
+    held = {k: [(s, t) for s, t in v if s and t] for k, v in held.items()}
+    train, removed = clean_pairs(train, options["max_words"], options["min_ratio"], options["max_ratio"])
+    kept = removed.pop("kept")
+    if not kept:
+        raise DataError(f"nothing left to train on after cleaning {len(pairs)} pairs "
+                        f"(removed: {', '.join(f'{k} {n}' for k, n in removed.items())}); "
+                        "check the files, --max-words and the ratio bounds")
+    for split, p in held.items():
+        if not p:
+            raise DataError(f"the {split} split is empty")
+    splits = {"train": train, **held}
+    for split, p in splits.items():
+        write_lines(f"{out}/{split}.{s_lang}", (s for s, _ in p))
+        write_lines(f"{out}/{split}.{t_lang}", (t for _, t in p))
+
+    _train_spm(out, train, s_lang, t_lang, options, verbose)
+    counts = {"pairs_read": len(pairs), "invalid_utf8_lines": bad, "removed": removed,
+              "dev_test_empty": n_held - sum(map(len, held.values())),
+              **{k: len(v) for k, v in splits.items()}}
+    meta = {"src_lang": s_lang, "tgt_lang": t_lang, "normaliser": options["normaliser"],
+            "counts": counts, "options": options, "inputs": files}
+    with open(f"{out}/prepared.json", "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=2, ensure_ascii=False)
+
+
+def _seeded_split(pairs, held, seed):
+    """Dev/test drawn at random from the non-empty pairs for whichever of them the user did not give."""
+    candidates = [i for i, (s, t) in enumerate(pairs) if s and t]
+    random.Random(seed).shuffle(candidates)
+    size = min(HELD_OUT_MAX, max(1, len(pairs) // 20))
+    taken = set()
+    for split in ("test", "dev"):
+        if split not in held:
+            idx = sorted(candidates[len(taken):len(taken) + size])
+            held[split] = [pairs[i] for i in idx]
+            taken.update(idx)
+    return held, [p for i, p in enumerate(pairs) if i not in taken]
+
+
+def _train_spm(out, train, s_lang, t_lang, options, verbose):
+    import sentencepiece as spm
+    path = f"{out}/spm-input.txt"
+    write_lines(path, (normalise(x, lang, options["normaliser"])
+                       for pair in tqdm(train, desc="normalising", unit="pair", disable=not verbose)
+                       for x, lang in zip(pair, (s_lang, t_lang))))
+    _logger(verbose)(f"training SentencePiece ({options['spm']['model_type']}, vocab {options['spm']['vocab_size']})")
+    spm.set_random_generator_seed(options["seed"])
+    try:
+        spm.SentencePieceTrainer.train(input=path, model_prefix=f"{out}/spm", num_threads=2,
+                                       minloglevel=2, **options["spm"])
+    except RuntimeError as e:
+        raise DataError(f"SentencePiece training failed: {e} (try a smaller --vocab-size)") from None
+    os.remove(path)
+
+
+def _load(out: str, cache_hit: bool) -> Prepared:
+    with open(os.path.join(out, "prepared.json"), encoding="utf-8") as fh:
+        meta = json.load(fh)
+    s, t = meta["src_lang"], meta["tgt_lang"]
+    return Prepared(dir=out, src_lang=s, tgt_lang=t, spm_model=os.path.join(out, "spm.model"),
+                    normaliser=meta["normaliser"], counts=meta["counts"], cache_hit=cache_hit,
+                    splits={k: (os.path.join(out, f"{k}.{s}"), os.path.join(out, f"{k}.{t}")) for k in SPLITS})

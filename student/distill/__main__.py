@@ -1,0 +1,133 @@
+"""python -m student.distill [--preset default|wmt] [--teacher-cmd CMD | --teacher-model DIR ... | --teacher-hf DIR]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from student.distill.pipeline import PRESETS, DistillConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    d = DistillConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m student.distill",
+        description="Sequence-level knowledge distillation, end to end: train (or plug in) a teacher, "
+                    "translate the training source side in resumable shards, clean the result, train a "
+                    "deep-encoder/shallow-decoder student on it, export it as a model dir, and write "
+                    "runs/NAME/report.md (+ .json): BLEU/chrF on the test split, words/s, model sizes. "
+                    "Rerunning the same command skips finished stages; changing an option reruns only the "
+                    "stages that depend on it. Launch with torchrun to train with DDP and split the "
+                    "shards across ranks.",
+        epilog="Defaults shown are the 'default' preset's (2 CPU cores, about 2 hours); "
+               f"--preset wmt changes them: {json.dumps(PRESETS['wmt'])}",
+        argument_default=None)
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="default: embedded Bible en-es on CPU; wmt: the GPU-scale recipe")
+    p.add_argument("--name", help="run name: everything goes to RUNS_DIR/NAME (default: the preset's name)")
+    p.add_argument("--runs-dir", help=f"(default {d.runs_dir})")
+
+    g = p.add_argument_group("data (default: the embedded Bible en-es)")
+    g.add_argument("--corpus", help=f"embedded corpus name (default {d.corpus})")
+    g.add_argument("--src", help="your own source file, one sentence per line (plain or .gz)")
+    g.add_argument("--tgt", help="your own target file, same line count")
+    g.add_argument("--src-lang", help="source language (default: the file suffix)")
+    g.add_argument("--tgt-lang", help="target language (default: the file suffix)")
+    g.add_argument("--vocab-size", type=int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
+    g.add_argument("--train-limit", type=int, help="use only the first N training pairs (smoke runs)")
+    g.add_argument("--test-limit", type=int, help="score only the first N test pairs in the report")
+
+    g = p.add_argument_group("teacher (default: train our own; give at most one of the next three)")
+    g.add_argument("--teacher-cmd", help="external teacher: a shell command reading source lines on stdin and "
+                                         "writing one translation per line, e.g. 'apertium -u eng-spa'")
+    g.add_argument("--teacher-model", action="append", metavar="DIR",
+                   help="a model dir to use as the teacher (skips teacher training); repeat for an ensemble "
+                        "(log-probabilities averaged per step)")
+    g.add_argument("--teacher-hf", metavar="DIR", help="a local Hugging Face MarianMTModel dir (needs transformers)")
+    g.add_argument("--teacher-preset", help=f"model preset of our own teacher (default {d.teacher_preset}: "
+                                            "teacher-big on a GPU, teacher-tiny on CPU)")
+    g.add_argument("--teacher-minutes", type=float, help=f"teacher training budget (default {d.teacher_minutes})")
+    g.add_argument("--teacher-steps", type=int, help="teacher step limit (0 = none)")
+    g.add_argument("--teacher-set", action="append", metavar="KEY=VALUE", help="override a teacher model field")
+    g.add_argument("--teacher-lr", type=float, help=f"(default {d.teacher_lr})")
+    g.add_argument("--teacher-warmup", type=int, help=f"(default {d.teacher_warmup})")
+    g.add_argument("--average-last", type=int, help="average the teacher's last N step checkpoints; "
+                                                    f"1 = use the best one (default {d.average_last})")
+    g.add_argument("--teacher-beam", type=int, help=f"teacher beam size (default {d.teacher_beam})")
+    g.add_argument("--engine", choices=["auto", "decoder", "reference"],
+                   help="how our model dirs are decoded: the lean decoder, the reference ensemble search in "
+                        "student/distill/beam.py, or auto (decoder for one model when available)")
+
+    g = p.add_argument_group("distilled corpus")
+    g.add_argument("--shard-size", type=int, help=f"source lines per shard (default {d.shard_size})")
+    g.add_argument("--min-ratio", type=float, help=f"lowest source/target word ratio kept (default {d.min_ratio})")
+    g.add_argument("--max-ratio", type=float, help=f"highest source/target word ratio kept (default {d.max_ratio})")
+    g.add_argument("--max-repeat", type=int, help="drop outputs repeating a word or n-gram more than N times in "
+                                                  f"a row (default {d.max_repeat})")
+    g.add_argument("--mix-original", action=argparse.BooleanOptionalAction, default=None,
+                   help="train the student on the distilled pairs plus the original pairs")
+
+    g = p.add_argument_group("students")
+    g.add_argument("--student-preset", help=f"student-tiny, student-6-1, student-12-1 (default {d.student_preset})")
+    g.add_argument("--student-minutes", type=float, help=f"student training budget (default {d.student_minutes})")
+    g.add_argument("--student-steps", type=int, help="student step limit (0 = none)")
+    g.add_argument("--student-set", action="append", metavar="KEY=VALUE", help="override a student model field")
+    g.add_argument("--student-lr", type=float, help=f"(default {d.student_lr})")
+    g.add_argument("--student-warmup", type=int, help=f"(default {d.student_warmup})")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "fp16"],
+                   help=f"lean-decoder precision for the students in the report (default {d.precision})")
+    g.add_argument("--student-beam", type=int, help=f"students' beam in the report; 1 = greedy (default {d.student_beam})")
+    g.add_argument("--baseline-student", action=argparse.BooleanOptionalAction, default=None,
+                   help="also train the same student on the original pairs, for comparison "
+                        "(default: off; on in the wmt preset)")
+
+    g = p.add_argument_group("training (teacher and students)")
+    g.add_argument("--max-tokens", type=int, help=f"padded tokens per batch (default {d.max_tokens})")
+    g.add_argument("--eval-every", type=int, help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
+    g.add_argument("--save-every", type=int, help=f"steps between resume checkpoints (default {d.save_every})")
+    g.add_argument("--dev-max", type=int, help=f"dev sentences for BLEU, 0 = all (default {d.dev_max})")
+    g.add_argument("--patience", type=int, help="stop after N evaluations without dev BLEU gain (0 = off)")
+    g.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], help=f"(default {d.amp})")
+    g.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    return p
+
+
+def _kv(items):
+    out = {}
+    for kv in items or []:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"error: expected KEY=VALUE, got {kv!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    opts = {k: v for k, v in vars(a).items() if v is not None and k != "preset"}
+    opts.setdefault("name", a.preset)
+    for k in ("teacher_set", "student_set"):
+        if k in opts:
+            opts[k] = _kv(opts[k])
+    from decoder.modeldir import ModelDirError
+    from student.data import DataError
+    from student.distill.pipeline import run
+    from student.distill.teachers import TeacherError
+    try:
+        cfg = DistillConfig.from_preset(a.preset, **opts)
+        rep = run(cfg)
+    except (TeacherError, DataError, ModelDirError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rep is not None:  # rank 0
+        import os
+        with open(os.path.join(cfg.runs_dir, cfg.name, "report.md"), encoding="utf-8") as fh:
+            print(fh.read(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

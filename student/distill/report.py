@@ -1,0 +1,99 @@
+"""The run's one table: BLEU/chrF on the test split, words/s with the lean decoder, model size."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+from student.distill.stages import write_json
+from student.distill.teachers import ModelTeacher, lean_translator
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name(0)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+
+
+def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dict:
+    """Translate the test split with each system; writes report.md/report.json into out_dir."""
+    from student.train.evaluate import score
+
+    src, ref = prep.read("test")
+    if cfg.test_limit:
+        src, ref = src[:cfg.test_limit], ref[:cfg.test_limit]
+    n_words = sum(len(x.split()) for x in src)
+    rows = []
+    for name, system, _ in systems:
+        if isinstance(system, str):  # a student model dir: decoded the way a submission would
+            system = ModelTeacher([system], beam=cfg.student_beam, engine=cfg.engine,
+                                  precision=cfg.precision)
+        if hasattr(system, "_load"):
+            system._load()  # loading is not translation speed
+        log(f"[report] translating {len(src)} test sentences with the {name}: {system.name}")
+        t0 = time.perf_counter()
+        hyps = system.translate(src, where=f"the test split ({name})")
+        secs = time.perf_counter() - t0
+        with open(os.path.join(out_dir, f"test.{name}.hyp"), "w", encoding="utf-8") as fh:
+            fh.writelines(h + "\n" for h in hyps)
+        m = score(hyps, ref)
+        impl = getattr(system, "_impl", None)
+        engine = system.engine + (f" {impl.precision}" if hasattr(impl, "precision") else "")
+        rows.append({"system": name, "description": system.name, "engine": engine,
+                     "beam": getattr(system, "beam", None), "bleu": m["bleu"], "chrf": m["chrf"],
+                     "words_per_second": round(n_words / secs, 1), "seconds": round(secs, 2),
+                     **{f"size_{k}": v for k, v in system.size().items()},
+                     "bleu_signature": m["bleu_signature"], "chrf_signature": m["chrf_signature"]})
+    stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
+    rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
+                                     "prepared": prep.dir},
+           "machine": machine(), "lean_decoder": lean_translator() is not None,
+           "systems": rows, "stages": stages}
+    write_json(os.path.join(out_dir, "report.json"), rep)
+    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
+        fh.write(markdown(rep))
+    return {"systems": [{k: r[k] for k in ("system", "bleu", "chrf", "words_per_second")} for r in rows]}
+
+
+def markdown(rep: dict) -> str:
+    t = rep["test"]
+    lines = [f"# Distillation report: {rep['run']}", "",
+             f"Test split: {t['sentences']} sentences, {t['words']} source words ({t['pair']}). "
+             f"Machine: {rep['machine']}.", "",
+             "| system | BLEU | chrF | words/s | search | engine | parameters | size (MB) |",
+             "|---|---:|---:|---:|---|---|---:|---:|"]
+    for r in rep["systems"]:
+        beam = "" if r["beam"] is None else ("greedy" if r["beam"] == 1 else f"beam {r['beam']}")
+        params = f"{r['size_params'] / 1e6:.3g} M" if r.get("size_params") else "-"
+        size = f"{r['size_bytes'] / 2**20:.3g}" if r.get("size_bytes") else "-"
+        lines.append(f"| {r['system']} | {r['bleu']:.2f} | {r['chrf']:.2f} | {r['words_per_second']:.0f} | "
+                     f"{beam or '-'} | {r['engine']} | {params} | {size} |")
+    lines += ["", "Systems:"]
+    lines += [f"- {r['system']}: {r['description']}" for r in rep["systems"]]
+    if not rep["lean_decoder"]:
+        lines += ["", "Note: decoder.Translator is not available yet; our models were decoded with the "
+                      "reference search in student/distill/beam.py (words/s are not the lean decoder's)."]
+    if rep["systems"]:
+        lines += ["", f"BLEU: `{rep['systems'][0]['bleu_signature']}`",
+                  f"chrF: `{rep['systems'][0]['chrf_signature']}`"]
+    lines += ["", "| stage | status | seconds |", "|---|---|---:|"]
+    lines += [f"| {k} | {v['status']} | {v['seconds']} |" for k, v in rep["stages"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def load(run_dir: str) -> tuple[dict, str]:
+    with open(os.path.join(run_dir, "report.json"), encoding="utf-8") as fh:
+        rep = json.load(fh)
+    with open(os.path.join(run_dir, "report.md"), encoding="utf-8") as fh:
+        return rep, fh.read()

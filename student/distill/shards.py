@@ -1,0 +1,83 @@
+"""Sharded, resumable translation of the training source side.
+
+Shard i holds source lines [i*size, (i+1)*size). A shard's translation is
+written to a temp file and renamed into place, so a file named shard-XXXXX.txt
+is always complete; a killed run restarts at the first missing shard. Under
+torchrun rank r takes the shards with i % world == r.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from tqdm import tqdm
+
+
+def shard_path(shard_dir: str, i: int) -> str:
+    return os.path.join(shard_dir, f"shard-{i:05d}.txt")
+
+
+def n_shards(n_lines: int, size: int) -> int:
+    return (n_lines + size - 1) // size
+
+
+def write_atomic(path: str, lines: list[str]) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+        fh.writelines(x + "\n" for x in lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path: str) -> list[str]:
+    with open(path, encoding="utf-8", newline="\n") as fh:
+        data = fh.read()
+    return data[:-1].split("\n") if data else []
+
+
+def missing_shards(shard_dir: str, n_lines: int, size: int, rank: int = 0, world: int = 1) -> list[int]:
+    mine = range(rank, n_shards(n_lines, size), world)
+    return [i for i in mine if not os.path.exists(shard_path(shard_dir, i))]
+
+
+def translate_shards(teacher, src: list[str], shard_dir: str, size: int, rank: int = 0, world: int = 1,
+                     verbose: bool = True) -> dict:
+    """Translate this rank's missing shards; returns what was translated now and how long it took."""
+    os.makedirs(shard_dir, exist_ok=True)
+    for f in os.listdir(shard_dir):  # leftovers of a killed writer; only whole shards count
+        if ".tmp." in f and int(f.split("-")[1].split(".")[0]) % world == rank:
+            os.remove(os.path.join(shard_dir, f))
+    todo = missing_shards(shard_dir, len(src), size, rank, world)
+    total = sum(len(src[i * size:(i + 1) * size]) for i in range(rank, n_shards(len(src), size), world))
+    remaining = sum(len(src[i * size:(i + 1) * size]) for i in todo)
+    desc = "distill" + (f" rank {rank}/{world}" if world > 1 else "")
+    bar = tqdm(total=total, initial=total - remaining, unit="sent", desc=desc, dynamic_ncols=True,
+               disable=not verbose, smoothing=0.1)
+    t0 = time.time()
+    try:
+        for i in todo:
+            lines = src[i * size:(i + 1) * size]
+            out = teacher.translate(lines, where=f"shard {i} (lines {i * size + 1}-{i * size + len(lines)})")
+            if len(out) != len(lines):  # the teachers check too; this guards the file format itself
+                raise RuntimeError(f"shard {i}: {len(out)} translations for {len(lines)} lines")
+            write_atomic(shard_path(shard_dir, i), out)
+            bar.update(len(lines))
+    finally:
+        bar.close()  # ends the bar's line, so an error message starts on its own
+    return {"translated_shards": len(todo), "sentences": remaining, "seconds": round(time.time() - t0, 2)}
+
+
+def assemble(shard_dir: str, n_lines: int, size: int) -> list[str]:
+    """All shards in order; every shard must exist and have its exact line count."""
+    out = []
+    for i in range(n_shards(n_lines, size)):
+        p = shard_path(shard_dir, i)
+        if not os.path.exists(p):
+            raise RuntimeError(f"{p}: shard missing")
+        lines = read_shard(p)
+        want = min(size, n_lines - i * size)
+        if len(lines) != want:
+            raise RuntimeError(f"{p}: {len(lines)} lines, expected {want}")
+        out.extend(lines)
+    return out

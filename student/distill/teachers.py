@@ -1,0 +1,268 @@
+"""Teachers behind one interface: `translate(lines) -> lines`, same count, same order.
+
+    CommandTeacher("apertium -u eng-spa")         any program, stdin -> stdout
+    ModelTeacher([model_dir, ...], beam=4)        our model dirs; several = ensemble
+    HFTeacher(marian_dir, beam=4)                 a local Hugging Face Marian dir
+
+`identity` is what the distilled corpus depends on (stage keys hash it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+import torch
+
+
+class TeacherError(Exception):
+    """The teacher failed or broke the one-line-in, one-line-out contract; one clear line."""
+
+
+def dir_digest(path: str) -> str:
+    """Content hash of every file in a dir (a model dir, an HF dir)."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(root, f)
+            h.update(os.path.relpath(p, path).encode() + b"\0")
+            with open(p, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+class CommandTeacher:
+    """Runs the command once per call (one shard), feeding the lines on stdin."""
+
+    def __init__(self, cmd: str, timeout: float | None = None):
+        if not cmd.strip():
+            raise TeacherError("empty teacher command")
+        self.cmd, self.timeout = cmd, timeout
+        self.name = f"command: {cmd}"
+        self.identity = {"type": "command", "cmd": cmd}
+        self.engine = "external"
+
+    def translate(self, lines: list[str], where: str = "") -> list[str]:
+        # empty lines are not sent: some tools drop or merge them, and empty in = empty out anyway
+        keep = [i for i, x in enumerate(lines) if x.strip()]
+        out = [""] * len(lines)
+        if not keep:
+            return out
+        data = "".join(lines[i].replace("\r", " ") + "\n" for i in keep).encode("utf-8")
+        where = f" on {where}" if where else ""
+        try:
+            r = subprocess.run(self.cmd, shell=True, input=data, capture_output=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise TeacherError(f"teacher command `{self.cmd}` timed out after {self.timeout} s{where}") from None
+        if r.returncode:
+            err = r.stderr.decode("utf-8", "replace").strip()[-2000:] or "(no stderr)"
+            raise TeacherError(f"teacher command `{self.cmd}` exited with status {r.returncode}{where}: {err}")
+        text = r.stdout.decode("utf-8", "replace")
+        # split on \n only: \r, U+2028 and friends inside a translation must not add lines
+        got = text[:-1].split("\n") if text.endswith("\n") else (text.split("\n") if text else [])
+        if len(got) != len(keep):
+            raise TeacherError(f"teacher command `{self.cmd}` wrote {len(got)} lines for {len(keep)} "
+                               f"input lines{where}; it must write exactly one line per input line")
+        for i, y in zip(keep, got):
+            out[i] = " ".join(y.split())  # tools collapse or double spaces; the student should not learn that
+        return out
+
+    def size(self) -> dict:
+        return {}
+
+
+def lean_translator():
+    """decoder.Translator when the lean decoder provides it, else None."""
+    try:
+        from decoder import Translator  # noqa: F401
+    except ImportError:
+        return None
+    return Translator
+
+
+class ModelTeacher:
+    """Model dirs translated with beam search.
+
+    engine "decoder": the lean decoder (one model only); "reference": the
+    ensemble search in beam.py; "auto": the decoder when it exists and there is
+    one model, else the reference search.
+    """
+
+    def __init__(self, model_dirs: list[str], beam: int = 4, engine: str = "auto", device: str | None = None,
+                 precision: str = "fp32", max_tokens: int = 6000, max_sentences: int = 64):
+        if isinstance(model_dirs, str):
+            model_dirs = [model_dirs]
+        if not model_dirs:
+            raise TeacherError("no teacher model dir given")
+        self.dirs, self.beam = [os.path.abspath(d) for d in model_dirs], beam
+        from decoder import modeldir
+        for d in self.dirs:  # fail before any work, not at the first shard
+            try:
+                modeldir.read_config(d)
+            except modeldir.ModelDirError as e:
+                raise TeacherError(str(e)) from None
+        self.max_tokens, self.max_sentences = max_tokens, max_sentences
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # the lean decoder's precision (fp32 | bf16 | int8 | fp16 | auto); the reference search is fp32
+        self.precision = precision
+        Translator = lean_translator()
+        if engine == "auto":
+            engine = "decoder" if Translator is not None and len(self.dirs) == 1 else "reference"
+        if engine == "decoder" and (Translator is None or len(self.dirs) != 1):
+            raise TeacherError("engine 'decoder' needs decoder.Translator and exactly one model dir "
+                               "(the lean decoder has no ensemble hook); use engine 'reference'")
+        if engine not in ("decoder", "reference"):
+            raise TeacherError(f"unknown engine {engine!r}")
+        self.engine = engine
+        self.name = "model: " + " + ".join(self.dirs) + f" (beam {beam}, {engine}" + \
+            (f", {precision})" if engine == "decoder" else ")")
+        self.identity = {"type": "model", "dirs": [dir_digest(d) for d in self.dirs], "beam": beam,
+                         "engine": engine, **({"precision": precision} if engine == "decoder" else {})}
+        self._impl = None
+        self._Translator = Translator
+
+    def _load(self):
+        if self._impl is not None:
+            return
+        from decoder import modeldir
+        try:
+            if self.engine == "decoder":
+                self._impl = self._Translator(self.dirs[0], beam=self.beam, device=str(self.device),
+                                              precision=self.precision)
+                return
+            import sentencepiece as spm
+            from student.distill.beam import EnsembleSearch
+            from student.export import load_model_dir
+            loaded = [load_model_dir(d) for d in self.dirs]
+        except modeldir.ModelDirError as e:
+            raise TeacherError(str(e)) from None
+        spms = {dir_digest_file(os.path.join(d, modeldir.SPM)) for d in self.dirs}
+        if len(spms) > 1:
+            raise TeacherError("ensemble members must share one spm.model: " + ", ".join(self.dirs))
+        self.cfg = loaded[0][1]
+        self.sp = spm.SentencePieceProcessor(model_file=os.path.join(self.dirs[0], modeldir.SPM))
+        self.search = EnsembleSearch([m.to(self.device) for m, _ in loaded], beam=self.beam)
+        self._impl = "reference"
+
+    def translate(self, lines: list[str], where: str = "") -> list[str]:
+        self._load()
+        if self.engine == "decoder":
+            out = self._impl.translate(list(lines))
+            if len(out) != len(lines):
+                raise TeacherError(f"decoder.Translator returned {len(out)} lines for {len(lines)}"
+                                   + (f" on {where}" if where else ""))
+            return out
+        from student.data import normalise
+        from student.train.batching import collate
+        a = self.search.models[0].args
+        src = []
+        for x in lines:
+            ids = self.sp.encode(normalise(x, self.cfg.src_lang, self.cfg.normaliser)) if x.strip() else []
+            src.append(ids[: a.max_positions // 2 - 1] + [a.eos_id])
+        order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lambda i: len(src[i]))
+        out = [""] * len(lines)
+        i = 0
+        budget = max(self.max_tokens // self.beam, 1)
+        while i < len(order):
+            j = i + 1  # ascending lengths: the newest sentence is the longest
+            while j < len(order) and j - i < self.max_sentences and (j - i + 1) * len(src[order[j]]) <= budget:
+                j += 1
+            idx, i = order[i:j], j
+            s, _, _ = collate(src, None, idx, a.pad_id, a.decoder_start_id, a.eos_id)
+            for k, h in zip(idx, self.search(s.to(self.device))):
+                out[k] = self.sp.decode(h)
+        return out
+
+    def size(self) -> dict:
+        from decoder import modeldir
+        return model_dir_size(self.dirs[0]) if len(self.dirs) == 1 else {
+            "params": sum(model_dir_size(d)["params"] for d in self.dirs),
+            "bytes": sum(model_dir_size(d)["bytes"] for d in self.dirs), "members": len(self.dirs),
+            "file": modeldir.WEIGHTS}
+
+
+def dir_digest_file(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def model_dir_size(model_dir: str) -> dict:
+    from decoder import modeldir
+    cfg = modeldir.read_config(model_dir)
+    params = sum(_numel(s) for s in modeldir.tensor_shapes(cfg.arch).values())
+    return {"params": params, "bytes": os.path.getsize(os.path.join(model_dir, modeldir.WEIGHTS))}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class HFTeacher:
+    """A local Hugging Face MarianMTModel dir (transformers is optional: imported here only)."""
+
+    def __init__(self, hf_dir: str, beam: int = 4, device: str | None = None, batch_size: int = 32,
+                 max_new_tokens: int = 256):
+        if not os.path.isdir(hf_dir):
+            raise TeacherError(f"{hf_dir}: Hugging Face model dir does not exist")
+        self.dir, self.beam, self.batch_size, self.max_new_tokens = os.path.abspath(hf_dir), beam, batch_size, max_new_tokens
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.name = f"hf: {self.dir} (beam {beam})"
+        self.identity = {"type": "hf", "dir": dir_digest(self.dir), "beam": beam}
+        self.engine = "transformers"
+        self._model = None
+
+    def _load(self):
+        if self._model is not None:
+            return
+        try:
+            from transformers import AutoTokenizer, MarianMTModel
+        except ImportError:
+            raise TeacherError("--teacher-hf needs transformers: pip install transformers") from None
+        try:
+            self._tok = AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
+            self._model = MarianMTModel.from_pretrained(self.dir, local_files_only=True).to(self.device).eval()
+        except (OSError, ValueError) as e:
+            raise TeacherError(f"{self.dir}: cannot load a Marian model and tokenizer ({str(e).splitlines()[0]})") from None
+        # generating past the position table is an index error inside torch, not a translation
+        limit = getattr(self._model.config, "max_position_embeddings", None)
+        if limit:
+            self.max_new_tokens = min(self.max_new_tokens, limit - 2)
+
+    @torch.no_grad()
+    def translate(self, lines: list[str], where: str = "") -> list[str]:
+        self._load()
+        order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lambda i: len(lines[i]))
+        out = [""] * len(lines)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            enc = self._tok([lines[i] for i in idx], return_tensors="pt", padding=True, truncation=True).to(self.device)
+            gen = self._model.generate(**enc, num_beams=self.beam, max_new_tokens=self.max_new_tokens)
+            for i, y in zip(idx, self._tok.batch_decode(gen, skip_special_tokens=True)):
+                out[i] = " ".join(y.split())
+        return out
+
+    def size(self) -> dict:
+        self._load()
+        params = sum(p.numel() for p in self._model.parameters())
+        files = [f for f in os.listdir(self.dir) if f.endswith((".safetensors", ".bin"))]
+        return {"params": params, "bytes": sum(os.path.getsize(os.path.join(self.dir, f)) for f in files)}
+
+
+def make_teacher(*, cmd: str | None = None, hf_dir: str | None = None, model_dirs: list[str] | None = None,
+                 beam: int = 4, engine: str = "auto", device: str | None = None):
+    given = [x for x in (cmd, hf_dir, model_dirs) if x]
+    if len(given) != 1:
+        raise TeacherError("give exactly one teacher: a command, a Hugging Face dir, or model dir(s)")
+    if cmd:
+        return CommandTeacher(cmd)
+    if hf_dir:
+        return HFTeacher(hf_dir, beam=beam, device=device)
+    # a distilled corpus is worth full precision on CPU; fp16 is the GPU's natural format
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return ModelTeacher(model_dirs, beam=beam, engine=engine, device=str(dev),
+                        precision="fp16" if dev.type == "cuda" else "fp32")

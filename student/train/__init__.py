@@ -1,0 +1,1 @@
+from student.train.trainer import TrainConfig, train  # noqa: F401

@@ -1,0 +1,103 @@
+"""python -m student.train [--preset P] --out DIR ...   (torchrun-aware)
+python -m student.train average --run DIR --last N --out FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from student.model import PRESETS
+from student.train.trainer import TrainConfig, train
+
+
+def train_parser() -> argparse.ArgumentParser:
+    d = TrainConfig(out_dir="")
+    p = argparse.ArgumentParser(
+        prog="python -m student.train",
+        description="Train a Transformer (teacher or student) on a prepared corpus. Rerunning the same "
+                    "command resumes from OUT/last.pt. Launch with torchrun for DDP "
+                    "(gloo on CPU, NCCL on GPU). Subcommand: 'average' (checkpoint averaging).")
+    p.add_argument("--out", required=True, help="run dir: checkpoints, metrics.json, test.hyp")
+    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model field, e.g. --set dropout=0.2 (repeatable)")
+    g = p.add_argument_group("data")
+    g.add_argument("--corpus", default=d.corpus, help="embedded corpus name (default %(default)s)")
+    g.add_argument("--src", help="user source file (plain or .gz) instead of the embedded corpus")
+    g.add_argument("--tgt", help="user target file, same line count as --src")
+    g.add_argument("--src-lang"); g.add_argument("--tgt-lang")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
+                                       "(e.g. a distilled corpus); dev/test stay the corpus'")
+    g.add_argument("--train-tgt")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch")
+    g.add_argument("--max-sentences", type=int, default=d.max_sentences)
+    g.add_argument("--accum", type=int, default=d.accum, help="batches per optimiser step")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--warmup", type=int, default=d.warmup)
+    g.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
+    g.add_argument("--clip-norm", type=float, default=d.clip_norm)
+    g.add_argument("--amp", default=d.amp, choices=["auto", "bf16", "fp16", "off"],
+                   help="auto: bf16 on CPUs with avx512_bf16/AMX, fp16 on CUDA")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g = p.add_argument_group("stopping, evaluation, checkpoints")
+    g.add_argument("--max-steps", type=int, default=0)
+    g.add_argument("--max-epochs", type=int, default=0)
+    g.add_argument("--max-minutes", type=float, default=0.0, help="training-time budget (kept across resume)")
+    g.add_argument("--patience", type=int, default=0, help="stop after N evaluations without dev BLEU gain")
+    g.add_argument("--eval-every", type=int, default=d.eval_every)
+    g.add_argument("--dev-max", type=int, default=0, help="dev sentences used for BLEU (0 = all)")
+    g.add_argument("--save-every", type=int, default=d.save_every)
+    g.add_argument("--keep-last", type=int, default=d.keep_last)
+    g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
+    return p
+
+
+def _value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["average"]:
+        from student.train.average import average, last_checkpoints
+        p = argparse.ArgumentParser(prog="python -m student.train average",
+                                    description="Average the weights of the last N step checkpoints of a run.")
+        p.add_argument("--run", required=True); p.add_argument("--last", type=int, default=4)
+        p.add_argument("--out", required=True)
+        a = p.parse_args(argv[1:])
+        try:
+            print(average(last_checkpoints(a.run, a.last), a.out))
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"error: {e}")
+        return
+    a = train_parser().parse_args(argv)
+    if bool(a.src) != bool(a.tgt) or bool(a.train_src) != bool(a.train_tgt):
+        sys.exit("error: --src/--tgt and --train-src/--train-tgt come in pairs")
+    overrides = {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        overrides[k] = _value(v)
+    cfg = TrainConfig(out_dir=a.out, preset=a.preset, model_overrides=overrides, corpus=a.corpus,
+                      src=a.src, tgt=a.tgt, src_lang=a.src_lang, tgt_lang=a.tgt_lang,
+                      vocab_size=a.vocab_size, train_src=a.train_src, train_tgt=a.train_tgt,
+                      max_tokens=a.max_tokens, max_sentences=a.max_sentences, accum=a.accum, lr=a.lr,
+                      warmup=a.warmup, label_smoothing=a.label_smoothing, clip_norm=a.clip_norm,
+                      amp=a.amp, seed=a.seed, max_steps=a.max_steps, max_epochs=a.max_epochs,
+                      max_minutes=a.max_minutes, patience=a.patience, eval_every=a.eval_every,
+                      dev_max=a.dev_max, save_every=a.save_every, keep_last=a.keep_last,
+                      test_at_end=not a.no_test)
+    from student.data import DataError
+    try:
+        train(cfg)
+    except (DataError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

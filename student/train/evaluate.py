@@ -1,0 +1,52 @@
+"""Greedy translation with the training-time model, and BLEU/chrF with sacrebleu.
+
+This is the plain reference path (no cache) used for dev BLEU during training;
+fast decoding lives in decoder/.
+"""
+from __future__ import annotations
+
+import sacrebleu
+import torch
+
+from student.train.batching import collate
+
+
+def encode_source(sp, lines: list[str], norm, eos_id: int, max_len: int) -> list[list[int]]:
+    out = []
+    for line in lines:
+        ids = sp.encode(norm(line))[: max_len - 1]
+        out.append(ids + [eos_id])
+    return out
+
+
+@torch.no_grad()
+def translate(model, sp, lines: list[str], norm, max_tokens: int = 6000, max_sentences: int = 128,
+              amp_dtype=None) -> list[str]:
+    a = model.args
+    was_training = model.training
+    model.eval()
+    src = encode_source(sp, lines, norm, a.eos_id, a.max_positions // 2)
+    order = sorted(range(len(src)), key=lambda i: len(src[i]))
+    out: list[str] = [""] * len(lines)
+    i = 0
+    while i < len(order):
+        j = i + 1  # ascending lengths: the newest sentence is the longest
+        while j < len(order) and j - i < max_sentences and (j - i + 1) * len(src[order[j]]) <= max_tokens:
+            j += 1
+        idx, i = order[i:j], j
+        s, _, _ = collate(src, None, idx, a.pad_id, a.decoder_start_id, a.eos_id)
+        with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+            hyps = model.greedy(s.to(next(model.parameters()).device))
+        for j, h in zip(idx, hyps):
+            out[j] = sp.decode(h) if lines[j].strip() else ""
+    model.train(was_training)
+    return out
+
+
+def score(hyps: list[str], refs: list[str]) -> dict:
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    b = bleu.corpus_score(hyps, [refs])
+    c = chrf.corpus_score(hyps, [refs])
+    return {"bleu": round(b.score, 2), "chrf": round(c.score, 2),
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}

@@ -1,0 +1,269 @@
+"""Build the submission image with the docker SDK (what `make image` runs).
+
+    python -m submission.image [--model DIR] [--tag wmt-kit:latest] [--base IMAGE]
+
+Steps, each cached: a base image (the public slim Python image when docker can
+pull it, else `localbase:bookworm` made with debootstrap: this machine kind has
+no Docker Hub), a wheelhouse of exactly the host's versions of the run-time
+packages (the build stage installs offline from it), the model dir staged into
+the build context, and the image itself, tagged with a key over all those
+inputs so an unchanged tree skips the build entirely.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGE = os.path.join(ROOT, "build", "image")          # the Dockerfile COPYs from here
+WHEELS, MODEL = os.path.join(STAGE, "wheelhouse"), os.path.join(STAGE, "model")
+OPS = os.path.join(STAGE, "ops")  # the prebuilt fused-ops library (decoder/csrc)
+PUBLIC_BASE, LOCAL_BASE = "python:3.11-slim-bookworm", "localbase:bookworm"
+# What `import decoder` needs at run time, and nothing else: ctranslate2,
+# transformers, matplotlib and sacrebleu stay out of the image.
+RUNTIME = ["torch", "sentencepiece", "sacremoses", "safetensors", "numpy"]
+IMAGE_PY = "3.11"  # both bases ship CPython 3.11
+MODEL_FILES = ("config.json", "model.safetensors", "spm.model")
+
+
+def log(msg: str) -> None:
+    print(f"[image] {msg}", file=sys.stderr, flush=True)
+
+
+def client():
+    import docker
+    try:
+        c = docker.from_env(timeout=600)
+        c.ping()
+    except Exception as e:  # DockerException, connection errors: all mean "no daemon"
+        raise SystemExit(f"error: no docker daemon ({str(e).splitlines()[0][:200]}); "
+                         "start dockerd (see .ci/run)")
+    return c
+
+
+def has_image(c, name: str) -> bool:
+    import docker
+    try:
+        c.images.get(name)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def apt_mirror() -> str:
+    """The Debian URI apt already uses: the only mirror known to be reachable."""
+    for f in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")) + ["/etc/apt/sources.list"]:
+        if os.path.isfile(f):
+            for line in open(f):
+                parts = line.split()
+                # the Debian archive itself: not -security, not a vendor repo (nodesource, ...)
+                uri = parts[1] if parts[:1] in (["URIs:"], ["deb"]) and len(parts) > 1 else ""
+                if uri.rstrip("/").endswith("/debian"):
+                    return uri
+    return "http://deb.debian.org/debian"
+
+
+def ensure_base(c, base: str | None) -> str:
+    if base:
+        if base == LOCAL_BASE and not has_image(c, base):
+            debootstrap_base(c)
+        return base
+    if has_image(c, PUBLIC_BASE):
+        return PUBLIC_BASE
+    try:
+        c.images.pull(PUBLIC_BASE)
+        return PUBLIC_BASE
+    except Exception as e:
+        log(f"cannot pull {PUBLIC_BASE} ({str(e).splitlines()[0][:120]}); using {LOCAL_BASE}")
+    if not has_image(c, LOCAL_BASE):
+        debootstrap_base(c)
+    return LOCAL_BASE
+
+
+def debootstrap_base(c) -> None:
+    """A minimal Debian bookworm with python3 + venv, imported as LOCAL_BASE (~45 s)."""
+    if not shutil.which("debootstrap"):
+        raise SystemExit("error: no public base image reachable and no debootstrap "
+                         "(apt-get install debootstrap, or pass --base IMAGE)")
+    log(f"building {LOCAL_BASE} with debootstrap from {apt_mirror()}")
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    rootfs = tempfile.mkdtemp(prefix="rootfs-", dir=os.path.join(ROOT, "build"))
+    try:
+        subprocess.run(["debootstrap", "--variant=minbase",
+                        "--include=python3,python3-venv,ca-certificates",
+                        "bookworm", rootfs, apt_mirror()], check=True, stdout=subprocess.DEVNULL)
+        # apt lists and the package cache are dead weight in every layer above
+        for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            subprocess.run(["sh", "-c", f"rm -rf {rootfs}/{d}/*"], check=True)
+        tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", LOCAL_BASE], stdin=tar.stdout, check=True,
+                       stdout=subprocess.DEVNULL)
+        if tar.wait():
+            raise SystemExit("error: tar of the debootstrap rootfs failed")
+    finally:
+        shutil.rmtree(rootfs, ignore_errors=True)
+
+
+def pins() -> list[str]:
+    """The host's installed versions: the image runs what the tests ran."""
+    return [f"{p}=={metadata.version(p)}" for p in RUNTIME]
+
+
+def ensure_wheelhouse() -> list[str]:
+    want = "\n".join(pins()) + "\n"
+    req = os.path.join(WHEELS, "requirements.txt")
+    if os.path.isfile(req) and open(req).read() == want:
+        return sorted(os.listdir(WHEELS))
+    log(f"downloading wheels: {' '.join(pins())}")
+    shutil.rmtree(WHEELS, ignore_errors=True)
+    os.makedirs(WHEELS)
+    # For the image's Python and platform, not the host's: the host may differ.
+    plat = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                        "manylinux1_x86_64") for a in ("--platform", p)]
+    # torch's CUDA wheels are several GB: on x86 Linux ask for the +cpu build first
+    # (pip's find-links or PyTorch's CPU index); plain PyPI as the fallback.
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", WHEELS, "--only-binary=:all:",
+           "--python-version", IMAGE_PY, *plat]
+    torch_pin = pins()[0]
+    cpu = torch_pin if "+cpu" in torch_pin else torch_pin + "+cpu"
+    rest = pins()[1:]
+    r = subprocess.run(cmd + [cpu, *rest])
+    if r.returncode:
+        r = subprocess.run(cmd + ["--extra-index-url", "https://download.pytorch.org/whl/cpu", cpu, *rest])
+    if r.returncode:
+        raise SystemExit("error: pip download of the run-time wheels failed")
+    open(req, "w").write(want)
+    return sorted(os.listdir(WHEELS))
+
+
+def stage_ops() -> bool:
+    """Build decoder/csrc on the host into the build context.
+
+    The image has no compiler, and the JIT fallback would leave the container on
+    the reference ops: slower, and not bit-identical to `python -m decoder` here.
+    The host runs the image's torch (pins()) and Debian's glibc, so the library
+    fits; its kernels choose their ISA at run time. Without a compiler the
+    image still works, on the references, and says so once on stderr."""
+    shutil.rmtree(OPS, ignore_errors=True)
+    os.makedirs(OPS)
+    work = os.path.join(ROOT, "build", "ops-build")
+    r = subprocess.run([sys.executable, "-c", "import sys; from decoder.ops import build_library; "
+                        "print(build_library(sys.argv[1]))", work],
+                       cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        log(f"fused ops not built ({(r.stderr.strip().splitlines() or ['?'])[-1][:200]}); "
+            "the image will use the PyTorch references")
+        return False
+    shutil.copyfile(r.stdout.strip().splitlines()[-1], os.path.join(OPS, "decoder_ops.so"))
+    os.chmod(os.path.join(OPS, "decoder_ops.so"), 0o644)
+    return True
+
+
+def default_model() -> str:
+    """The most recently exported student under runs/."""
+    found = [os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "runs", "**", "model.safetensors"),
+                                                    recursive=True) if "student" in os.path.relpath(p, ROOT)]
+    if not found:
+        raise SystemExit("error: no exported student under runs/ (make distill), "
+                         "or pass MODEL=DIR")
+    return max(found, key=lambda d: os.path.getmtime(os.path.join(d, "model.safetensors")))
+
+
+def stage_model(model_dir: str) -> None:
+    from decoder.modeldir import ModelDirError, load
+    try:
+        load(model_dir)  # refuse to bake a broken model into an image
+    except ModelDirError as e:
+        raise SystemExit(f"error: {e}")
+    shutil.rmtree(MODEL, ignore_errors=True)
+    os.makedirs(MODEL)
+    for f in MODEL_FILES:
+        shutil.copyfile(os.path.join(model_dir, f), os.path.join(MODEL, f))
+        os.chmod(os.path.join(MODEL, f), 0o644)  # the image runs as a non-root user
+
+
+def sources() -> list[str]:
+    """Every build-context file the image depends on (mirrors .dockerignore)."""
+    files = ["Dockerfile"]
+    for top in ("decoder", "submission", "build/image"):
+        for d, dirs, names in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in sorted(names)
+                      if not n.endswith(".pyc")]
+    return files
+
+
+def input_key(base_id: str) -> str:
+    h = hashlib.sha256(base_id.encode())
+    for f in sources():
+        h.update(f.encode() + b"\0")
+        if f.startswith("build/image/wheelhouse/"):
+            h.update(str(os.path.getsize(os.path.join(ROOT, f))).encode())  # names carry versions
+        else:
+            with open(os.path.join(ROOT, f), "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def prune_old_keys(c, keep: str) -> None:
+    """Drop earlier key tags: each is a ~1 GB image once its layers differ."""
+    import docker
+    for im in c.images.list(name="wmt-kit"):
+        for t in im.tags:
+            if t != keep and re.fullmatch(r"wmt-kit:[0-9a-f]{16}", t):
+                try:
+                    c.images.remove(t)
+                except docker.errors.APIError as e:  # in use by a container: keep it
+                    log(f"kept {t}: {str(e)[:100]}")
+
+
+def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet: bool = False) -> str:
+    """Build (or find, by input key) the image; return its key tag `wmt-kit:KEY`."""
+    c = client()
+    base = ensure_base(c, base)
+    ensure_wheelhouse()
+    stage_model(model_dir)
+    stage_ops()
+    key_tag = f"wmt-kit:{input_key(c.images.get(base).id)}"
+    if has_image(c, key_tag):
+        log(f"{key_tag} is up to date")
+    else:
+        log(f"building {key_tag} from {base}")
+        for chunk in c.api.build(path=ROOT, dockerfile="Dockerfile", tag=key_tag, rm=True, forcerm=True,
+                                 buildargs={"BASE_IMAGE": base}, decode=True):
+            if "error" in chunk:
+                raise SystemExit(f"error: docker build: {chunk['error'].strip()}")
+            if not quiet and chunk.get("stream", "").strip():
+                log(chunk["stream"].rstrip())
+        prune_old_keys(c, key_tag)
+    if tag:
+        c.images.get(key_tag).tag(*tag.rsplit(":", 1) if ":" in tag.split("/")[-1] else (tag,))
+    return key_tag
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model dir to bake at /model (default: latest student under runs/)")
+    ap.add_argument("--tag", default="wmt-kit:latest")
+    ap.add_argument("--base", help=f"base image (default {PUBLIC_BASE}, else {LOCAL_BASE})")
+    a = ap.parse_args(argv)
+    model = a.model or default_model()
+    key_tag = build(model, a.tag, a.base)
+    size = client().images.get(key_tag).attrs["Size"]
+    msize = sum(os.path.getsize(os.path.join(model, f)) for f in MODEL_FILES)
+    print(f"image {a.tag} ({key_tag}): {size / 1e6:.0f} MB")
+    print(f"model {model}: {msize / 1e6:.1f} MB on disk")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

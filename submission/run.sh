@@ -1,0 +1,21 @@
+#!/bin/sh
+# WMT efficiency task interface: /run.sh HARDWARE TASK < input > output
+#   HARDWARE  GPU | CPU-1 | CPU-ALL   (none: GPU when CUDA is visible, else CPU-ALL)
+#   TASK      latency | throughput    (none: throughput)
+# All logic lives in submission/serve.py; this file only fixes the environment
+# that must be set before Python starts.
+set -eu
+hardware=${1:-auto}
+task=${2:-throughput}
+case "$hardware" in
+  CPU-1)
+    # one thread from the first instruction: OpenMP/MKL size their pools at load
+    export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
+  GPU|CPU-ALL|auto) ;;
+  *) echo "usage: /run.sh GPU|CPU-1|CPU-ALL latency|throughput (got hardware '$hardware')" >&2; exit 2 ;;
+esac
+case "$task" in
+  latency|throughput) ;;
+  *) echo "usage: /run.sh GPU|CPU-1|CPU-ALL latency|throughput (got task '$task')" >&2; exit 2 ;;
+esac
+exec python3 -m submission.serve --hardware "$hardware" --task "$task" --model "${MODEL_DIR:-/model}"

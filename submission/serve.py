@@ -1,0 +1,87 @@
+"""What /run.sh runs: the WMT modes on top of decoder.Translator.
+
+    python -m submission.serve --hardware GPU|CPU-1|CPU-ALL|auto --task latency|throughput
+
+Input is read exactly as `python -m decoder` reads it (its read_lines: split
+on b"\n" only, CRLF accepted, invalid UTF-8 replaced), so the container's
+output equals the CLI's and has one line per input line whatever the bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+
+def usable_cores() -> int:
+    """Cores this process may really use: the affinity mask, capped by a CFS
+    quota (`docker run --cpus N` sets only the quota, which nproc and torch's
+    default thread count ignore, so they would oversubscribe)."""
+    n = len(os.sched_getaffinity(0))
+    quota = None
+    try:
+        q, p = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
+        quota = None if q == "max" else int(q) / int(p)
+    except (OSError, ValueError):
+        try:
+            q = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
+            p = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+            quota = q / p if q > 0 else None
+        except (OSError, ValueError):
+            pass
+    return max(1, min(n, math.ceil(quota))) if quota else n
+
+
+def settings(hardware: str) -> dict:
+    import torch
+    if hardware == "auto":
+        hardware = "GPU" if torch.cuda.is_available() else "CPU-ALL"
+    if hardware == "GPU":
+        if torch.cuda.is_available():
+            return dict(device="cuda", precision="fp16", threads=1)
+        print("warning: GPU requested but CUDA is not visible; running as CPU-ALL",
+              file=sys.stderr, flush=True)
+        hardware = "CPU-ALL"
+    # CPU precision "auto": the decoder's per-CPU measured default (int8 where
+    # torch._int_mm works, see decoder/README.md).
+    # CPU-ALL is one process with one intra-op thread per core: see
+    # docs/container.md for the threads-vs-workers measurement.
+    return dict(device="cpu", precision="auto", threads=1 if hardware == "CPU-1" else usable_cores())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", default="auto", choices=["auto", "GPU", "CPU-1", "CPU-ALL"])
+    ap.add_argument("--task", default="throughput", choices=["latency", "throughput"])
+    ap.add_argument("--model", default=os.environ.get("MODEL_DIR", "/model"))
+    a = ap.parse_args(argv)
+
+    from decoder.__main__ import read_lines  # the CLI's reader: same lines, same bytes
+    from decoder.modeldir import ModelDirError
+    from decoder.translator import Translator
+    s = settings(a.hardware)
+    try:
+        # latency: one line at a time, nothing to overlap with worker threads
+        tr = Translator(a.model, device=s["device"], precision=s["precision"], threads=s["threads"],
+                        pipeline=a.task == "throughput")
+    except (ModelDirError, ValueError) as e:
+        print(f"error: cannot load model: {e}", file=sys.stderr, flush=True)
+        return 1
+
+    out = sys.stdout.buffer
+    if a.task == "latency":
+        for line in read_lines(sys.stdin.buffer):
+            out.write(tr.translate([line])[0].encode("utf-8") + b"\n")
+            out.flush()  # the next line is written only after this answer is read
+    else:
+        # translate_stream reads, sorts and batches chunk_lines lines at a time:
+        # memory is bounded by the chunk, not by the input.
+        for hyp in tr.translate_stream(read_lines(sys.stdin.buffer)):
+            out.write(hyp.encode("utf-8") + b"\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

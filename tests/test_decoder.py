@@ -1,0 +1,192 @@
+"""Lean decoder: every optimisation switch leaves the tokens unchanged."""
+import random
+
+import pytest
+import torch
+
+from decoder import Translator
+from decoder.batching import make_batches, restore
+from decoder.quant import Int8Linear
+from fixture_model import make_model_dir, synthetic_corpus
+
+NAIVE = dict(cache=False, sort=False, softmax_free=False, early_stop=False, fused_qkv=False, pipeline=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def lines():
+    return synthetic_corpus(40, seed=7)
+
+
+@pytest.fixture(scope="module")
+def fast(model_dir):
+    return Translator(model_dir)
+
+
+@pytest.fixture(scope="module")
+def srcs(fast, lines):
+    return fast.text.encode(lines)
+
+
+def test_fixture_outputs_are_not_degenerate(fast, srcs):
+    out = fast.translate_ids(srcs)
+    limits = fast.limits([len(s) for s in srcs]).tolist()
+    assert any(len(o) < lim - 1 for o, lim in zip(out, limits)), "no sentence ends before the cap"
+    assert any(len(o) == lim - 1 for o, lim in zip(out, limits)), "no sentence reaches the cap"
+    assert len({t for o in out for t in o}) > 20
+
+
+def test_optimised_greedy_equals_naive_reference(model_dir, fast, srcs, lines):
+    naive = Translator(model_dir, **NAIVE)
+    assert fast.translate_ids(srcs) == naive.translate_ids(srcs)
+    assert fast.translate(lines) == naive.translate(lines)
+
+
+def test_greedy_equals_training_model_greedy(model_dir, fast, srcs):
+    from student.export import load_model_dir
+    ref, cfg = load_model_dir(model_dir)
+    S = max(map(len, srcs))
+    src = torch.tensor([s + [cfg.pad_id] * (S - len(s)) for s in srcs])
+    assert fast.translate_ids(srcs) == ref.greedy(src)
+
+
+def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
+    from student.export import load_model_dir
+    d = make_model_dir(tmp_path / "tied", tie_embeddings=True, seed=3, enc=1, dec=1)
+    tr = Translator(d)
+    srcs = tr.text.encode(synthetic_corpus(10, seed=2))
+    ref, cfg = load_model_dir(d)
+    S = max(map(len, srcs))
+    src = torch.tensor([s + [cfg.pad_id] * (S - len(s)) for s in srcs])
+    assert tr.translate_ids(srcs) == ref.greedy(src)
+
+
+@pytest.mark.parametrize("switch", ["cache", "softmax_free", "early_stop", "fused_qkv", "sort", "pipeline"])
+def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines, switch):
+    assert Translator(model_dir, **{switch: False}).translate(lines) == fast.translate(lines)
+
+
+def test_greedy_with_and_without_softmax_identical(model_dir, fast, srcs):
+    assert Translator(model_dir, softmax_free=False).translate_ids(srcs) == fast.translate_ids(srcs)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_beam_with_cache_equals_beam_without_cache(model_dir, srcs, early_stop):
+    sub = srcs[:12]
+    a = Translator(model_dir, beam=3, early_stop=early_stop).translate_ids(sub)
+    b = Translator(model_dir, beam=3, cache=False, early_stop=early_stop).translate_ids(sub)
+    assert a == b
+
+
+def test_beam_early_stop_does_not_change_hypotheses(model_dir, srcs):
+    sub = srcs[:12]
+    assert (Translator(model_dir, beam=4).translate_ids(sub)
+            == Translator(model_dir, beam=4, early_stop=False).translate_ids(sub))
+
+
+def test_beam_scores_at_least_as_well_as_greedy(model_dir, fast, srcs):
+    """Beam 4 with no length penalty finds a sequence at least as probable as greedy."""
+    from student.export import load_model_dir
+    ref, cfg = load_model_dir(model_dir)
+    beam = Translator(model_dir, beam=4, length_penalty=0.0).translate_ids(srcs[:8])
+    greedy = fast.translate_ids(srcs[:8])
+
+    def logprob(s, t):
+        tgt = torch.tensor([[cfg.decoder_start_id] + t])
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(torch.tensor([s]), tgt), -1)[0]
+        return float(lp[torch.arange(len(t) + 1), torch.tensor(t + [cfg.eos_id])].sum())
+    for s, b, g in zip(srcs[:8], beam, greedy):
+        assert logprob(s, b) >= logprob(s, g) - 1e-4
+
+
+def test_output_order_restored_for_shuffled_lengths(fast, lines):
+    shuffled = lines[:]
+    random.Random(3).shuffle(shuffled)
+    one_by_one = [fast.translate([s])[0] for s in shuffled]
+    assert fast.translate(shuffled) == one_by_one
+
+
+@pytest.mark.parametrize("max_tokens,max_sentences,chunk", [(1, 1, 20000), (60, 4, 7), (100000, 1000, 20000)])
+def test_results_independent_of_batch_size_and_token_budget(model_dir, fast, lines, max_tokens,
+                                                            max_sentences, chunk):
+    tr = Translator(model_dir, max_tokens=max_tokens, max_sentences=max_sentences, chunk_lines=chunk)
+    assert tr.translate(lines) == fast.translate(lines)
+
+
+def test_beam_results_independent_of_batch_size(model_dir, srcs):
+    a = Translator(model_dir, beam=3, max_sentences=1).translate_ids(srcs[:10])
+    b = Translator(model_dir, beam=3).translate_ids(srcs[:10])
+    assert a == b
+
+
+def test_empty_lines_give_empty_outputs_without_the_model(fast, monkeypatch):
+    seen = []
+    orig = fast.translate_ids
+    monkeypatch.setattr(fast, "translate_ids", lambda s: seen.append(s) or orig(s))
+    out = fast.translate(["", "   ", "the dog", "\t", ""])
+    assert [o == "" for o in out] == [True, True, False, True, True]
+    assert [len(s) for batch in seen for s in batch] and all(len(b) == 1 for b in seen)
+    assert fast.translate(["", ""]) == ["", ""]
+
+
+def test_too_long_input_is_truncated_with_one_warning(model_dir, capsys):
+    tr = Translator(model_dir, max_len_a=0.0, max_len_b=5)  # short outputs keep this fast
+    out = tr.translate(["the big dog " * 2000, "the old " * 3000, "a cat"])
+    assert len(out) == 3
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "truncating" in err
+
+
+def test_outputs_never_contain_line_breaks(fast):
+    out = fast.translate(["line\u2028with separators\x85and\rcr"] + ["x\x0by"] * 3)
+    assert len(out) == 4 and not any(c in o for o in out for c in "\r\n\u2028\u2029\x85\x0b")
+
+
+def test_batches_respect_budget_and_restore_order():
+    lengths = [random.Random(i).randint(1, 50) for i in range(200)]
+    batches = make_batches(lengths, max_tokens=300, max_sentences=16)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    for b in batches:
+        assert len(b) <= 16 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 300)
+    assert restore(batches, [[lengths[i] for i in b] for b in batches], 200) == lengths
+    unsorted = make_batches(lengths, max_tokens=300, max_sentences=16, sort=False)
+    assert [i for b in unsorted for i in b] == list(range(200))
+
+
+def test_int8_linear_is_close_to_fp32():
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(96, 64, generator=g) / 8, torch.randn(96, generator=g), torch.randn(5, 7, 64, generator=g)
+    ref = torch.nn.functional.linear(x, w, b)
+    got = Int8Linear(w, b)(x)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() < 0.03 * ref.abs().max()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_low_precision_runs_and_keeps_one_line_per_input(model_dir, lines, precision):
+    out = Translator(model_dir, precision=precision).translate(lines + [""])
+    assert len(out) == len(lines) + 1 and out[-1] == ""
+
+
+def test_cuda_request_falls_back_to_cpu(model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tr = Translator(model_dir, device="cuda", precision="fp16")
+    assert tr.device == "cpu" and tr.precision in ("int8", "fp32")
+    assert len(tr.translate(["the dog", ""])) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_fixed_shape_state_for_cuda_graphs_gives_same_tokens(model_dir, srcs, beam):
+    """The CUDA-graph step (whole-cache attention with a position mask) runs eagerly
+    on CPU here; its tokens must equal the shrinking incremental decoder's."""
+    sub = srcs[:12]
+    a = Translator(model_dir, beam=beam, static_shapes=True).translate_ids(sub)
+    b = Translator(model_dir, beam=beam).translate_ids(sub)
+    assert a == b

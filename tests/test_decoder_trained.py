@@ -1,0 +1,78 @@
+"""Tests that need real translations: the small trained model of tests/fixtures/bible-tiny
+(made by tests/fixtures/make_bible_tiny.sh)."""
+import os
+
+import pytest
+import torch
+
+from decoder import Translator
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
+MODEL, SRC, REF = (os.path.join(HERE, p) for p in ("model", "test.en", "test.es"))
+
+pytestmark = pytest.mark.skipif(
+    not all(os.path.exists(p) for p in (os.path.join(MODEL, "config.json"), SRC, REF)),
+    reason="trained fixture tests/fixtures/bible-tiny/{model,test.en,test.es} is absent "
+           "(build it with tests/fixtures/make_bible_tiny.sh)")
+
+N = 150  # lines: enough for a stable BLEU, few enough for 2 cores
+
+
+def read(p):
+    with open(p, encoding="utf-8") as fh:
+        return [line.rstrip("\n") for line in fh][:N]
+
+
+def bleu(hyps, refs):
+    import sacrebleu
+    return sacrebleu.corpus_bleu(hyps, [refs]).score
+
+
+@pytest.fixture(scope="module")
+def data():
+    torch.set_num_threads(2)
+    return read(SRC), read(REF)
+
+
+@pytest.fixture(scope="module")
+def fp32(data):
+    return Translator(MODEL, precision="fp32").translate(data[0])
+
+
+def test_model_translates_better_than_chance(data, fp32):
+    assert bleu(fp32, data[1]) > 1.0
+
+
+def test_optimised_greedy_equals_naive_on_trained_model(data, fp32):
+    naive = Translator(MODEL, precision="fp32", cache=False, sort=False, softmax_free=False,
+                       early_stop=False, fused_qkv=False, pipeline=False)
+    sub = data[0][:40]
+    assert naive.translate(sub) == fp32[:40]
+
+
+def test_training_model_greedy_equals_ours_on_trained_model(data):
+    from student.export import load_model_dir
+    tr = Translator(MODEL, precision="fp32")
+    srcs = [s for s in tr.text.encode(data[0][:40]) if s]
+    ref, cfg = load_model_dir(MODEL)
+    S = max(map(len, srcs))
+    src = torch.tensor([s + [cfg.pad_id] * (S - len(s)) for s in srcs])
+    assert tr.translate_ids(srcs) == ref.greedy(src)
+
+
+@pytest.mark.parametrize("precision,tolerance", [("bf16", 1.0), ("int8", 1.0)])
+def test_low_precision_is_within_bleu_tolerance_of_fp32(data, fp32, precision, tolerance):
+    hyps = Translator(MODEL, precision=precision).translate(data[0])
+    assert bleu(hyps, data[1]) >= bleu(fp32, data[1]) - tolerance
+
+
+def test_beam_is_not_worse_than_greedy(data, fp32):
+    hyps = Translator(MODEL, precision="fp32", beam=4).translate(data[0])
+    assert bleu(hyps, data[1]) >= bleu(fp32, data[1]) - 0.5
+
+
+def test_beam_cache_equals_no_cache_on_trained_model(data):
+    sub = data[0][:20]
+    a = Translator(MODEL, precision="fp32", beam=4).translate(sub)
+    b = Translator(MODEL, precision="fp32", beam=4, cache=False).translate(sub)
+    assert a == b

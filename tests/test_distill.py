@@ -1,0 +1,338 @@
+"""`make distill` pieces and the pipeline end to end on a toy corpus: teachers, resumable
+shards (kill + rerun, torchrun ranks), keyed stages, teacher errors, the report."""
+import glob
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, toy_parallel
+
+TINY = ["--vocab-size", "320", "--amp", "off", "--max-tokens", "400", "--eval-every", "10", "--save-every", "5",
+        "--dev-max", "10"]
+for _who in ("teacher", "student"):
+    TINY += [a for kv in ("d_model=32", "n_heads=2", "ffn_dim=64", "encoder_layers=1", "dropout=0.1")
+             for a in (f"--{_who}-set", kv)]
+
+# a teacher program: uppercases each line; switches make it misbehave on its Nth call
+TEACHER = textwrap.dedent("""
+    import os, sys, time
+    args = sys.argv[1:]
+    opt = lambda k: args[args.index(k) + 1] if k in args else None
+    lines = sys.stdin.read().split("\\n")[:-1]
+    log = opt("--log")
+    n = 1
+    if log:
+        n = (sum(1 for _ in open(log)) if os.path.exists(log) else 0) + 1
+        with open(log, "a") as fh:
+            fh.write(f"{os.environ.get('RANK', '-')}\\t{lines[0] if lines else ''}\\n")
+    if opt("--fail-on-call") and n == int(opt("--fail-on-call")):
+        sys.stderr.write("teacher: model file missing\\n")
+        sys.exit(3)
+    if opt("--sleep"):
+        time.sleep(float(opt("--sleep")))
+    out = [x.upper() for x in lines]
+    if opt("--drop-on-call") and n == int(opt("--drop-on-call")):
+        out = out[:-1]
+    if opt("--add-on-call") and n == int(opt("--add-on-call")):
+        out = out + ["EXTRA"]
+    sys.stdout.write("".join(x + "\\n" for x in out))
+""")
+
+
+@pytest.fixture()
+def env(tmp_path):
+    src, tgt = toy_parallel(240, seed=3)
+    (tmp_path / "c.en").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (tmp_path / "c.es").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    (tmp_path / "teacher.py").write_text(TEACHER, encoding="utf-8")
+    return tmp_path
+
+
+def teacher_cmd(env, *flags):
+    return " ".join([sys.executable, str(env / "teacher.py"), *flags])
+
+
+def distill(env, name, *extra, launcher=None, wait=True, check=True):
+    e = {**os.environ, "KIT_DATA_DIR": str(env / "data"), "OMP_NUM_THREADS": "1"}
+    cmd = (launcher or [sys.executable]) + ["-m", "student.distill", "--runs-dir", str(env / "runs"), "--name", name,
+                                            "--src", str(env / "c.en"), "--tgt", str(env / "c.es"), *TINY, *extra]
+    if not wait:  # own session, so the test can kill the teacher subprocess with it
+        return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    r = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r
+
+
+def stage_dir(env, name, stage):
+    dirs = glob.glob(str(env / "runs" / name / f"{stage}-*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def lines(path):
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().split("\n")[:-1]
+
+
+def manifest(env, name):
+    return json.load(open(env / "runs" / name / "manifest.json"))
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+
+def test_command_teacher_end_to_end_then_rerun_skips_and_changed_option_reruns_only_dependents(env):
+    r = distill(env, "up", "--teacher-cmd", teacher_cmd(env), "--shard-size", "50", "--student-steps", "20")
+    run = env / "runs" / "up"
+    assert "| system | BLEU | chrF | words/s |" in r.stdout and "| student |" in r.stdout  # printed at the end
+    rep = json.load(open(run / "report.json"))
+    assert [s["system"] for s in rep["systems"]] == ["teacher", "student"]
+    for s in rep["systems"]:
+        assert s["words_per_second"] > 0 and "nrefs:1|" in s["bleu_signature"]
+    assert rep["systems"][1]["size_params"] > 0 and rep["systems"][1]["size_bytes"] > 0
+    assert (run / "report.md").read_text() == open(os.path.join(stage_dir(env, "up", "report"), "report.md")).read()
+
+    train_src = lines(os.path.join(stage_dir(env, "up", "data"), "train.src"))
+    distilled = lines(os.path.join(stage_dir(env, "up", "distill"), "distilled.txt"))
+    assert distilled == [x.upper() for x in train_src]
+    from decoder import modeldir
+    modeldir.load(str(run / "student-model"))  # the exported student is a valid model dir
+
+    m = manifest(env, "up")
+    assert set(m["stages"]) == {"data", "distill", "corpus", "student", "report"}
+    assert all(s["status"] == "ran" and len(s["key"]) == 12 for s in m["stages"].values())
+    assert m["versions"]["torch"] == importlib.metadata.version("torch") and m["versions"]["sacrebleu"]
+    assert m["config"]["teacher_cmd"] == teacher_cmd(env) and m["inputs"]["src"]
+
+    r = distill(env, "up", "--teacher-cmd", teacher_cmd(env), "--shard-size", "50", "--student-steps", "20")
+    assert all(s["status"] == "reused" for s in manifest(env, "up")["stages"].values())
+    assert r.stderr.count("up to date") == 5
+
+    distill(env, "up", "--teacher-cmd", teacher_cmd(env), "--shard-size", "50", "--student-steps", "25")
+    st = {k: v["status"] for k, v in manifest(env, "up")["stages"].items()}
+    assert st == {"data": "reused", "distill": "reused", "corpus": "reused", "student": "ran", "report": "ran"}
+    assert len(glob.glob(str(run / "student-*"))) == 3  # two keyed student dirs + the student-model link
+
+
+@pytest.mark.skipif(not shutil.which("apertium"), reason="apertium is not installed (apt-get install apertium-eng-spa)")
+def test_apertium_teacher_end_to_end_with_baseline_student(env):
+    distill(env, "apertium", "--teacher-cmd", "apertium -u eng-spa", "--student-steps", "15", "--baseline-student")
+    rep = json.load(open(env / "runs" / "apertium" / "report.json"))
+    assert [s["system"] for s in rep["systems"]] == ["teacher", "student", "baseline"]
+    teacher = rep["systems"][0]
+    # the toy words translate word for word: a real translator scores well above zero
+    assert teacher["engine"] == "external" and teacher["chrf"] > 30
+    distilled = lines(os.path.join(stage_dir(env, "apertium", "distill"), "distilled.txt"))
+    assert "el" in " ".join(distilled).lower().split()
+
+
+def test_own_teacher_is_trained_averaged_exported_and_distills_with_beam_search(env):
+    distill(env, "own", "--teacher-steps", "30", "--average-last", "3", "--teacher-beam", "2",
+            "--shard-size", "100", "--student-steps", "10", "--test-limit", "10")
+    run = env / "runs" / "own"
+    m = manifest(env, "own")
+    teacher = m["stages"]["teacher"]["result"]
+    assert teacher["averaged_from"] == ["ckpt-0000010.pt", "ckpt-0000020.pt", "ckpt-0000030.pt"]
+    assert teacher["step"] == 30 and os.path.isdir(run / "teacher-model")
+    assert m["stages"]["distill"]["upstream"][1] == m["stages"]["teacher"]["key"]
+    n = len(lines(os.path.join(stage_dir(env, "own", "data"), "train.src")))
+    assert len(lines(os.path.join(stage_dir(env, "own", "distill"), "distilled.txt"))) == n
+    rep = json.load(open(run / "report.json"))
+    assert rep["systems"][0]["beam"] == 2 and rep["systems"][0]["size_params"] > rep["systems"][1]["size_params"]
+
+
+def test_kill_during_distillation_then_rerun_loses_and_duplicates_no_shard(env):
+    common = ["--shard-size", "10", "--student-steps", "5", "--test-limit", "5"]
+    distill(env, "ref", "--teacher-cmd", teacher_cmd(env), *common)
+    log = env / "calls.log"
+    cmd = teacher_cmd(env, "--sleep", "0.3", "--log", str(log))
+    p = distill(env, "killed", "--teacher-cmd", cmd, *common, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if len(glob.glob(str(env / "runs" / "killed" / "distill-*" / "shards" / "shard-*.txt"))) >= 3:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, p.stdout.read().decode()[-3000:]
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    shard_dir = os.path.join(stage_dir(env, "killed", "distill"), "shards")
+    before = sorted(os.listdir(shard_dir))
+    n_shards = len(glob.glob(os.path.join(stage_dir(env, "ref", "distill"), "shards", "shard-*.txt")))
+    assert 3 <= len([f for f in before if f.endswith(".txt")]) < n_shards
+    calls_before = len(lines(log))
+
+    distill(env, "killed", "--teacher-cmd", cmd, *common)
+    ref = lines(os.path.join(stage_dir(env, "ref", "distill"), "distilled.txt"))
+    assert lines(os.path.join(stage_dir(env, "killed", "distill"), "distilled.txt")) == ref
+    done_before = len([f for f in before if f.endswith(".txt")])
+    # the rerun translated exactly the missing shards (plus the report's test split, one call)
+    assert len(lines(log)) - calls_before == n_shards - done_before + 1
+    assert calls_before - done_before in (0, 1)  # at most the shard being translated when killed
+    assert not [f for f in os.listdir(shard_dir) if ".tmp" in f]
+
+
+def test_two_torchrun_ranks_each_translate_their_own_shards(env):
+    log = env / "calls.log"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+    distill(env, "ddp", "--teacher-cmd", teacher_cmd(env, "--log", str(log)), "--shard-size", "20",
+            "--student-steps", "6", "--test-limit", "5", launcher=launcher)
+    src = lines(os.path.join(stage_dir(env, "ddp", "data"), "train.src"))
+    first_line = {src[i]: i // 20 for i in range(0, len(src), 20)}
+    calls = [x.split("\t", 1) for x in lines(log)]
+    shard_calls = [(int(rank), first_line[first]) for rank, first in calls if first in first_line]
+    assert sorted(s for _, s in shard_calls) == list(range(len(first_line)))  # each shard once
+    assert all(rank == shard % 2 for rank, shard in shard_calls)
+    assert lines(os.path.join(stage_dir(env, "ddp", "distill"), "distilled.txt")) == [x.upper() for x in src]
+    assert manifest(env, "ddp")["stages"]["distill"]["result"]["world"] == 2
+
+
+# -- teacher errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag,got", [("--drop-on-call", 9), ("--add-on-call", 11)])
+def test_teacher_changing_the_line_count_fails_naming_the_shard(env, flag, got):
+    r = distill(env, "bad", "--teacher-cmd", teacher_cmd(env, flag, "2", "--log", str(env / "log")),
+                "--shard-size", "10", "--student-steps", "5", check=False)
+    assert r.returncode == 2
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "Traceback" not in r.stderr
+    assert f"wrote {got} lines for 10 input lines on shard 1 (lines 11-20)" in err[0]
+    shards = os.path.join(stage_dir(env, "bad", "distill"), "shards")
+    assert sorted(os.listdir(shards)) == ["shard-00000.txt"]  # the good shard is kept for the rerun
+
+
+def test_teacher_exiting_nonzero_fails_with_its_status_and_stderr(env):
+    r = distill(env, "fail", "--teacher-cmd", teacher_cmd(env, "--fail-on-call", "1", "--log", str(env / "log")),
+                "--student-steps", "5", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1
+    assert "exited with status 3 on shard 0" in err[0] and "teacher: model file missing" in err[0]
+
+
+# -- teachers and search as a library ----------------------------------------------------------------
+
+def _random_model_dir(tiny_spm, out, seed):
+    from student.export import write_model_dir
+    from student.model import Transformer, preset
+    torch.manual_seed(seed)
+    m = Transformer(preset("student-tiny", vocab_size=64, d_model=32, n_heads=2, ffn_dim=64, encoder_layers=2,
+                           decoder_layers=2, dropout=0.0))
+    meta = {"src_lang": "en", "tgt_lang": "es", "normaliser": {"type": "moses-punct", "src_lang": "en",
+            "tgt_lang": "es", "penn": True, "norm_quote_commas": True, "norm_numbers": True,
+            "pre_replace_unicode_punct": True, "post_remove_control_chars": True}}
+    return write_model_dir(m, tiny_spm, str(out), meta), m.eval()
+
+
+def test_reference_search_with_beam_one_is_exactly_the_training_models_greedy(tiny_spm, tmp_path):
+    from student.distill.beam import EnsembleSearch
+    from student.train.batching import collate
+    _, model = _random_model_dir(tiny_spm, tmp_path / "m", 0)
+    src, _ = toy_parallel(12, seed=5)
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=tiny_spm)
+    ids = [sp.encode(x) + [2] for x in src]
+    s, _, _ = collate(ids, None, range(len(ids)), 1, 2, 2)
+    ref = model.greedy(s)
+    assert all(1 not in r for r in ref)  # greedy never chose padding, so the searches are comparable
+    assert EnsembleSearch([model], beam=1)(s) == ref
+
+
+def test_ensemble_averages_member_log_probabilities_per_step(tiny_spm, tmp_path):
+    from student.distill.beam import EnsembleSearch
+    from student.distill.teachers import ModelTeacher
+    from student.train.batching import collate
+    da, a = _random_model_dir(tiny_spm, tmp_path / "a", 0)
+    db, b = _random_model_dir(tiny_spm, tmp_path / "b", 1)
+    shutil.copytree(da, tmp_path / "a2")
+    src, _ = toy_parallel(10, seed=6)
+    src[3] = ""
+    one = ModelTeacher([da], beam=3, engine="reference").translate(src)
+    assert ModelTeacher([da, str(tmp_path / "a2")], beam=3, engine="reference").translate(src) == one
+    assert one[3] == "" and len(one) == len(src)
+
+    # greedy over the mean of the members' log-softmax, recomputing the prefix: the ensemble's definition
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=tiny_spm)
+    ids = [sp.encode(x) + [2] for x in src if x]
+    s, _, _ = collate(ids, None, range(len(ids)), 1, 2, 2)
+    got = EnsembleSearch([a, b], beam=1)(s)
+    with torch.no_grad():
+        ea, eb = a.encode(s), b.encode(s)
+        limit = torch.clamp(((s != 1).sum(1).float() * 1.5 + 10).long(), max=1023)
+        ys = torch.full((len(ids), 1), 2, dtype=torch.long)
+        done = torch.zeros(len(ids), dtype=torch.bool)
+        for t in range(int(limit.max())):
+            lp = (torch.log_softmax(a.decode(ys, *ea)[:, -1], -1) + torch.log_softmax(b.decode(ys, *eb)[:, -1], -1)) / 2
+            lp[:, 1] = float("-inf")
+            nxt = torch.where(done, 1, torch.where(t + 1 >= limit, 2, lp.argmax(-1)))
+            ys = torch.cat([ys, nxt[:, None]], 1)
+            done |= nxt == 2
+            if done.all():
+                break
+    want = [r[:r.index(2)] if 2 in r else r for r in ys[:, 1:].tolist()]
+    assert got == want
+    assert got != EnsembleSearch([a], beam=1)(s) or got != EnsembleSearch([b], beam=1)(s)
+
+
+def test_hf_marian_teacher_translates_every_line_offline(tmp_path):
+    pytest.importorskip("transformers")
+    import sentencepiece as spm
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+    from student.distill.teachers import HFTeacher, make_teacher
+    src, tgt = toy_parallel(300)
+    (tmp_path / "text.txt").write_text("\n".join(src + tgt) + "\n", encoding="utf-8")
+    # Marian's id layout: </s>=0, <unk>=1... only eos/pad/unk matter to the tokenizer
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=64, bos_id=-1, eos_id=0, pad_id=1, unk_id=2, minloglevel=2,
+                                   num_threads=1)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    (tmp_path / "vocab.json").write_text(json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}))
+    tok = MarianTokenizer(source_spm=str(tmp_path / "spm.model"), target_spm=str(tmp_path / "spm.model"),
+                          vocab=str(tmp_path / "vocab.json"))
+    torch.manual_seed(0)
+    cfg = MarianConfig(vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1,
+                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                       decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+    out = tmp_path / "marian"
+    MarianMTModel(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+
+    teacher = make_teacher(hf_dir=str(out), beam=2)
+    assert isinstance(teacher, HFTeacher)
+    lines_in = src[:7] + [""] + src[7:12]
+    got = teacher.translate(lines_in)
+    assert len(got) == len(lines_in) and got[7] == "" and all(got[i] for i in range(len(got)) if i != 7)
+    assert teacher.translate(lines_in) == got  # beam search is deterministic
+    assert teacher.size()["params"] == sum(p.numel() for p in MarianMTModel.from_pretrained(out).parameters())
+
+
+# -- pieces ------------------------------------------------------------------------------------------
+
+def test_ranks_partition_the_shards_round_robin(tmp_path):
+    from student.distill.shards import missing_shards, write_atomic, shard_path
+    assert [missing_shards(str(tmp_path), 95, 10, r, 3) for r in range(3)] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    write_atomic(shard_path(str(tmp_path), 3), ["x"] * 10)
+    assert missing_shards(str(tmp_path), 95, 10, 0, 3) == [0, 6, 9]
+
+
+def test_cleaning_drops_empty_copied_repetitive_and_length_ratio_outliers():
+    from student.distill.filter import clean_distilled
+    src = ["the man sees the dog", "the red house", "a big city", "the king has a word",
+           "the dog", "a small cat sees the old woman", "the house\u2028is red"]
+    hyp = ["el hombre ve el perro", "", "a big city", "el rey el rey el rey el rey el rey tiene",
+           "el perro es un perro grande y viejo y rojo", "gato", "la casa es roja"]
+    s, h, counts = clean_distilled(src, hyp)
+    assert counts == {"empty": 1, "copy": 1, "repetitive": 1, "ratio": 2, "kept": 2}
+    assert s == ["the man sees the dog", "the house is red"]  # line separators never reach the corpus
+    assert h == ["el hombre ve el perro", "la casa es roja"]
