@@ -1,4 +1,4 @@
-"""python -m decoder --model DIR [--beam N] [--device cpu|cuda] [--precision ...] < in > out
+"""python -m decoder --model DIR [--beam N] [--device cpu|cuda] [--precision ...] [--shortlist] < in > out
 
 Reads stdin incrementally as bytes (invalid UTF-8 is replaced, CRLF accepted),
 writes one line per input line, in order, flushed after every chunk.
@@ -24,6 +24,9 @@ def parse_args(argv=None):
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=1.5)
     p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--shortlist", action="store_true",
+                   help="restrict the output layer to the model dir's lexical shortlist "
+                        "(shortlist.safetensors, built by python -m student.shortlist)")
     return p.parse_args(argv)
 
 
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
                         beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
                         chunk_lines=a.chunk_lines, length_penalty=a.length_penalty,
-                        max_len_a=a.max_len_a, max_len_b=a.max_len_b)
+                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, shortlist=a.shortlist)
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,9 @@ from .model import IncrementalState, heads, merge
 class StaticState(IncrementalState):
     fixed_rows = True  # the searches must not shrink the batch
 
-    def __init__(self, model, enc, mask, beam: int, max_len: int, graphs: bool = True):
-        super().__init__(model, enc, mask, beam, max_len)
+    def __init__(self, model, enc, mask, beam: int, max_len: int, graphs: bool = True, out=None):
+        # a shortlist projection `out` is fixed for the batch, like the graph: it is captured with it
+        super().__init__(model, enc, mask, beam, max_len, out)
         self.cache.zero_()  # masked positions still pass through softmax(.) @ V: keep them finite
         N, dev = self.cache.shape[2], enc.device
         self.tokens = torch.zeros(N, dtype=torch.long, device=dev)  # (rows,) static input
@@ -53,7 +54,7 @@ class StaticState(IncrementalState):
             o = F.scaled_dot_product_attention(heads(q, h), ck, cv, attn_mask=self.mask)
             x = x + L["cross"].out(merge(o).view(N, 1, -1))
             x = x + L["ffn"](L["ln3"](x))
-        return m.logits(x[:, 0])  # (N, V)
+        return m.logits(x[:, 0], self.out)  # (N, V) or (N, C)
 
     def step(self, tokens, t: int):
         self.tokens.copy_(tokens)

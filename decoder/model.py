@@ -14,6 +14,10 @@ the searches (decoder/search.py) do not care which one runs:
   so nothing is copied per beam. Beam reorder is an in-place gather.
 - `RecomputeState`: the naive reference: re-runs the whole prefix every step
   with encoder output copied per beam and cross K/V recomputed every time.
+
+Both take an optional output projection `out` (`Model.output_rows`): with a
+lexical shortlist (`Shortlist`) the logits then cover only the batch's candidate
+ids, and the searches map their picks back through that id list.
 """
 from __future__ import annotations
 
@@ -155,15 +159,46 @@ class Model:
             x = x + L["ffn"](L["ln2"](x))
         return self.enc_norm(x), mask
 
-    def logits(self, y):
-        return self.out_proj(self.dec_norm(y))
+    def logits(self, y, out=None):
+        """y (rows, d) -> (rows, V), or (rows, C) through a sliced projection `out`."""
+        return (self.out_proj if out is None else out)(self.dec_norm(y))
+
+    def output_rows(self, vocab):
+        """The output projection restricted to the ids `vocab` (C,), once per batch."""
+        return self.out_proj.rows(vocab)
+
+
+class Shortlist:
+    """Vocabulary selection: the target ids a batch may produce.
+
+    The union, over the batch's source tokens, of their shortlists, plus the
+    frequent ids and </s>. One union per batch (Marian, CTranslate2): per
+    sentence would mean a different projection per row, i.e. no single matmul.
+    """
+
+    def __init__(self, offsets, ids, frequent, eos_id: int, device):
+        self.offsets, self.ids = offsets.to(device), ids.to(device)  # CSR: (V+1,), (nnz,)
+        self.always = torch.cat([frequent, torch.tensor([eos_id])]).to(device)  # (N+1,)
+        self.vocab_size = offsets.numel() - 1
+
+    def candidates(self, src):
+        """src (B, S) source ids -> the allowed target ids (C,), ascending, </s> among them."""
+        u = torch.unique(src)  # (U,)
+        start, n = self.offsets[u], self.offsets[u + 1] - self.offsets[u]  # (U,) each
+        # index of every listed id: start[i] + 0 .. n[i]-1, flattened over i
+        first = torch.cumsum(n, 0) - n  # (U,) where source i's run begins in the flat list
+        pos = torch.repeat_interleave(start - first, n) + torch.arange(int(n.sum()), device=src.device)
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool, device=src.device)
+        allowed[self.ids[pos]] = True
+        allowed[self.always] = True
+        return allowed.nonzero()[:, 0]  # (C,)
 
 
 class IncrementalState:
     """Cached decoding of `beam` rows per sentence; rows of one sentence are adjacent."""
 
-    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
-        self.m, self.beam, self.mask = model, beam, mask
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, out=None):
+        self.m, self.beam, self.mask, self.out = model, beam, mask, out
         B, S, _ = enc.shape
         h, hd = model.n_heads, model.d // model.n_heads
         # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd)
@@ -173,7 +208,7 @@ class IncrementalState:
         self.t = 0
 
     def step(self, tokens, t: int):
-        """tokens (rows,) at position t -> logits (rows, V)."""
+        """tokens (rows,) at position t -> logits (rows, V), or (rows, C) with `out`."""
         m, h = self.m, self.m.n_heads
         N = tokens.shape[0]
         B = N // self.beam
@@ -193,7 +228,7 @@ class IncrementalState:
             x = x + L["cross"].out(merge(o).view(N, 1, -1))
             x = x + L["ffn"](L["ln3"](x))
         self.t = t + 1
-        return m.logits(x[:, 0])  # (N, V)
+        return m.logits(x[:, 0], self.out)  # (N, V) or (N, C)
 
     def reorder(self, rows):
         """Row r takes the history of row rows[r] (beam reorder), in place."""
@@ -214,8 +249,8 @@ class IncrementalState:
 class RecomputeState:
     """Naive decoding: the whole prefix again every step, encoder output per beam row."""
 
-    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
-        self.m, self.beam = model, beam
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, out=None):
+        self.m, self.beam, self.out = model, beam, out
         self.enc = enc.repeat_interleave(beam, 0)  # (B*beam, S, d)
         self.mask = mask.repeat_interleave(beam, 0)  # (B*beam, 1, 1, S)
         self.prefix = None  # (rows, t) tokens fed so far
@@ -238,7 +273,7 @@ class RecomputeState:
                                                attn_mask=self.mask)
             x = x + L["cross"].out(merge(o))
             x = x + L["ffn"](L["ln3"](x))
-        return m.logits(x[:, -1])  # (N, V)
+        return m.logits(x[:, -1], self.out)  # (N, V) or (N, C)
 
     def reorder(self, rows):
         self.prefix = self.prefix.index_select(0, rows)

@@ -5,6 +5,8 @@
                          normaliser settings, provenance
       model.safetensors  weights, names in TENSOR_NAMES below (decoder/README.md)
       spm.model          joint SentencePiece model
+      shortlist.safetensors  optional lexical shortlist, listed as files.shortlist
+                         (read only when the decoder's `shortlist` switch is on)
 
 Loading runs no code from the directory (safetensors, JSON), and every problem
 is one `ModelDirError` whose message names the offending file.
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 
 FORMAT_VERSION = 1
 CONFIG, WEIGHTS, SPM = "config.json", "model.safetensors", "spm.model"
+SHORTLIST = "shortlist.safetensors"
+SHORTLIST_TENSORS = ("offsets", "ids", "frequent")
 
 
 class ModelDirError(Exception):
@@ -54,6 +58,7 @@ class ModelConfig:
     normaliser: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     extra_files: dict = field(default_factory=dict)
+    shortlist: str | None = None  # file name in the model dir (read_shortlist)
 
     def to_json(self) -> dict:
         a = self.arch
@@ -73,11 +78,21 @@ class ModelConfig:
             "languages": {"src": self.src_lang, "tgt": self.tgt_lang},
             "normaliser": self.normaliser,
             "provenance": self.provenance,
-            "files": {"weights": WEIGHTS, "spm": SPM, **self.extra_files},
+            "files": {"weights": WEIGHTS, "spm": SPM, **self.extra_files,
+                      **({"shortlist": self.shortlist} if self.shortlist else {})},
         }
 
     @classmethod
     def from_json(cls, d: dict, where: str = CONFIG) -> "ModelConfig":
+        files = d.get("files", {})
+        if not isinstance(files, dict):
+            raise ModelDirError(f"{where}: files must be an object, got {type(files).__name__}")
+        shortlist = files.get("shortlist")
+        # a bare name: the config must not point outside its own directory
+        if shortlist is not None and (not isinstance(shortlist, str) or shortlist in ("", ".", "..")
+                                      or "/" in shortlist or os.sep in shortlist):
+            raise ModelDirError(f"{where}: files.shortlist must be a file name in the model dir, "
+                                f"got {shortlist!r}")
         try:
             a = d["architecture"]
             arch = Arch(**{k: a[k] for k in (
@@ -89,8 +104,9 @@ class ModelConfig:
                       unk_id=s["unk"], decoder_start_id=s["decoder_start"],
                       src_lang=d["languages"]["src"], tgt_lang=d["languages"]["tgt"],
                       normaliser=d.get("normaliser", {}), provenance=d.get("provenance", {}),
-                      extra_files={k: v for k, v in d.get("files", {}).items()
-                                   if k not in ("weights", "spm")})
+                      extra_files={k: v for k, v in files.items()
+                                   if k not in ("weights", "spm", "shortlist")},
+                      shortlist=shortlist)
         except (KeyError, TypeError) as e:
             raise ModelDirError(f"{where}: missing or malformed field {e}") from None
         if arch.d_model % arch.n_heads:
@@ -194,3 +210,79 @@ def load(model_dir: str, device: str = "cpu"):
         raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
                             f"{CONFIG} says {cfg.arch.vocab_size}")
     return cfg, weights, spath
+
+
+def read_shortlist(model_dir: str, cfg: ModelConfig):
+    """(offsets (V+1,), ids (nnz,), frequent (N,)), int64, of the model dir's shortlist.
+
+    CSR layout: the candidate target ids of source token s are
+    ids[offsets[s]:offsets[s+1]]; `frequent` are allowed in every batch.
+    Validated here so a bad file fails at load time, not mid-batch."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if cfg.shortlist is None:
+        raise ModelDirError(f"{os.path.join(model_dir, CONFIG)}: no shortlist listed (files.shortlist); "
+                            f"build one with python -m student.shortlist")
+    path = os.path.join(model_dir, cfg.shortlist)
+    if not os.path.isfile(path):
+        raise ModelDirError(f"{path}: missing file (listed as files.shortlist in {CONFIG})")
+    try:
+        t = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ModelDirError(f"{path}: unreadable safetensors ({str(e).splitlines()[0]})") from None
+    return check_shortlist(t, cfg.arch.vocab_size, path)
+
+
+def check_shortlist(t: dict, vocab_size: int, where: str):
+    """The (offsets, ids, frequent) of shortlist tensors `t`, int64, or a ModelDirError naming `where`."""
+    import torch
+
+    for name in SHORTLIST_TENSORS:
+        if name not in t:
+            raise ModelDirError(f"{where}: missing tensor {name}")
+        x = t[name]
+        if x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
+            raise ModelDirError(f"{where}: {name} must be a 1-d int32/int64 tensor, "
+                                f"got {x.dtype} {tuple(x.shape)}")
+    unexpected = sorted(set(t) - set(SHORTLIST_TENSORS))
+    if unexpected:
+        raise ModelDirError(f"{where}: unexpected tensor {unexpected[0]}")
+    offsets, ids, frequent = (t[n].long() for n in SHORTLIST_TENSORS)
+    V = vocab_size
+    if offsets.numel() != V + 1:
+        raise ModelDirError(f"{where}: offsets has {offsets.numel()} entries, expected vocab_size + 1 = {V + 1}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ModelDirError(f"{where}: offsets must rise from 0 to len(ids) = {ids.numel()}")
+    for name, x in (("ids", ids), ("frequent", frequent)):
+        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= V):
+            raise ModelDirError(f"{where}: {name} holds token ids outside [0, {V}) "
+                                f"(min {int(x.min())}, max {int(x.max())})")
+    return offsets, ids, frequent
+
+
+def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | None = None) -> str:
+    """Write shortlist.safetensors into a model dir and list it in config.json.
+
+    The tensors are checked before anything is written; config.json is rewritten
+    with only files.shortlist changed, so fields this version does not know survive."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = read_config(model_dir)
+    path = os.path.join(model_dir, SHORTLIST)
+    tensors = {n: torch.as_tensor(x) for n, x in zip(SHORTLIST_TENSORS, (offsets, ids, frequent))}
+    check_shortlist(tensors, cfg.arch.vocab_size, path)  # before anything is written
+    # int32: half the bytes, and vocabularies stay far below 2**31
+    tensors = {n: x.to(torch.int32).contiguous() for n, x in tensors.items()}
+    save_file(tensors, path, metadata={k: str(v) for k, v in (metadata or {}).items()})
+    cpath = os.path.join(model_dir, CONFIG)
+    with open(cpath, encoding="utf-8") as fh:
+        d = json.load(fh)
+    d.setdefault("files", {})["shortlist"] = SHORTLIST
+    tmp = f"{cpath}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(d, fh, indent=2, ensure_ascii=False)
+    os.replace(tmp, cpath)
+    return path

@@ -34,6 +34,13 @@ class Linear:
         y = F.linear(x, self.w, self.b)
         return F.relu(y) if relu else y
 
+    def rows(self, idx: torch.Tensor) -> "Linear":
+        """This layer restricted to the output features idx (C,): a shortlist's projection."""
+        new = Linear.__new__(Linear)
+        new.w = self.w.index_select(0, idx)  # (C, in)
+        new.b = None if self.b is None else self.b.index_select(0, idx)
+        return new
+
 
 class Int8Linear:
     """Dynamic int8: per-row activation scales, per-output-channel weight scales."""
@@ -50,6 +57,16 @@ class Int8Linear:
     @property
     def out_features(self) -> int:
         return self.wq_t.shape[1]
+
+    def rows(self, idx: torch.Tensor) -> "Int8Linear":
+        """This layer restricted to the output features idx (C,): weights, scales and
+        bias sliced together, so the result equals those columns of the full output."""
+        new = Int8Linear.__new__(Int8Linear)
+        new.fused = self.fused
+        new.w_scale = self.w_scale.index_select(0, idx)  # (C,)
+        new.wq_t = self.wq_t.index_select(1, idx).contiguous()  # (in, C), _int_mm's layout
+        new.b = None if self.b is None else self.b.index_select(0, idx)
+        return new
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         if self.fused:

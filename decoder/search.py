@@ -4,6 +4,10 @@ A state has `step(tokens (rows,), t) -> logits (rows, V)`, `reorder(rows)` and
 `keep(sentences, rows)`; the searches own nothing else. `limits` (B,) is the
 most target tokens a sentence may have including </s> (a·src_len + b, capped):
 at the last allowed step </s> is forced, so every sentence ends.
+
+With a lexical shortlist the logits cover only the batch's candidates: column j
+is token `vocab[j]` (`vocab` (C,) ascending, </s> among them). The searches pick
+columns and map them back at once, so histories and outputs are real ids.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ NEG_INF = float("-inf")
 
 
 def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_free: bool = True,
-           early_stop: bool = True, shrink_ratio: float = 0.25) -> list[list[int]]:
+           early_stop: bool = True, shrink_ratio: float = 0.25, vocab=None) -> list[list[int]]:
     """Argmax decoding; returns token ids without </s>, one list per sentence.
 
     Finished rows are fed <pad> until at least `shrink_ratio` of the rows are
@@ -31,6 +35,8 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
         if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
             logits = torch.log_softmax(logits.float(), -1)
         nxt = logits.argmax(-1)
+        if vocab is not None:
+            nxt = vocab[nxt]
         nxt = torch.where(limits <= t + 1, eos_id, nxt)
         nxt = torch.where(done, pad_id, nxt)
         hist = torch.cat([hist, nxt[:, None]], 1)
@@ -53,7 +59,7 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
 
 def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                 length_penalty: float = 1.0, early_stop: bool = True,
-                shrink_ratio: float = 0.25) -> list[list[int]]:
+                shrink_ratio: float = 0.25, vocab=None) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty."""
     B, K, dev = limits.shape[0], beam, limits.device
@@ -66,17 +72,24 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
     done = torch.zeros(B, dtype=torch.bool)
     beam_ar = torch.arange(K, device=dev)
     fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
+    eos_c = eos_id if vocab is None else int(torch.searchsorted(vocab, eos_id))  # </s>'s column
+    if vocab is not None and (eos_c >= vocab.numel() or int(vocab[eos_c]) != eos_id):
+        raise ValueError("the shortlist candidates must include </s>")
     for t in range(int(limits.max())):
-        logits = state.step(tokens, t)  # (nb*K, V)
+        logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
         nb, V = limits.shape[0], logits.shape[-1]
+        # over a shortlist this normalises over the candidates only (as Marian does)
         cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
         force = limits <= t + 1  # (nb,) last allowed step: only </s>
         if bool(force.any()):
-            eos_col = cand[:, :, eos_id].clone()
+            eos_col = cand[:, :, eos_c].clone()
             cand[force] = NEG_INF
-            cand[:, :, eos_id] = torch.where(force[:, None], eos_col, cand[:, :, eos_id])
-        top_s, top_i = cand.view(nb, K * V).topk(2 * K, dim=1)  # (nb, 2K)
+            cand[:, :, eos_c] = torch.where(force[:, None], eos_col, cand[:, :, eos_c])
+        n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
+        top_s, top_i = cand.view(nb, K * V).topk(n_top, dim=1)  # (nb, n_top)
         src_beam, tok = top_i // V, top_i % V
+        if vocab is not None:
+            tok = vocab[tok]
         is_eos = tok == eos_id
         ends = is_eos[:, :K] & (top_s[:, :K] > NEG_INF)
         if bool(ends.any()):
@@ -86,7 +99,7 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                     r = b * K + int(src_beam[b, j])
                     fb.append((float(top_s[b, j]) / (t + 1) ** length_penalty, hist[r].tolist()))
         # the best K continuations that are not </s>
-        rank = torch.arange(2 * K, device=dev).expand(nb, -1) + is_eos.long() * (2 * K)
+        rank = torch.arange(n_top, device=dev).expand(nb, -1) + is_eos.long() * n_top
         sel = rank.topk(K, dim=1, largest=False).indices  # (nb, K) ascending rank
         scores = top_s.gather(1, sel)
         rows = (torch.arange(nb, device=dev)[:, None] * K + src_beam.gather(1, sel)).view(-1)

@@ -11,7 +11,7 @@ import torch
 from . import modeldir
 from .batching import make_batches, restore
 from .graphs import StaticState
-from .model import IncrementalState, Model, RecomputeState
+from .model import IncrementalState, Model, RecomputeState, Shortlist
 from .pipeline import Text, run
 from .quant import int8_available
 from .runtime import retain_freed_memory
@@ -31,6 +31,7 @@ class Options:
     pipeline: bool = True       # text processing in worker threads
     cuda_graphs: bool = True    # on CUDA: fixed-shape steps replayed from one CUDA graph
     static_shapes: bool = False  # the fixed-shape state without graphs, on any device (tests)
+    shortlist: bool = False     # output layer over the batch's lexical shortlist (needs the model dir's file)
     retain_memory: bool = True  # glibc keeps freed blocks (no page faults per step); process-wide
     max_tokens: int = 4096      # padded source tokens per batch
     max_sentences: int = 512
@@ -75,6 +76,10 @@ class Translator:
         self.model = Model(cfg, weights, precision=self.precision, device=self.device,
                            fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops)
         self.text = Text(cfg, spm_path, cfg.arch.max_positions)
+        self.shortlist = None
+        if self.opts.shortlist:
+            self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
+                                       device=self.model.device)
 
     # -- token level ---------------------------------------------------------------
     def limits(self, lengths: list[int]) -> torch.Tensor:
@@ -94,19 +99,23 @@ class Translator:
         src = src.to(self.model.device)
         limits = self.limits([len(s) for s in srcs]).to(self.model.device)
         enc, mask = self.model.encode(src)
+        vocab = out = None
+        if self.shortlist is not None:  # one candidate set and one sliced projection per batch
+            vocab = self.shortlist.candidates(src)  # (C,)
+            out = self.model.output_rows(vocab)
         graphs = o.cuda_graphs and self.model.device.type == "cuda"
         if o.cache and (graphs or o.static_shapes):
-            state = StaticState(self.model, enc, mask, o.beam, int(limits.max()), graphs=graphs)
+            state = StaticState(self.model, enc, mask, o.beam, int(limits.max()), graphs=graphs, out=out)
         else:
             State = IncrementalState if o.cache else RecomputeState
-            state = State(self.model, enc, mask, o.beam, int(limits.max()))
+            state = State(self.model, enc, mask, o.beam, int(limits.max()), out=out)
         if o.beam == 1:
             return greedy(state, limits, start_id=c.decoder_start_id, eos_id=c.eos_id, pad_id=c.pad_id,
                           softmax_free=o.softmax_free, early_stop=o.early_stop,
-                          shrink_ratio=o.shrink_ratio)
+                          shrink_ratio=o.shrink_ratio, vocab=vocab)
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
-                           shrink_ratio=o.shrink_ratio)
+                           shrink_ratio=o.shrink_ratio, vocab=vocab)
 
     # -- text level ----------------------------------------------------------------
     def _compute(self, srcs: list, submit):

@@ -107,20 +107,23 @@ def test_command_teacher_end_to_end_then_rerun_skips_and_changed_option_reruns_o
     assert distilled == [x.upper() for x in train_src]
     from decoder import modeldir
     modeldir.load(str(run / "student-model"))  # the exported student is a valid model dir
+    cfg = modeldir.read_config(str(run / "student-model"))  # ... with its lexical shortlist
+    assert modeldir.read_shortlist(str(run / "student-model"), cfg)[1].numel() > 0
 
     m = manifest(env, "up")
-    assert set(m["stages"]) == {"data", "distill", "corpus", "student", "report"}
+    assert set(m["stages"]) == {"data", "distill", "corpus", "student", "shortlist", "report"}
     assert all(s["status"] == "ran" and len(s["key"]) == 12 for s in m["stages"].values())
     assert m["versions"]["torch"] == importlib.metadata.version("torch") and m["versions"]["sacrebleu"]
     assert m["config"]["teacher_cmd"] == teacher_cmd(env) and m["inputs"]["src"]
 
     r = distill(env, "up", "--teacher-cmd", teacher_cmd(env), "--shard-size", "50", "--student-steps", "20")
     assert all(s["status"] == "reused" for s in manifest(env, "up")["stages"].values())
-    assert r.stderr.count("up to date") == 5
+    assert r.stderr.count("up to date") == 6
 
     distill(env, "up", "--teacher-cmd", teacher_cmd(env), "--shard-size", "50", "--student-steps", "25")
     st = {k: v["status"] for k, v in manifest(env, "up")["stages"].items()}
-    assert st == {"data": "reused", "distill": "reused", "corpus": "reused", "student": "ran", "report": "ran"}
+    assert st == {"data": "reused", "distill": "reused", "corpus": "reused", "student": "ran", "shortlist": "ran",
+                  "report": "ran"}
     assert len(glob.glob(str(run / "student-*"))) == 3  # two keyed student dirs + the student-model link
 
 

@@ -81,6 +81,12 @@ def parser() -> argparse.ArgumentParser:
                    help="also train the same student on the original pairs, for comparison "
                         "(default: off; on in the wmt preset)")
 
+    g.add_argument("--shortlist-k", type=int,
+                   help="lexical shortlist of each student (python -m student.shortlist): target tokens per "
+                        f"source token; 0 = no shortlist (default {d.shortlist_k})")
+    g.add_argument("--shortlist-frequent", type=int,
+                   help=f"most frequent target tokens in every shortlist (default {d.shortlist_frequent})")
+
     g = p.add_argument_group("training (teacher and students)")
     g.add_argument("--max-tokens", type=int, help=f"padded tokens per batch (default {d.max_tokens})")
     g.add_argument("--eval-every", type=int, help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")

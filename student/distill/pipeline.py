@@ -1,4 +1,4 @@
-"""The distillation pipeline: data -> teacher -> distill -> corpus -> student (-> baseline) -> report.
+"""The distillation pipeline: data -> teacher -> distill -> corpus -> student (-> baseline) -> shortlists -> report.
 
     from student.distill import DistillConfig, run
     run(DistillConfig.from_preset("default", name="bible", teacher_cmd="apertium -u eng-spa"))
@@ -70,6 +70,9 @@ class DistillConfig:
     student_warmup: int = 400
     student_beam: int = 1
     baseline_student: bool = False
+    # lexical shortlist of each exported student, from the corpus it was trained on (0 = none)
+    shortlist_k: int = 100
+    shortlist_frequent: int = 100
     # training shared by teacher and students
     max_tokens: int = 3072
     eval_every: int = 400
@@ -135,6 +138,8 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError("--src and --tgt go together")
     if cfg.shard_size < 1:
         raise ValueError("--shard-size must be at least 1")
+    if cfg.shortlist_k < 0 or cfg.shortlist_frequent < 0:
+        raise ValueError("--shortlist-k and --shortlist-frequent must be >= 0")
 
 
 def run(cfg: DistillConfig, verbose: bool = True) -> dict:
@@ -283,11 +288,30 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
         runner.link(f"{name}-model", f"{d}/model")
         return key, f"{d}/model"
 
+    def shortlist_stage(stage, model_dir, tsrc, ttgt, upstream):
+        from student.shortlist import add_to_model_dir
+        opts = {"k": cfg.shortlist_k, "frequent": cfg.shortlist_frequent}
+
+        def build(d):
+            return add_to_model_dir(model_dir, tsrc, ttgt, k=cfg.shortlist_k, n_frequent=cfg.shortlist_frequent)
+
+        runner.stage(stage, opts, upstream, lambda d: None, build)
+        # the file lives in the student's model dir, which every shortlist key shares:
+        # a reused stage may find another key's file there, so rebuild that one
+        if rank == 0 and _shortlist_options(model_dir) != opts:
+            log(f"[{stage}] {model_dir} holds another shortlist; rebuilding")
+            build(None)
+        barrier()
+
     skey, student_dir = student_stage("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])
     systems = [("teacher", teacher, upstream_teacher or [dkey]), ("student", student_dir, [skey])]
+    if cfg.shortlist_k:
+        shortlist_stage("shortlist", student_dir, f"{cdir}/train.src", f"{cdir}/train.tgt", [skey, ckey])
     if cfg.baseline_student:
         bkey, bdir = student_stage("baseline", train_src, train_tgt, [data_key])
         systems.append(("baseline", bdir, [bkey]))
+        if cfg.shortlist_k:
+            shortlist_stage("shortlist-baseline", bdir, train_src, train_tgt, [bkey, data_key])
 
     # report
     ropts = {"test_limit": cfg.test_limit, "teacher_beam": cfg.teacher_beam, "student_beam": cfg.student_beam,
@@ -309,6 +333,20 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
 def _train_shared(cfg):
     return {k: getattr(cfg, k) for k in ("max_tokens", "eval_every", "save_every", "dev_max", "patience",
                                          "amp", "seed", "vocab_size")}
+
+
+def _shortlist_options(model_dir) -> dict | None:
+    """{"k", "frequent"} the model dir's shortlist was built with (its safetensors metadata)."""
+    from safetensors import SafetensorError, safe_open
+
+    from decoder import modeldir
+    try:
+        cfg = modeldir.read_config(model_dir)
+        with safe_open(os.path.join(model_dir, cfg.shortlist or modeldir.SHORTLIST), "pt") as fh:
+            meta = fh.metadata() or {}
+        return {"k": int(meta["k"]), "frequent": int(meta["frequent"])}
+    except (OSError, KeyError, ValueError, SafetensorError, modeldir.ModelDirError):
+        return None
 
 
 def _digest(path):

@@ -1,0 +1,43 @@
+"""python -m student.shortlist --model DIR --src FILE --tgt FILE [--k 100] [--frequent 100]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m student.shortlist",
+        description="Build a lexical shortlist from a parallel corpus (the student's distilled training "
+                    "data) and add it to a model dir: shortlist.safetensors, listed in config.json. "
+                    "The decoder uses it with --shortlist.")
+    p.add_argument("--model", required=True, help="model dir (config.json, spm.model); the file is written here")
+    p.add_argument("--src", required=True, help="source side of the corpus, one sentence per line (plain or .gz)")
+    p.add_argument("--tgt", required=True, help="target side, line-aligned with --src")
+    p.add_argument("--k", type=int, default=100, help="target tokens per source token, by Dice (default 100)")
+    p.add_argument("--frequent", type=int, default=100,
+                   help="most frequent target tokens, allowed in every batch (default 100)")
+    p.add_argument("--no-identity", dest="identity", action="store_false",
+                   help="do not list each source token as its own candidate (copy-through)")
+    p.add_argument("--max-lines", type=int, default=0, help="use the first N pairs only (0 = all)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from decoder.modeldir import ModelDirError
+    from student.data import DataError
+    from student.shortlist import add_to_model_dir
+    try:
+        info = add_to_model_dir(a.model, a.src, a.tgt, k=a.k, n_frequent=a.frequent, identity=a.identity,
+                                max_lines=a.max_lines)
+    except (ModelDirError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

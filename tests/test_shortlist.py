@@ -1,0 +1,251 @@
+"""Lexical shortlist: the builder's pairs, the file's validation, and decoding over it."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import toy_parallel
+from decoder import Translator, modeldir
+from decoder.modeldir import ModelDirError
+from fixture_model import make_model_dir, synthetic_corpus
+from student.shortlist import add_to_model_dir, build
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def vocab(base_dir):
+    return modeldir.read_config(base_dir).arch.vocab_size
+
+
+@pytest.fixture(scope="module")
+def lines():
+    return synthetic_corpus(30, seed=7)
+
+
+def copy_with(base_dir, tmp_path, lists, frequent=()):
+    """A copy of the fixture model dir whose shortlist gives source token s the ids lists[s]."""
+    d = str(tmp_path / "model")
+    shutil.copytree(base_dir, d)
+    offsets = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+    ids = torch.tensor([t for x in lists for t in x], dtype=torch.long)
+    modeldir.write_shortlist(d, offsets, ids, torch.tensor(frequent, dtype=torch.long))
+    return d
+
+
+# -- decoding -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("switches", [
+    dict(beam=1), dict(beam=3), dict(beam=1, precision="int8"), dict(beam=3, precision="int8"),
+    dict(beam=1, static_shapes=True), dict(beam=2, cache=False, early_stop=False)],
+    ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute"])
+def test_whole_vocabulary_shortlist_gives_the_same_output(base_dir, tmp_path, vocab, lines, switches):
+    d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
+    full = Translator(d, **switches).translate(lines)
+    assert Translator(d, shortlist=True, **switches).translate(lines) == full
+
+
+def test_shortlist_with_only_eos_and_one_token_produces_that_token(base_dir, tmp_path, vocab, lines):
+    tr = Translator(base_dir)
+    x = tr.text.sp.piece_to_id("▁house")
+    assert x > 3
+    d = copy_with(base_dir, tmp_path, [[x]] * vocab)
+    for beam in (1, 3):
+        out = Translator(d, shortlist=True, beam=beam).translate_ids(tr.text.encode(lines))
+        assert {t for o in out for t in o} == {x}, f"beam {beam}"
+
+
+def test_shortlist_decoding_equals_full_decoding_with_the_others_masked(base_dir, tmp_path, vocab, lines):
+    # a real-looking shortlist: token s may produce ids s-20..s+20 and 10 frequent ones
+    lists = [[t for t in range(s - 20, s + 21) if 0 <= t < vocab] for s in range(vocab)]
+    d = copy_with(base_dir, tmp_path, lists, frequent=list(range(4, 14)))
+    tr = Translator(d, shortlist=True)
+    srcs = tr.text.encode(lines)
+    S = max(map(len, srcs))
+    src = torch.tensor([s + [1] * (S - len(s)) for s in srcs])
+    allowed = tr.shortlist.candidates(src)
+    assert allowed.numel() < vocab and 2 in allowed.tolist()
+    ref = Translator(d)
+    full_proj = ref.model.out_proj
+    mask = torch.full((vocab,), float("-inf"))
+    mask[allowed] = 0
+
+    class Masked:  # the full output layer, then everything outside the shortlist at -inf
+        def __call__(self, x, relu=False):
+            return full_proj(x) + mask
+    ref.model.out_proj = Masked()
+    out = tr.translate_ids(srcs)
+    assert out == ref.translate_ids(srcs)
+    assert set(t for o in out for t in o) <= set(allowed.tolist())
+
+
+def test_candidates_are_the_union_of_source_lists_frequent_and_eos(base_dir, tmp_path, vocab):
+    lists = [[] for _ in range(vocab)]
+    lists[10], lists[11] = [40, 30], [30, 50]
+    d = copy_with(base_dir, tmp_path, lists, frequent=[7])
+    tr = Translator(d, shortlist=True)
+    assert tr.shortlist.candidates(torch.tensor([[10, 11, 2], [11, 2, 1]])).tolist() == [2, 7, 30, 40, 50]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whole_vocabulary_shortlist_gives_the_same_output_with_cuda_graphs(base_dir, tmp_path, vocab, lines):
+    d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
+    kw = dict(device="cuda", precision="fp32", cuda_graphs=True)
+    assert Translator(d, shortlist=True, **kw).translate(lines) == Translator(d, **kw).translate(lines)
+
+
+# -- the file in the model dir ----------------------------------------------------------------
+
+def test_config_without_shortlist_still_loads_and_round_trips(base_dir):
+    cfg = modeldir.read_config(base_dir)
+    assert cfg.shortlist is None and "shortlist" not in cfg.to_json()["files"]
+    with_file = modeldir.ModelConfig.from_json({**cfg.to_json(), "files": {"shortlist": "sl.safetensors"}})
+    assert with_file.shortlist == "sl.safetensors"
+    assert modeldir.ModelConfig.from_json(with_file.to_json()) == with_file
+
+
+def one_line_error(d, **kw) -> str:
+    with pytest.raises(ModelDirError) as e:
+        Translator(d, shortlist=True, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_shortlist_switch_without_a_listed_file_names_the_config(base_dir):
+    msg = one_line_error(base_dir)
+    assert msg.startswith(os.path.join(base_dir, "config.json")) and "python -m student.shortlist" in msg
+
+
+def test_missing_shortlist_file_is_one_error_naming_it(base_dir, tmp_path, vocab):
+    d = copy_with(base_dir, tmp_path, [[5]] * vocab)
+    os.remove(os.path.join(d, "shortlist.safetensors"))
+    assert one_line_error(d).startswith(os.path.join(d, "shortlist.safetensors") + ": missing file")
+    Translator(d)  # without the switch the file is not needed (the submission image copies 3 files)
+
+
+def test_malformed_shortlist_files_are_one_error_naming_the_file(base_dir, tmp_path, vocab):
+    from safetensors.torch import save_file
+    d = copy_with(base_dir, tmp_path, [[5]] * vocab)
+    path = os.path.join(d, "shortlist.safetensors")
+    good = dict(offsets=torch.arange(vocab + 1), ids=torch.full((vocab,), 5), frequent=torch.tensor([4]))
+    cases = {
+        "unreadable safetensors": None,
+        "missing tensor frequent": {k: v for k, v in good.items() if k != "frequent"},
+        "ids must be a 1-d int32/int64 tensor": {**good, "ids": good["ids"].float()},
+        "offsets has": {**good, "offsets": torch.arange(vocab)},
+        "offsets must rise": {**good, "offsets": torch.arange(vocab + 1).flip(0)},
+        "ids holds token ids outside": {**good, "ids": torch.full((vocab,), vocab)},
+        "frequent holds token ids outside": {**good, "frequent": torch.tensor([-1])},
+    }
+    for expected, tensors in cases.items():
+        if tensors is None:
+            with open(path, "wb") as fh:
+                fh.write(b"not a safetensors file")
+        else:
+            save_file(tensors, path)
+        msg = one_line_error(d)
+        assert msg.startswith(path + ": ") and expected in msg, msg
+
+
+def test_shortlist_entry_pointing_outside_the_model_dir_is_rejected(base_dir, tmp_path):
+    d = str(tmp_path / "model")
+    shutil.copytree(base_dir, d)
+    cpath = os.path.join(d, "config.json")
+    with open(cpath) as fh:
+        cfg = json.load(fh)
+    cfg["files"]["shortlist"] = "../elsewhere.safetensors"
+    with open(cpath, "w") as fh:
+        json.dump(cfg, fh)
+    with pytest.raises(ModelDirError, match=r"config\.json: files\.shortlist must be a file name"):
+        modeldir.read_config(d)
+
+
+def test_writing_an_out_of_range_shortlist_fails_before_touching_the_model_dir(base_dir, tmp_path, vocab):
+    d = str(tmp_path / "model")
+    shutil.copytree(base_dir, d)
+    with pytest.raises(ModelDirError, match="outside"):
+        modeldir.write_shortlist(d, torch.tensor([0] * vocab + [1]), torch.tensor([vocab]),
+                                 torch.tensor([], dtype=torch.long))
+    assert not os.path.exists(os.path.join(d, "shortlist.safetensors"))
+    assert modeldir.read_config(d).shortlist is None
+
+
+def test_cli_reports_a_missing_shortlist_in_one_line(base_dir, tmp_path, vocab, capsys):
+    from decoder.__main__ import main
+    d = copy_with(base_dir, tmp_path, [[5]] * vocab)
+    os.remove(os.path.join(d, "shortlist.safetensors"))
+    assert main(["--model", d, "--shortlist"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "shortlist.safetensors" in err
+
+
+# -- the builder ---------------------------------------------------------------------------------
+
+def test_builder_pairs_each_source_token_with_its_translation():
+    # word-for-word toy pair: source token 10+i is always translated by target token 40+i
+    src_words, tgt_words = toy_parallel(200, seed=3)
+    en = sorted({w for s in src_words for w in s.split()})
+    es = sorted({w for s in tgt_words for w in s.split()})
+    s_ids = [[10 + en.index(w) for w in s.split()] for s in src_words]
+    t_ids = [[40 + es.index(w) for w in s.split()] + [2] for s in tgt_words]
+    lex = build(s_ids, t_ids, 80, k=1, n_frequent=3, identity=False, exclude=(0, 1, 2, 3))
+    pairs = {s: lex.ids[lex.offsets[s]:lex.offsets[s + 1]].tolist() for s in range(80)}
+    from conftest import WORDS_EN, WORDS_ES
+    for w_en, w_es in zip(WORDS_EN, WORDS_ES):
+        if w_en in en:
+            assert pairs[10 + en.index(w_en)] == [40 + es.index(w_es)], w_en
+    assert all(not pairs[s] for s in range(80) if not 10 <= s < 10 + len(en))
+    counts = torch.bincount(torch.tensor([t for s in t_ids for t in s]), minlength=80)
+    counts[2] = 0  # </s> is excluded: the decoder always adds it
+    assert lex.frequent.tolist() == counts.argsort(descending=True, stable=True)[:3].tolist()
+
+
+def test_builder_lists_each_token_first_then_best_dice_first():
+    src = [[5, 6], [5, 6], [5, 7], [6]]
+    tgt = [[8, 9], [8, 9], [8], [9]]
+    lex = build(src, tgt, 12, k=3, n_frequent=0, identity=True, exclude=(0, 1, 2, 3))
+    get = lambda s: lex.ids[lex.offsets[s]:lex.offsets[s + 1]].tolist()  # noqa: E731
+    # dice(5,8) = 2*3/(3+3) = 1, dice(5,9) = 2*2/(3+3); token 11 never seen: only itself
+    assert get(5) == [5, 8, 9]
+    assert get(6) == [6, 9, 8]
+    assert get(11) == [11]
+    assert get(2) == []  # special ids get no list
+    assert lex.frequent.numel() == 0
+
+
+def test_builder_rejects_unaligned_corpora():
+    with pytest.raises(ValueError, match="2 source sentences but 1 target"):
+        build([[4], [5]], [[6]], 10)
+
+
+def test_add_to_model_dir_builds_a_shortlist_the_decoder_uses(base_dir, tmp_path, toy_files, lines):
+    d = str(tmp_path / "model")
+    shutil.copytree(base_dir, d)
+    info = add_to_model_dir(d, str(toy_files / "train.en"), str(toy_files / "train.es"), k=20, n_frequent=10)
+    assert info["pairs"] > 0 and modeldir.read_config(d).shortlist == "shortlist.safetensors"
+    offsets, ids, frequent = modeldir.read_shortlist(d, modeldir.read_config(d))
+    assert frequent.numel() == 10 and ids.numel() == int(offsets[-1])
+    out = Translator(d, shortlist=True).translate(lines)
+    assert len(out) == len(lines)
+
+
+def test_add_to_model_dir_names_the_file_of_a_line_count_mismatch(base_dir, tmp_path):
+    from student.data import DataError
+    (tmp_path / "a.en").write_text("one\ntwo\n")
+    (tmp_path / "a.es").write_text("uno\n")
+    with pytest.raises(DataError, match=r"a\.es: 1 lines, but .*a\.en has 2"):
+        add_to_model_dir(base_dir, str(tmp_path / "a.en"), str(tmp_path / "a.es"))
+
+
+def test_bench_adds_shortlist_rows_only_when_asked():
+    from decoder.bench import ablation
+    assert not any(kw.get("shortlist") for _, kw in ablation())
+    rows = [(name, kw) for name, kw in ablation(shortlist=True) if kw.get("shortlist")]
+    assert [kw["beam"] for _, kw in rows] == [1, 4]
