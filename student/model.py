@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# one definition for training and decoding: the model-dir contract fixes the table
+from decoder.model import sinusoidal_table
+
 
 @dataclass
 class ModelArgs:
@@ -58,18 +61,6 @@ def preset(name: str, **overrides) -> ModelArgs:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     return ModelArgs(**{**PRESETS[name], **overrides})
-
-
-def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> torch.Tensor:
-    """fairseq/M2M100 table: row p = [sin(p*w), cos(p*w)], row pad_id zeroed."""
-    half = dim // 2
-    w = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / (half - 1)))
-    ang = torch.arange(n_positions, dtype=torch.float)[:, None] * w[None]  # (n, half)
-    table = torch.cat([torch.sin(ang), torch.cos(ang)], dim=1)
-    if dim % 2:
-        table = torch.cat([table, torch.zeros(n_positions, 1)], dim=1)
-    table[pad_id] = 0
-    return table  # (n_positions, dim)
 
 
 class Attention(nn.Module):
