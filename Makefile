@@ -7,11 +7,12 @@ STAMP   := $(VENV)/.setup-stamp
 APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test distill bench clean help image
+.PHONY: setup test distill bench clean help image evaluate
 
 help:
 	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
 	@echo "make test      the test suite (what CI runs)"
+	@echo "make evaluate  BLEU/chrF vs words/s for every system, Pareto chart (EVAL_ARGS=...)"
 	@echo "make setup     create $(VENV) and install what the kit needs"
 
 setup: $(STAMP)
@@ -66,6 +67,11 @@ test: setup
 # ablation table (docs/bench/); BENCH_ARGS e.g. --model DIR --threads 2
 bench: setup
 	$(VPY) -m decoder.bench $(BENCH_ARGS)
+
+# every system on one BLEU-vs-words/s chart (runs/evaluate/); EVAL_ARGS e.g.
+#   --model student=DIR --teacher DIR --container wmt-kit:latest --mode both
+evaluate: setup
+	$(VPY) -m submission.evaluate $(EVAL_ARGS)
 
 clean:
 	rm -rf build .pytest_cache

@@ -6,6 +6,8 @@ on the same weights (TenTrans-style table), plus a batch-1 latency comparison.
 Every row translates the same lines end to end (normalise, SPM, search, detokenise)
 with the same thread count; CTranslate2's CPU ISA is pinned (CT2_FORCE_CPU_ISA)
 so runs compare. Writes docs/bench/<name>.md and .json with the machine described.
+A model dir with a lexical shortlist (python -m student.shortlist) adds the
+"+ lexical shortlist" rows, greedy and beam 4, beside the same rows without it.
 """
 from __future__ import annotations
 
@@ -69,10 +71,12 @@ def _text(model_dir):
     return cfg, Text(cfg, spm_path, cfg.arch.max_positions)
 
 
-def run_ct2(ct2_dir, model_dir, lines, threads, compute_type, beam=1, max_tokens=4096, batch1=False):
+def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens=4096, batch1=False,
+                   device="cpu"):
+    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart)."""
     import ctranslate2
     cfg, text = _text(model_dir)
-    tr = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
+    tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=compute_type,
                                 intra_threads=threads, inter_threads=1)
     piece = text.sp.id_to_piece
 
@@ -92,13 +96,19 @@ def run_ct2(ct2_dir, model_dir, lines, threads, compute_type, beam=1, max_tokens
         for i, s in zip(idx, dec):
             out[i] = s
         return out
+    return go
+
+
+def run_ct2(ct2_dir, model_dir, lines, threads, compute_type, beam=1, max_tokens=4096, batch1=False):
+    go = ct2_translator(ct2_dir, model_dir, threads, compute_type, beam, max_tokens, batch1)
     go(lines[:8])
     t = time.perf_counter()
     out = go(lines)
     return out, time.perf_counter() - t
 
 
-def run_hf(model_dir, lines, threads, batch=64):
+def hf_translator(model_dir, threads, batch=64, beam=1):
+    """Load once; return translate(lines) -> hypotheses."""
     import torch
     from .convert import to_hf
     torch.set_num_threads(threads)
@@ -116,7 +126,7 @@ def run_hf(model_dir, lines, threads, batch=64):
             for r, i in enumerate(chunk):
                 ids[r, :len(srcs[i])] = torch.tensor(srcs[i])
             with torch.inference_mode():
-                g = model.generate(ids, attention_mask=ids != cfg.pad_id, num_beams=1, do_sample=False,
+                g = model.generate(ids, attention_mask=ids != cfg.pad_id, num_beams=beam, do_sample=False,
                                    max_new_tokens=min(int(S * 1.5 + 10), cfg.arch.max_positions - 1),
                                    min_length=0, decoder_start_token_id=cfg.decoder_start_id,
                                    eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)
@@ -127,6 +137,11 @@ def run_hf(model_dir, lines, threads, batch=64):
             for i, s in zip(chunk, text.decode(hyps)):
                 out[i] = s
         return out
+    return go
+
+
+def run_hf(model_dir, lines, threads, batch=64):
+    go = hf_translator(model_dir, threads, batch)
     go(lines[:8])
     t = time.perf_counter()
     out = go(lines)
@@ -139,8 +154,10 @@ NAIVE = dict(beam=4, cache=False, sort=False, early_stop=False, softmax_free=Fal
              pipeline=False, precision="fp32", fused_ops=False, retain_memory=False)
 
 
-def ablation() -> list[tuple[str, dict]]:
-    """Cumulative: each row adds one optimisation to the previous one."""
+def ablation(shortlist: bool = False) -> list[tuple[str, dict]]:
+    """Cumulative: each row adds one optimisation to the previous one. `shortlist`
+    (the model dir has one) adds the lexical shortlist on top of the best greedy
+    row and a beam-4 row with it, next to the same rows without."""
     steps = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", {}),
              ("+ K/V cache, cross K/V once per sentence", dict(cache=True)),
              ("+ length-sorted batches", dict(sort=True)),
@@ -157,7 +174,11 @@ def ablation() -> list[tuple[str, dict]]:
     for name, change in steps:
         cur = {**cur, **change}
         rows.append((name, dict(cur)))
+    if shortlist:
+        rows.append(("+ lexical shortlist (output layer over the batch's candidates)", {**cur, "shortlist": True}))
     rows.append(("best int8, beam 4", {**cur, "beam": 4}))
+    if shortlist:
+        rows.append(("best int8, beam 4, + lexical shortlist", {**cur, "beam": 4, "shortlist": True}))
     return rows
 
 
@@ -225,7 +246,8 @@ def main(argv=None):
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
-    for name, kw in ablation():
+    has_shortlist = sp.text.cfg.shortlist is not None  # rows with the switch only where there is a file
+    for name, kw in ablation(shortlist=has_shortlist):
         naive_row = not kw["cache"]
         if naive_row and "naive" in skip:
             continue

@@ -32,6 +32,7 @@ PUBLIC_BASE, LOCAL_BASE = "python:3.11-slim-bookworm", "localbase:bookworm"
 RUNTIME = ["torch", "sentencepiece", "sacremoses", "safetensors", "numpy"]
 IMAGE_PY = "3.11"  # both bases ship CPython 3.11
 MODEL_FILES = ("config.json", "model.safetensors", "spm.model")
+NOT_IN_IMAGE = {"submission/evaluate"}  # also in .dockerignore
 
 
 def log(msg: str) -> None:
@@ -195,7 +196,8 @@ def sources() -> list[str]:
     files = ["Dockerfile"]
     for top in ("decoder", "submission", "build/image"):
         for d, dirs, names in os.walk(os.path.join(ROOT, top)):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__"
+                             and os.path.relpath(os.path.join(d, x), ROOT) not in NOT_IN_IMAGE)
             files += [os.path.relpath(os.path.join(d, n), ROOT) for n in sorted(names)
                       if not n.endswith(".pyc")]
     return files

@@ -1,0 +1,144 @@
+"""python -m submission.evaluate: BLEU/chrF against words/s for every system, one chart.
+
+Systems: each --model/--teacher dir x --engines x --precision x --beam x --threads x
+--mode, plus the container (--container IMAGE, or `build` to build it from the first
+model dir) in each --container-hardware mode. Without --model/--teacher: every model
+`make distill` linked under runs/*/. Test set: the embedded Bible test split (default),
+--src/--ref files, or a sacreBLEU test set (-t wmt22 -l en-de, needs the network once).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .systems import EvalError
+
+
+def _list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = argparse.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("systems")
+    g.add_argument("--model", action="append", default=[], metavar="[NAME=]DIR",
+                   help="a model dir to measure (repeatable); NAME labels it")
+    g.add_argument("--teacher", action="append", default=[], metavar="DIR",
+                   help="the teacher's model dir (= --model teacher=DIR)")
+    g.add_argument("--engines", default="decoder,ct2,hf",
+                   help="comma list of decoder (ours), ct2 (CTranslate2), hf (transformers M2M100); "
+                        "ct2/hf run the same weights converted (default: all three)")
+    g.add_argument("--precision", default="auto",
+                   help="comma list of auto,fp32,bf16,int8,fp16 (auto: int8 on CPU, fp16 on CUDA); "
+                        "HF always runs fp32")
+    g.add_argument("--beam", default="1", help="comma list of beam sizes (1 = greedy)")
+    g.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--mode", default="throughput", choices=["throughput", "latency", "both"],
+                   help="latency: one sentence at a time, p50/p90/p99 per sentence")
+    g.add_argument("--container", metavar="IMAGE|build",
+                   help="measure this image through /run.sh; `build` builds it from the first model dir")
+    g.add_argument("--container-hardware", default="CPU-1,CPU-ALL", help="comma list of /run.sh modes")
+    g.add_argument("--container-cpus", type=float, default=float(len(os.sched_getaffinity(0))),
+                   help="CPU quota of CPU-ALL and GPU runs (CPU-1 gets 1)")
+    g.add_argument("--container-memory", default="2g", help="memory limit of the container runs")
+    t = p.add_argument_group("test set")
+    t.add_argument("--src", help="source file (one sentence per line)")
+    t.add_argument("--ref", action="append", default=[], help="reference file (repeatable: several references)")
+    t.add_argument("-t", "--test-set", help="a sacreBLEU test set, e.g. wmt22")
+    t.add_argument("-l", "--langpair", help="its language pair, e.g. en-de")
+    t.add_argument("--lines", type=int, default=0, help="use the first N lines only (0 = all)")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--repeats", type=int, default=3, help="timed passes per system (median and spread)")
+    m.add_argument("--warmup-lines", type=int, default=100, help="lines of the untimed-for-words/s warm-up pass")
+    m.add_argument("--latency-lines", type=int, default=200, help="lines in latency mode (0 = all)")
+    m.add_argument("--max-tokens", type=int, default=4096, help="padded source tokens per batch")
+    m.add_argument("--timeout", type=float, default=None, help="seconds one local system may take")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
+    return p.parse_args(argv)
+
+
+def build_systems(a):
+    from .systems import System, container_systems, default_models, grid, parse_named_dir
+    ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    models = [parse_named_dir(x) for x in a.model] + [parse_named_dir("teacher=" + x) for x in a.teacher]
+    if not models and a.container in (None, "build"):
+        models = default_models(ROOT)
+        if not models:
+            raise EvalError("no models given and none under runs/*/ (make distill, or --model DIR)")
+    from decoder.modeldir import ModelDirError, read_config
+    for name, path in models:
+        try:
+            read_config(path)  # the full check (shapes) happens where each system loads it
+        except ModelDirError as e:
+            raise EvalError(str(e)) from None
+    modes = ["throughput", "latency"] if a.mode == "both" else [a.mode]
+    try:
+        beams, threads = [int(x) for x in _list(a.beam)], [int(x) for x in _list(a.threads)]
+    except ValueError:
+        raise EvalError(f"--beam and --threads take comma lists of integers (got {a.beam!r}, {a.threads!r})")
+    engines = _list(a.engines)
+    if "ct2" in engines:
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            print("note: ctranslate2 is not installed; no CTranslate2 rows", file=sys.stderr)
+            engines.remove("ct2")
+    systems: list[System] = grid(models, engines, _list(a.precision), beams, threads, modes, a.device)
+    if a.container:
+        image, name = a.container, a.container
+        if image == "build":
+            if not models:
+                raise EvalError("--container build needs a --model DIR to bake in")
+            from submission.image import build
+            image, name = build(models[0][1], quiet=True), models[0][0]
+        systems += container_systems(image, name, _list(a.container_hardware), modes, a.container_cpus)
+    if not systems:
+        raise EvalError("nothing to measure: no engine can run the precisions asked for on this device")
+    return systems, models
+
+
+def load_testset(a, models):
+    from . import testsets
+    if a.test_set or a.langpair:
+        if not (a.test_set and a.langpair):
+            raise EvalError("-t/--test-set and -l/--langpair go together")
+        if a.src or a.ref:
+            raise EvalError("give either --src/--ref or -t/-l, not both")
+        ts = testsets.sacrebleu_set(a.test_set, a.langpair)
+    elif a.src or a.ref:
+        if not (a.src and a.ref):
+            raise EvalError("--src and --ref go together")
+        ts = testsets.from_files(a.src, a.ref)
+    else:
+        from decoder.modeldir import read_config
+        vocab = read_config(models[0][1]).arch.vocab_size if models else 8000
+        ts = testsets.embedded(vocab)
+    return ts.head(a.lines)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from . import evaluate
+    try:
+        systems, models = build_systems(a)
+        ts = load_testset(a, models)
+        summaries = evaluate(systems, ts, a.out, repeats=a.repeats, warmup_lines=a.warmup_lines,
+                             latency_lines=a.latency_lines, max_tokens=a.max_tokens,
+                             mem_limit=a.container_memory, timeout=a.timeout)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with open(os.path.join(a.out, "results.md"), encoding="utf-8") as fh:
+        print(fh.read())
+    print(f"wrote {a.out}/{{results.md,summary.jsonl,summary.csv,measurements.jsonl,measurements.csv,"
+          f"pareto.png}}", file=sys.stderr)
+    failed = [s for s in summaries if s.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What gets measured: one `System` per engine x model dir x precision x beam x threads
+(local) or per /run.sh hardware mode (the container)."""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import asdict, dataclass, field
+
+ENGINES = ("decoder", "ct2", "hf")
+CT2_COMPUTE = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}
+HARDWARE = ("CPU-1", "CPU-ALL", "GPU")
+
+
+class EvalError(Exception):
+    """Bad input or an unusable environment: the CLI prints it as one `error:` line."""
+
+
+@dataclass
+class System:
+    engine: str                  # decoder | ct2 | hf | container
+    name: str                    # the model's name (teacher, student, ...) or the image tag
+    mode: str = "throughput"     # throughput | latency (one sentence at a time)
+    model_dir: str | None = None
+    precision: str | None = None
+    beam: int = 1
+    threads: int | None = None
+    device: str = "cpu"
+    image: str | None = None     # container only
+    hardware: str | None = None  # container only: the /run.sh argument
+    cpus: float | None = None    # container only: its CPU quota
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.engine == "container":
+            return f"container {self.hardware} ({self.name})" + (" latency" if self.mode == "latency" else "")
+        search = "greedy" if self.beam == 1 else f"beam {self.beam}"
+        engine = {"decoder": "ours", "ct2": "CT2", "hf": "HF"}[self.engine]
+        dev = "" if self.device == "cpu" else f" {self.device}"
+        return (f"{self.name} {engine} {self.precision} {search} {self.threads}t{dev}"
+                + (" latency" if self.mode == "latency" else ""))
+
+    def config(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
+
+
+def parse_named_dir(arg: str) -> tuple[str, str]:
+    """`NAME=DIR` or `DIR` (named after the directory, or its parent for `.../model`)."""
+    name, sep, path = arg.partition("=")
+    if not sep:
+        name, path = "", arg
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise EvalError(f"model dir {path} does not exist")
+    if not name:
+        name = os.path.basename(path)
+        if name == "model":  # runs/<run>/student-<key>/model: the parent says what it is
+            name = os.path.basename(os.path.dirname(path))
+    return name, path
+
+
+def default_models(root: str) -> list[tuple[str, str]]:
+    """Every `runs/<run>/{teacher,student,baseline}-model` that `make distill` linked."""
+    found = []
+    for role in ("teacher", "student", "baseline"):
+        for link in sorted(glob.glob(os.path.join(root, "runs", "*", f"{role}-model"))):
+            if os.path.isfile(os.path.join(link, "model.safetensors")):
+                run = os.path.basename(os.path.dirname(link))
+                found.append((f"{run}/{role}", os.path.abspath(link)))
+    return found
+
+
+def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str], beams: list[int],
+         threads: list[int], modes: list[str], device: str = "cpu") -> list[System]:
+    """Every combination. HF runs fp32 only (it has no int8 path on our weights), once per
+    beam/threads; precisions a device cannot run are left out rather than failing the run."""
+    from decoder.translator import resolve_device_precision
+    out = []
+    for engine in engines:
+        if engine not in ENGINES:
+            raise EvalError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    for name, path in models:
+        for engine in engines:
+            precs = ["fp32"] if engine == "hf" else precisions
+            seen = set()
+            for prec in precs:
+                try:
+                    dev, prec = resolve_device_precision(device, prec)
+                except ValueError:
+                    continue
+                if engine == "hf":
+                    dev = "cpu"
+                for beam in beams:
+                    for t in threads:
+                        for mode in modes:
+                            key = (prec, beam, t, mode, dev)
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            out.append(System(engine, name, mode, path, prec, beam, t, dev))
+    return out
+
+
+def container_systems(image: str, name: str, hardware: list[str], modes: list[str],
+                      all_cpus: float) -> list[System]:
+    out = []
+    for hw in hardware:
+        if hw not in HARDWARE:
+            raise EvalError(f"unknown container hardware {hw!r} (choose from {', '.join(HARDWARE)})")
+        for mode in modes:
+            out.append(System("container", name, mode, image=image, hardware=hw,
+                              cpus=1.0 if hw == "CPU-1" else all_cpus))
+    return out

@@ -1,0 +1,112 @@
+"""One local system in its own process, so its peak RSS is its own:
+
+    python -m submission.evaluate.worker SPEC.json RESULT.json
+
+SPEC: a System's config plus `lines` (the source file), `repeats`, `warmup_lines`,
+`max_tokens`. The parent (local.py) sets OMP/MKL threads and CT2_FORCE_CPU_ISA in the
+environment, since both must be fixed before torch or ctranslate2 is imported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def load(spec: dict, tmp: str):
+    """-> (translate(lines) -> hyps, facts about the loaded system)."""
+    engine, model = spec["engine"], spec["model_dir"]
+    latency = spec["mode"] == "latency"
+    if engine == "decoder":
+        from decoder.translator import Translator
+        tr = Translator(model, device=spec["device"], precision=spec["precision"], threads=spec["threads"],
+                        beam=spec["beam"], max_tokens=spec["max_tokens"],
+                        pipeline=not latency)  # one line at a time has nothing to overlap (serve.py)
+        return tr.translate, {"model_bytes": dir_bytes(model)}
+    if engine == "ct2":
+        from decoder.bench import ct2_translator
+        from decoder.convert import to_ctranslate2
+        from .systems import CT2_COMPUTE
+        compute = CT2_COMPUTE[spec["precision"]]
+        t = time.perf_counter()
+        # quantised on disk as it runs, so the size on disk is the size of what runs
+        ct2_dir = to_ctranslate2(model, os.path.join(tmp, "ct2"),
+                                 quantization=None if compute == "float32" else compute)
+        facts = {"convert_s": time.perf_counter() - t, "model_bytes": dir_bytes(ct2_dir)}
+        go = ct2_translator(ct2_dir, model, spec["threads"], compute, spec["beam"], spec["max_tokens"],
+                            device="cuda" if spec["device"].startswith("cuda") else "cpu")
+        return go, facts
+    if engine == "hf":
+        from decoder.bench import hf_translator
+        return hf_translator(model, spec["threads"], beam=spec["beam"]), {"model_bytes": dir_bytes(model)}
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+               if not f.startswith("."))
+
+
+def measure(spec: dict) -> dict:
+    with open(spec["lines"], encoding="utf-8", newline="") as fh:
+        lines = fh.read().split("\n")[:-1]
+    latency = spec["mode"] == "latency"
+    res = {"rss_start_mb": peak_rss_mb()}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        go, facts = load(spec, tmp)
+        res.update(facts, load_s=time.perf_counter() - t - facts.get("convert_s", 0.0),
+                   rss_after_load_mb=peak_rss_mb())
+        # warm-up: allocator, oneDNN primitive caches, CT2's first-call setup; timed apart
+        warm = lines[:spec["warmup_lines"]]
+        t = time.perf_counter()
+        if latency:
+            for x in warm:
+                go([x])
+        else:
+            go(warm)
+        res["warmup"] = {"seconds": time.perf_counter() - t, "lines": len(warm)}
+        runs, outputs = [], []
+        for _ in range(spec["repeats"]):
+            if latency:
+                hyps, lat = [], []
+                for x in lines:
+                    t = time.perf_counter()
+                    hyps += go([x])
+                    lat.append(time.perf_counter() - t)
+                runs.append({"seconds": sum(lat), "latencies_s": lat})
+            else:
+                t = time.perf_counter()
+                hyps = go(lines)
+                runs.append({"seconds": time.perf_counter() - t})
+            outputs.append(hyps)
+    res.update(runs=runs, hyps=outputs[-1], identical_repeats=all(o == outputs[0] for o in outputs),
+               peak_rss_mb=peak_rss_mb())
+    return res
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m submission.evaluate.worker SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    try:
+        res = measure(spec)
+    except Exception as e:  # the parent reports it as this system's one error line
+        res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    with open(argv[1], "w", encoding="utf-8") as fh:
+        json.dump(res, fh)
+    return 1 if "error" in res else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""submission/evaluate: scores equal the sacreBLEU CLI's, the Pareto frontier, the outputs,
+and whole evaluations of a tiny random model (and, marked slow, of the container)."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from fixture_model import make_model_dir, synthetic_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SACREBLEU = os.path.join(os.path.dirname(sys.executable), "sacrebleu")
+
+
+def write(path, lines):
+    path.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    return str(path)
+
+
+def noisy(lines, seed):
+    """Hypotheses that overlap the references partly: dropped, swapped and changed words."""
+    rng = random.Random(seed)
+    out = []
+    for x in lines:
+        w = x.split()
+        if len(w) > 2 and rng.random() < 0.5:
+            del w[rng.randrange(len(w))]
+        if len(w) > 2 and rng.random() < 0.5:
+            i = rng.randrange(len(w) - 1)
+            w[i], w[i + 1] = w[i + 1], w[i]
+        if rng.random() < 0.3:
+            w.append(rng.choice(["casa", "perro.", "«rey»", "ñandú"]))
+        out.append(" ".join(w))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evaluate")
+    model = make_model_dir(d / "model", vocab_size=300, d_model=32, enc=1, dec=1)
+    src = synthetic_corpus(16, seed=11)
+    ref = synthetic_corpus(16, seed=12)
+    return {"dir": d, "model": model, "src": write(d / "test.en", src), "ref": write(d / "test.es", ref),
+            "src_lines": src, "ref_lines": ref}
+
+
+@pytest.mark.parametrize("n_refs", [1, 2])
+def test_bleu_and_chrf_equal_the_sacrebleu_cli(tmp_path, n_refs):
+    from submission.evaluate.scoring import score
+    refs = [synthetic_corpus(60, seed=1 + k) for k in range(n_refs)]
+    hyps = noisy(refs[0], seed=9)
+    ref_files = [write(tmp_path / f"ref{k}.txt", r) for k, r in enumerate(refs)]
+    hyp_file = write(tmp_path / "hyp.txt", hyps)
+    cli = subprocess.run([SACREBLEU, *ref_files, "-i", hyp_file, "-m", "bleu", "chrf", "-w", "2", "-f", "json"],
+                         capture_output=True, text=True, check=True)
+    bleu_cli, chrf_cli = json.loads(cli.stdout)
+    ours = score(hyps, refs)
+    assert 0 < ours["bleu"] < 100
+    assert ours["bleu"] == bleu_cli["score"] and ours["bleu_signature"] == bleu_cli["signature"]
+    assert ours["chrf"] == chrf_cli["score"] and ours["chrf_signature"] == chrf_cli["signature"]
+
+
+def test_pareto_frontier_keeps_exactly_the_undominated_points():
+    from submission.evaluate.scoring import pareto_frontier
+    pts = [(50, 31.0),   # 0 slowest, best: on it
+           (100, 30.0),  # 1 on it
+           (150, 25.0),  # 2 beaten by 3
+           (200, 28.0),  # 3 beaten by 4: same BLEU, slower
+           (300, 28.0),  # 4 on it
+           (400, 20.0),  # 5 on it
+           (400, 19.0),  # 6 beaten by 5: same speed, lower BLEU
+           (100, 30.0)]  # 7 a copy of 1: only the first copy counts
+    assert pareto_frontier(pts) == [0, 1, 4, 5]
+    assert pareto_frontier([]) == []
+    assert pareto_frontier([(10, 1.0)]) == [0]
+
+
+def summary(label, engine, wps, bleu):
+    return {"system": label, "engine": engine, "mode": "throughput", "src_words_per_s": wps, "bleu": bleu}
+
+
+def test_pareto_png_is_written_non_empty_and_returns_the_frontier(tmp_path):
+    from submission.evaluate.report import plot_pareto
+    rows = [summary("teacher beam 4", "decoder", 40.0, 31.0), summary("student int8", "decoder", 900.0, 28.5),
+            summary("student CT2 int8", "ct2", 1100.0, 28.4), summary("student HF", "hf", 120.0, 28.5),
+            summary("container CPU-ALL", "container", 700.0, 28.5), {**summary("broken", "hf", 0, None),
+                                                                     "error": "x"}]
+    path = tmp_path / "pareto.png"
+    front = plot_pareto(rows, str(path), "test chart")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert [r["system"] for r in front] == ["teacher beam 4", "student int8", "student CT2 int8"]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny):
+    """One whole evaluation through the CLI: ours, CTranslate2 and HF on the same weights."""
+    out = tiny["dir"] / "out"
+    r = subprocess.run([sys.executable, "-m", "submission.evaluate", "--model", f"tiny={tiny['model']}",
+                        "--src", tiny["src"], "--ref", tiny["ref"], "--engines", "decoder,ct2,hf",
+                        "--precision", "fp32", "--threads", "1", "--repeats", "2", "--warmup-lines", "4",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    return {"out": out, "stdout": r.stdout, "summary": read("summary.jsonl"),
+            "measurements": read("measurements.jsonl")}
+
+
+def test_tiny_model_evaluation_measures_every_engine(cli_run, tiny):
+    from submission.evaluate import slug
+    from submission.evaluate.scoring import score
+    rows = cli_run["summary"]
+    assert sorted(r["engine"] for r in rows) == ["ct2", "decoder", "hf"]
+    for r in rows:
+        assert "error" not in r, r
+        hyps = (cli_run["out"] / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
+        assert len(hyps) == len(tiny["src_lines"])
+        # the recorded score is the score of the written output
+        assert {k: r[k] for k in ("bleu", "chrf")} == \
+            {k: v for k, v in score(hyps, [tiny["ref_lines"]]).items() if k in ("bleu", "chrf")}
+        assert r["src_words_per_s"] > 0 and r["tgt_tokens_per_s"] > 0
+        assert r["src_words_per_s_min"] <= r["src_words_per_s"] <= r["src_words_per_s_max"]
+        assert r["repeats"] == 2 and r["identical_repeats"]
+        assert r["load_s"] > 0 and r["warmup_s"] > 0 and r["warmup_lines"] == 4
+        assert r["peak_ram_mb"] >= r["peak_ram_after_load_mb"] > 50  # a Python process with torch
+        assert r["model_mb"] > 0
+        assert r["system"] in cli_run["stdout"]  # the markdown table
+    phases = {}
+    for m in cli_run["measurements"]:
+        phases.setdefault(m["system"], []).append(m["phase"])
+    for label, ph in phases.items():
+        assert ph.count("load") >= 1 and ph.count("warmup") == 1 and ph.count("run") == 2, (label, ph)
+    assert "convert" in phases[next(r["system"] for r in rows if r["engine"] == "ct2")]
+    for name in ("pareto.png", "summary.csv", "measurements.csv", "results.md"):
+        assert (cli_run["out"] / name).stat().st_size > 0
+    csv_lines = (cli_run["out"] / "measurements.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + len(cli_run["measurements"])
+
+
+def test_json_records_carry_signature_hardware_and_config(cli_run, tiny):
+    for r in cli_run["summary"]:
+        assert r["bleu_signature"].startswith("nrefs:1|") and "tok:13a" in r["bleu_signature"]
+        assert r["chrf_signature"].startswith("nrefs:1|")
+    for r in cli_run["summary"] + cli_run["measurements"]:
+        hw = r["hardware"]
+        assert hw["cpu"] and hw["cores"] >= 1 and isinstance(hw["flags"], list) and hw["versions"]["torch"]
+        c = r["config"]
+        assert c["model_dir"] == tiny["model"] and c["threads"] == 1 and c["beam"] == 1
+        assert c["precision"] == "fp32" and c["engine"] == r["engine"] and c["mode"] == "throughput"
+        assert r["testset"]["lines"] == len(tiny["src_lines"])
+
+
+def test_latency_mode_reports_per_sentence_percentiles(tiny, tmp_path):
+    from submission.evaluate import System, evaluate
+    from submission.evaluate.testsets import from_files
+    sysm = System("decoder", "tiny", "latency", tiny["model"], "fp32", beam=2, threads=1)
+    [r] = evaluate([sysm], from_files(tiny["src"], [tiny["ref"]]), str(tmp_path), repeats=2, warmup_lines=2,
+                   latency_lines=5, log=lambda m: None)
+    assert "error" not in r, r
+    assert r["lines"] == 5
+    assert 0 < r["latency_ms_p50"] <= r["latency_ms_p90"] <= r["latency_ms_p99"]
+    assert (tmp_path / "pareto-latency.png").stat().st_size > 0
+    runs = [m for m in map(json.loads, (tmp_path / "measurements.jsonl").read_text().splitlines())
+            if m["phase"] == "run"]
+    assert len(runs) == 2 and all("latency_ms_p99" in m for m in runs)
+
+
+def cli_error(capsys, argv) -> str:
+    from submission.evaluate.__main__ import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
+    short = write(tmp_path / "short.es", tiny["ref_lines"][:3])
+    base = ["--model", tiny["model"], "--out", str(tmp_path / "out")]
+    assert "has 3 lines" in cli_error(capsys, base + ["--src", tiny["src"], "--ref", short])
+    assert "--src and --ref" in cli_error(capsys, base + ["--src", tiny["src"]])
+    assert "does not exist" in cli_error(capsys, ["--model", str(tmp_path / "nope"), "--src", tiny["src"],
+                                                  "--ref", tiny["ref"]])
+    assert "unknown engine" in cli_error(capsys, base + ["--src", tiny["src"], "--ref", tiny["ref"],
+                                                         "--engines", "moses"])
+    assert "unknown sacreBLEU test set" in cli_error(capsys, base + ["-t", "wmt99", "-l", "en-de"])
+    assert "no language pair" in cli_error(capsys, base + ["-t", "wmt22", "-l", "en-xx"])
+
+
+def test_sacrebleu_test_set_offline_is_one_error_line(tiny, tmp_path, capsys, monkeypatch):
+    from sacrebleu.dataset import DATASETS
+
+    def offline(self, langpair):
+        sys.exit(1)  # what sacreBLEU does when its download fails
+    monkeypatch.setattr(type(DATASETS["wmt22"]), "get_files", offline)
+    err = cli_error(capsys, ["--model", tiny["model"], "-t", "wmt22", "-l", "en-de", "--out", str(tmp_path)])
+    assert "wmt22 en-de" in err and "offline" in err
+
+
+@pytest.mark.slow
+def test_container_is_measured_through_run_sh(tmp_path):
+    from test_container import docker_or_skip
+    docker_or_skip()
+    from submission.evaluate import evaluate
+    from submission.evaluate.systems import container_systems
+    from submission.evaluate.testsets import TestSet
+    from submission.image import build
+    from test_container import BIBLE_TINY
+    model = BIBLE_TINY if os.path.isfile(os.path.join(BIBLE_TINY, "model.safetensors")) else None
+    if model is None:  # the same cached random model as test_container: same image key, no rebuild
+        import hashlib
+        src = open(os.path.join(ROOT, "tests", "fixture_model.py"), "rb").read()
+        model = os.path.join(ROOT, "build", f"container-test-model-{hashlib.sha256(src).hexdigest()[:12]}")
+        if not os.path.isfile(os.path.join(model, "spm.model")):
+            make_model_dir(model, vocab_size=300, d_model=64)
+    image = build(model, quiet=True)
+    src = synthetic_corpus(12, seed=21)
+    ts = TestSet("synthetic", src, [synthetic_corpus(12, seed=22)], "en", "es", "synthetic")
+    rows = evaluate(container_systems(image, image, ["CPU-1"], ["throughput", "latency"], 2.0), ts,
+                    str(tmp_path), repeats=1, warmup_lines=2, log=lambda m: None)
+    want = subprocess.run([sys.executable, "-m", "decoder", "--model", model, "--threads", "1"],
+                          input="".join(x + "\n" for x in src), capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.split("\n")[:-1]
+    from submission.evaluate import slug
+    for r in rows:
+        assert "error" not in r, r
+        assert r["image_mb"] > 10 and r["model_mb"] > 0 and r["load_s"] > 0
+        assert r["peak_ram_mb"] and r["peak_ram_mb"] > 20
+        hyps = (tmp_path / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
+        assert hyps == want  # /run.sh CPU-1 is `python -m decoder --threads 1`
+    assert rows[1]["latency_ms_p50"] > 0
