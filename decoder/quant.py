@@ -11,6 +11,8 @@ dispatches to oneDNN, which picks VNNI/AVX-512/AVX2 kernels at run time.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -102,3 +104,47 @@ def int8_available() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+_int8_pays: dict = {}
+
+
+def int8_pays() -> bool:
+    """Whether int8 beats fp32 here, measured once per process on a decode-sized product.
+
+    `_int_mm` is fast only where oneDNN takes it (VNNI / AVX-512: 2.6x faster
+    than fp32 at (64, 256, 768), decoder/README.md); on an AVX2-only EPYC it
+    ran a plain loop, 13x slower than fp32. CPU flags do not say which path a
+    given torch build takes, so measure: the gap is an order of magnitude either
+    way, far beyond timing noise, so the choice is stable from run to run."""
+    if "v" not in _int8_pays:
+        # one thread: on a busy machine a 2-thread fp32 product waits on its
+        # slowest thread (16 ms instead of 0.5 ms measured), which hides the gap
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _int8_pays["v"] = int8_available() and _time_int8() < _time_fp32()
+        finally:
+            torch.set_num_threads(n)
+    return _int8_pays["v"]
+
+
+def _best_of(f, n: int = 3) -> float:
+    f()  # first call: oneDNN primitive creation, page faults
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _time_int8() -> float:
+    xq = torch.ones(64, 256, dtype=torch.int8)
+    wq = torch.ones(256, 768, dtype=torch.int8)
+    return _best_of(lambda: torch._int_mm(xq, wq))
+
+
+def _time_fp32() -> float:
+    x, w = torch.ones(64, 256), torch.ones(768, 256)
+    return _best_of(lambda: F.linear(x, w))

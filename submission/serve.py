@@ -43,8 +43,8 @@ def settings(hardware: str) -> dict:
         print("warning: GPU requested but CUDA is not visible; running as CPU-ALL",
               file=sys.stderr, flush=True)
         hardware = "CPU-ALL"
-    # CPU precision "auto": the decoder's per-CPU measured default (int8 where
-    # torch._int_mm works, see decoder/README.md).
+    # CPU precision "auto": int8 where this CPU runs int8 products faster than
+    # fp32, else fp32 (measured at start, decoder/README.md "Precision").
     # CPU-ALL is one process with one intra-op thread per core: see
     # docs/container.md for the threads-vs-workers measurement.
     return dict(device="cpu", precision="auto", threads=1 if hardware == "CPU-1" else usable_cores())

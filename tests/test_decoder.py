@@ -190,3 +190,13 @@ def test_fixed_shape_state_for_cuda_graphs_gives_same_tokens(model_dir, srcs, be
     a = Translator(model_dir, beam=beam, static_shapes=True).translate_ids(sub)
     b = Translator(model_dir, beam=beam).translate_ids(sub)
     assert a == b
+
+
+@pytest.mark.parametrize("int8_s,fp32_s,want", [(0.001, 0.003, "int8"), (0.015, 0.0005, "fp32")])
+def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypatch, int8_s, fp32_s, want):
+    from decoder import quant
+    from decoder.translator import resolve_device_precision
+    monkeypatch.setattr(quant, "_int8_pays", {})
+    monkeypatch.setattr(quant, "_time_int8", lambda: int8_s)
+    monkeypatch.setattr(quant, "_time_fp32", lambda: fp32_s)
+    assert resolve_device_precision("cpu", "auto") == ("cpu", want)
