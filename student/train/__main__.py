@@ -40,7 +40,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
     g.add_argument("--clip-norm", type=float, default=d.clip_norm)
     g.add_argument("--amp", default=d.amp, choices=["auto", "bf16", "fp16", "off"],
-                   help="auto: bf16 on CPUs with AMX, fp16 on CUDA, else fp32")
+                   help="auto: bf16 on CPUs with AVX512-BF16/AMX, fp16 on CUDA, else fp32")
     g.add_argument("--seed", type=int, default=d.seed)
     g = p.add_argument_group("stopping, evaluation, checkpoints")
     g.add_argument("--max-steps", type=int, default=0)
