@@ -154,10 +154,12 @@ NAIVE = dict(beam=4, cache=False, sort=False, early_stop=False, softmax_free=Fal
              pipeline=False, precision="fp32", fused_ops=False, retain_memory=False)
 
 
-def ablation(shortlist: bool = False) -> list[tuple[str, dict]]:
-    """Cumulative: each row adds one optimisation to the previous one. `shortlist`
-    (the model dir has one) adds the lexical shortlist on top of the best greedy
-    row and a beam-4 row with it, next to the same rows without."""
+def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """(cumulative fp32 rows, precision rows). Each cumulative row adds one
+    optimisation to the previous one; each precision row is the last fp32 row
+    with one precision change, so the table shows what int8 or bf16 does on this
+    CPU (on an AVX2-only CPU both are slower than fp32) and the best
+    configuration is picked by measurement, not assumed."""
     steps = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", {}),
              ("+ K/V cache, cross K/V once per sentence", dict(cache=True)),
              ("+ length-sorted batches", dict(sort=True)),
@@ -165,21 +167,34 @@ def ablation(shortlist: bool = False) -> list[tuple[str, dict]]:
              ("+ early stop (finished sentences leave)", dict(early_stop=True)),
              ("+ fused QKV", dict(fused_qkv=True)),
              ("+ async text pipeline", dict(pipeline=True)),
-             ("+ bf16", dict(precision="bf16")),
-             ("+ int8 instead of bf16 (PyTorch ops)", dict(precision="int8")),
-             ("+ fused C++ int8 linear", dict(fused_ops=True)),
-             # process-wide and irreversible, so it comes last among our rows
+             # process-wide and irreversible: every row after this one has it too
              ("+ glibc keeps freed memory", dict(retain_memory=True))]
     rows, cur = [], dict(NAIVE)
     for name, change in steps:
         cur = {**cur, **change}
         rows.append((name, dict(cur)))
-    if shortlist:
-        rows.append(("+ lexical shortlist (output layer over the batch's candidates)", {**cur, "shortlist": True}))
-    rows.append(("best int8, beam 4", {**cur, "beam": 4}))
-    if shortlist:
-        rows.append(("best int8, beam 4, + lexical shortlist", {**cur, "beam": 4, "shortlist": True}))
-    return rows
+    variants = [("+ bf16 weights and activations", {**cur, "precision": "bf16"}),
+                ("+ int8 dynamic (PyTorch ops)", {**cur, "precision": "int8"}),
+                ("+ int8 dynamic, fused C++ linear", {**cur, "precision": "int8", "fused_ops": True})]
+    return rows, variants
+
+
+def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float = 0.2) -> dict:
+    """The fastest of (words/s, BLEU, config) greedy rows that stays within
+    `max_bleu_loss` BLEU of the best-optimised fp32 row (the last fp32 one)."""
+    fp32 = [b for _, b, kw in rows if kw["precision"] == "fp32" and b is not None]
+    ok = [r for r in rows if not fp32 or r[1] is None or r[1] >= fp32[-1] - max_bleu_loss]
+    return max(ok, key=lambda r: r[0])[2]
+
+
+def slow_here(kw: dict) -> bool:
+    """A precision this CPU runs far slower than fp32: time it on a subset only."""
+    from .quant import int8_pays
+    if kw.get("precision") == "int8":
+        return not int8_pays()
+    if kw.get("precision") == "bf16":
+        return not any(f in cpu_info()["flags"] for f in ("avx512_bf16", "amx_bf16"))
+    return False
 
 
 def main(argv=None):
@@ -247,13 +262,29 @@ def main(argv=None):
         print(json.dumps(r), file=sys.stderr, flush=True)
 
     has_shortlist = sp.text.cfg.shortlist is not None  # rows with the switch only where there is a file
-    for name, kw in ablation(shortlist=has_shortlist):
+    cumulative, variants = ablation()
+    full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
+    for name, kw in cumulative + variants:
         naive_row = not kw["cache"]
         if naive_row and "naive" in skip:
             continue
-        sub = lines[:a.naive_lines] if naive_row and a.naive_lines else lines
+        sub = lines[:a.naive_lines] if (naive_row or slow_here(kw)) and a.naive_lines else lines
         hyps, secs = run_ours(a.model, sub, a.threads, max_tokens=a.max_tokens, **kw)
         record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) else ""), hyps, secs, sub)
+        if len(sub) == len(lines) and kw["beam"] == 1:
+            full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
+    best = pick_best(full)
+    tag = f"{best['precision']}{', fused ops' if best['precision'] == 'int8' and best['fused_ops'] else ''}"
+    machine["best_config"] = {k: v for k, v in best.items()}
+    if has_shortlist:
+        hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens, **{**best, "shortlist": True})
+        record(f"best ({tag}) + lexical shortlist", hyps, secs, lines)
+    hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens, **{**best, "beam": 4})
+    record(f"best ({tag}), beam 4", hyps, secs, lines)
+    if has_shortlist:
+        hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens,
+                              **{**best, "beam": 4, "shortlist": True})
+        record(f"best ({tag}), beam 4, + lexical shortlist", hyps, secs, lines)
     if "hf" not in skip:
         hyps, secs = run_hf(a.model, lines, a.threads)
         record("HF transformers M2M100, greedy, fp32", hyps, secs, lines)
@@ -269,14 +300,13 @@ def main(argv=None):
                     ct2_int8 = rows[-1]
             if "batch1" not in skip:
                 sub = src[:min(len(src), 100)]
-                hyps, secs = run_ours(a.model, sub, a.threads, precision="int8", max_sentences=1,
-                                      pipeline=False)
-                record("latency: ours int8 greedy, batch 1", hyps, secs, sub)
+                hyps, secs = run_ours(a.model, sub, a.threads, **{**best, "max_sentences": 1, "pipeline": False})
+                record(f"latency: ours {tag} greedy, batch 1", hyps, secs, sub)
                 hyps, secs = run_ct2(ct2_dir, a.model, sub, a.threads, "int8", 1, batch1=True)
                 record("latency: CTranslate2 int8 greedy, batch 1", hyps, secs, sub)
     profile = None
     if a.profile:
-        profile = profile_best(a.model, lines, a.threads, a.max_tokens)
+        profile = profile_best(a.model, lines, a.threads, a.max_tokens, best)
     naive = rows[0] if rows and rows[0]["config"].startswith("naive") else None
     for r in rows:
         if naive:
@@ -301,12 +331,12 @@ def main(argv=None):
     print(md)
 
 
-def profile_best(model_dir, lines, threads, max_tokens) -> str:
+def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     """Where the time of the best configuration goes: phases, then ops."""
     import torch
     from . import model as M
     from .translator import Translator
-    tr = Translator(model_dir, threads=threads, precision="int8", max_tokens=max_tokens, pipeline=False)
+    tr = Translator(model_dir, threads=threads, **{**best, "max_tokens": max_tokens, "pipeline": False})
     tr.translate(lines[:8])
     phases = {"encode": 0.0, "decode steps": 0.0, "batch shrink": 0.0}
 
@@ -329,7 +359,7 @@ def profile_best(model_dir, lines, threads, max_tokens) -> str:
         M.Model.encode, M.IncrementalState.step, M.IncrementalState.keep = orig
     with torch.profiler.profile() as prof:
         tr.translate(lines)
-    out = [f"best configuration (int8 greedy, fused ops), {len(lines)} lines, {threads} threads: {total:.3f} s"]
+    out = [f"best configuration ({best['precision']} greedy), {len(lines)} lines, {threads} threads: {total:.3f} s"]
     for k, v in phases.items():
         out.append(f"  {k:14s} {v:7.3f} s  {100 * v / total:5.1f}%")
     out.append(f"  {'rest':14s} {total - sum(phases.values()):7.3f} s  (search bookkeeping, text, batching)")

@@ -244,8 +244,19 @@ def test_add_to_model_dir_names_the_file_of_a_line_count_mismatch(base_dir, tmp_
         add_to_model_dir(base_dir, str(tmp_path / "a.en"), str(tmp_path / "a.es"))
 
 
-def test_bench_adds_shortlist_rows_only_when_asked():
+def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
     from decoder.bench import ablation
-    assert not any(kw.get("shortlist") for _, kw in ablation())
-    rows = [(name, kw) for name, kw in ablation(shortlist=True) if kw.get("shortlist")]
-    assert [kw["beam"] for _, kw in rows] == [1, 4]
+    cumulative, variants = ablation()
+    assert not any(kw.get("shortlist") for _, kw in cumulative + variants)
+    last = cumulative[-1][1]
+    assert last["precision"] == "fp32"
+    for _, kw in variants:  # each differs from the last fp32 row in precision (and fused ops) only
+        assert {k for k in kw if kw[k] != last[k]} <= {"precision", "fused_ops"}
+
+
+def test_bench_best_is_the_fastest_row_within_the_bleu_bound():
+    from decoder.bench import pick_best
+    fp32, int8, bf16 = ({"precision": p} for p in ("fp32", "int8", "bf16"))
+    assert pick_best([(100, 20.0, fp32), (300, 19.9, int8), (200, 20.0, bf16)]) is int8
+    assert pick_best([(100, 20.0, fp32), (300, 19.5, int8), (200, 20.0, bf16)]) is bf16  # int8 lost 0.5
+    assert pick_best([(100, 20.0, fp32), (50, 20.0, int8)]) is fp32  # int8 slower here (AVX2)
