@@ -187,13 +187,13 @@ def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float
     return max(ok, key=lambda r: r[0])[2]
 
 
-def slow_here(kw: dict) -> bool:
+def slow_here(kw: dict, flags: list[str]) -> bool:
     """A precision this CPU runs far slower than fp32: time it on a subset only."""
     from .quant import int8_pays
     if kw.get("precision") == "int8":
         return not int8_pays()
     if kw.get("precision") == "bf16":
-        return not any(f in cpu_info()["flags"] for f in ("avx512_bf16", "amx_bf16"))
+        return not any(f in flags for f in ("avx512_bf16", "amx_bf16"))
     return False
 
 
@@ -268,7 +268,7 @@ def main(argv=None):
         naive_row = not kw["cache"]
         if naive_row and "naive" in skip:
             continue
-        sub = lines[:a.naive_lines] if (naive_row or slow_here(kw)) and a.naive_lines else lines
+        sub = lines[:a.naive_lines] if (naive_row or slow_here(kw, machine["flags"])) and a.naive_lines else lines
         hyps, secs = run_ours(a.model, sub, a.threads, max_tokens=a.max_tokens, **kw)
         record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) else ""), hyps, secs, sub)
         if len(sub) == len(lines) and kw["beam"] == 1:

@@ -47,18 +47,20 @@ def _build() -> bool:
     return True
 
 
-def build_library(build_dir: str | None = None) -> str:
-    """Compile (or find cached) decoder/csrc and load it; returns the .so path.
+def build_library(build_dir: str | None = None) -> str | None:
+    """Compile (or find cached) decoder/csrc and load it; returns the .so path
+    when `build_dir` is given (torch's JIT cache otherwise).
 
     No -march: the kernels pick their ISA at run time (target_clones), so a
     library built here runs on any x86-64 that runs torch."""
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import load
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
     load(name="decoder_ops", sources=[os.path.join(_HERE, "int8_linear.cpp")],
          extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"],
          build_directory=build_dir, is_python_module=False, verbose=False)
-    return os.path.join(build_dir or _get_build_directory("decoder_ops", False), "decoder_ops.so")
+    # the .so path matters only to `make image`, which passes its own build_dir
+    return os.path.join(build_dir, "decoder_ops.so") if build_dir else None
 
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False):
