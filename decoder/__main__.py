@@ -17,6 +17,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help="auto: fp16 on CUDA; on CPU int8 where it beats fp32 here (measured at start), else fp32")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--workers", type=int, default=0,
+                   help="CPU: N processes, each pinned to a core with one thread, fed whole batches "
+                        "(same output as one process with --threads 1; often faster than N threads)")
     p.add_argument("--max-tokens", type=int, default=4096, help="padded source tokens per batch")
     p.add_argument("--max-sentences", type=int, default=512)
     p.add_argument("--chunk-lines", type=int, default=20000,
@@ -42,16 +45,17 @@ def main(argv=None) -> int:
         from .translator import Translator
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
                         beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
-                        chunk_lines=a.chunk_lines, length_penalty=a.length_penalty,
+                        chunk_lines=a.chunk_lines, workers=a.workers, length_penalty=a.length_penalty,
                         max_len_a=a.max_len_a, max_len_b=a.max_len_b, shortlist=a.shortlist)
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = sys.stdout.buffer
-    for line in tr.translate_stream(read_lines(sys.stdin.buffer)):
-        # errors="replace": a lone surrogate must not cost us the line
-        out.write(line.encode("utf-8", errors="replace") + b"\n")
-        out.flush()  # a pipe reader sees each line as soon as it is in order
+    with tr:
+        for line in tr.translate_stream(read_lines(sys.stdin.buffer)):
+            # errors="replace": a lone surrogate must not cost us the line
+            out.write(line.encode("utf-8", errors="replace") + b"\n")
+            out.flush()  # a pipe reader sees each line as soon as it is in order
     return 0
 
 

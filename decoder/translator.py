@@ -16,6 +16,7 @@ from .pipeline import Text, run
 from .quant import int8_pays
 from .runtime import retain_freed_memory
 from .search import beam_search, greedy
+from .workers import WorkerPool
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Options:
     max_len_a: float = 1.5      # output cap a * source tokens + b
     max_len_b: int = 10
     chunk_lines: int = 20000    # lines read, sorted and batched together
+    workers: int = 0            # CPU: >1 = that many pinned 1-thread processes fed whole batches (workers.py)
 
 
 def resolve_device_precision(device: str, precision: str) -> tuple[str, str]:
@@ -73,10 +75,19 @@ class Translator:
         self.device, self.precision = resolve_device_precision(device, precision)
         cfg, weights, spm_path = modeldir.load(model_dir)
         self.cfg = cfg
+        self.text = Text(cfg, spm_path, cfg.arch.max_positions)
+        self.shortlist = self.model = self.pool = None
+        if self.opts.workers > 1:
+            if self.device != "cpu":
+                raise ValueError("workers are CPU processes; use one process on CUDA")
+            if self.opts.shortlist:
+                modeldir.read_shortlist(model_dir, cfg)  # a bad file fails here, once, not in each worker
+            # the model lives in the workers only; they get the precision already resolved
+            switches = {k: v for k, v in vars(self.opts).items() if k not in ("workers", "pipeline")}
+            self.pool = WorkerPool(model_dir, self.opts.workers, self.precision, switches)
+            return
         self.model = Model(cfg, weights, precision=self.precision, device=self.device,
                            fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops)
-        self.text = Text(cfg, spm_path, cfg.arch.max_positions)
-        self.shortlist = None
         if self.opts.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
                                        device=self.model.device)
@@ -91,6 +102,8 @@ class Translator:
     @torch.inference_mode()
     def translate_ids(self, srcs: list[list[int]]) -> list[list[int]]:
         """Source ids (with </s>) of one batch -> target ids (without </s>)."""
+        if self.pool is not None:
+            return self.pool.submit(srcs).result()
         o, c = self.opts, self.cfg
         S = max(len(s) for s in srcs)
         src = torch.full((len(srcs), S), c.pad_id, dtype=torch.long)
@@ -122,10 +135,13 @@ class Translator:
         o = self.opts
         idx = [i for i, s in enumerate(srcs) if s is not None]
         batches = make_batches([len(srcs[i]) for i in idx], o.max_tokens, o.max_sentences, o.sort)
-        futs = []
-        for b in batches:
-            ids = self.translate_ids([srcs[idx[j]] for j in b])
-            futs.append(submit(self.text.decode, ids))
+        if self.pool is not None:
+            # every batch of the chunk is queued first, so the workers never wait on the parent
+            work = [self.pool.submit([srcs[idx[j]] for j in b]) for b in batches]
+            futs = [submit(lambda w: self.text.decode(w.result()), w) for w in work]
+        else:
+            futs = [submit(self.text.decode, self.translate_ids([srcs[idx[j]] for j in b]))
+                    for b in batches]
 
         def finish() -> list[str]:
             done = restore(batches, [f.result() for f in futs], len(idx))
@@ -142,3 +158,15 @@ class Translator:
 
     def translate(self, lines: Iterable[str]) -> list[str]:
         return list(self.translate_stream(lines))
+
+    def close(self) -> None:
+        """Stops the worker processes, if any (they also stop when the interpreter exits)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -39,15 +39,18 @@ def settings(hardware: str) -> dict:
         hardware = "GPU" if torch.cuda.is_available() else "CPU-ALL"
     if hardware == "GPU":
         if torch.cuda.is_available():
-            return dict(device="cuda", precision="fp16", threads=1)
+            return dict(device="cuda", precision="fp16", threads=1, workers=0)
         print("warning: GPU requested but CUDA is not visible; running as CPU-ALL",
               file=sys.stderr, flush=True)
         hardware = "CPU-ALL"
     # CPU precision "auto": int8 where this CPU runs int8 products faster than
     # fp32, else fp32 (measured at start, decoder/README.md "Precision").
-    # CPU-ALL is one process with one intra-op thread per core: see
-    # docs/container.md for the threads-vs-workers measurement.
-    return dict(device="cpu", precision="auto", threads=1 if hardware == "CPU-1" else usable_cores())
+    # CPU-ALL throughput: one pinned single-thread worker process per core, fed
+    # whole batches (decoder/workers.py); 1.2-1.4x faster than one process with
+    # a thread per core on 2 cores (docs/container.md). Latency has one
+    # sentence at a time, nothing to spread over processes: threads.
+    cores = 1 if hardware == "CPU-1" else usable_cores()
+    return dict(device="cpu", precision="auto", threads=cores, workers=cores if cores > 1 else 0)
 
 
 def main(argv=None) -> int:
@@ -64,13 +67,19 @@ def main(argv=None) -> int:
     try:
         # latency: one line at a time, nothing to overlap with worker threads
         tr = Translator(a.model, device=s["device"], precision=s["precision"], threads=s["threads"],
-                        pipeline=a.task == "throughput")
+                        pipeline=a.task == "throughput", workers=s["workers"] if a.task == "throughput" else 0)
     except (ModelDirError, ValueError) as e:
         print(f"error: cannot load model: {e}", file=sys.stderr, flush=True)
         return 1
 
+    with tr:
+        _serve(tr, a.task, read_lines)
+    return 0
+
+
+def _serve(tr, task: str, read_lines) -> None:
     out = sys.stdout.buffer
-    if a.task == "latency":
+    if task == "latency":
         for line in read_lines(sys.stdin.buffer):
             out.write(tr.translate([line])[0].encode("utf-8") + b"\n")
             out.flush()  # the next line is written only after this answer is read
@@ -80,7 +89,6 @@ def main(argv=None) -> int:
         for hyp in tr.translate_stream(read_lines(sys.stdin.buffer)):
             out.write(hyp.encode("utf-8") + b"\n")
         out.flush()
-    return 0
 
 
 if __name__ == "__main__":

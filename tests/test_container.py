@@ -62,9 +62,9 @@ def run(image, command=None, stdin=b"", **kw):
     return docker_run(image, command, stdin, nano_cpus=CPUS * 10**9, **kw)
 
 
-def reference(model_dir, stdin: bytes, threads: int) -> bytes:
+def reference(model_dir, stdin: bytes, args: list[str]) -> bytes:
     """`python -m decoder` on the host: what the container must reproduce."""
-    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--threads", str(threads)],
+    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, *args],
                        input=stdin, capture_output=True, cwd=ROOT, check=True)
     return r.stdout
 
@@ -86,24 +86,31 @@ def test_image_is_small_non_root_and_without_compilers(image):
     assert rest == ["config.json", "model.safetensors", "spm.model"]  # no compiler paths
 
 
-@pytest.mark.parametrize("hardware,threads", [("CPU-1", 1), ("CPU-ALL", CPUS)])
-def test_throughput_output_equals_python_m_decoder(image, model_dir, hardware, threads):
+# the decoder settings of each /run.sh mode (serve.py): CPU-ALL throughput runs
+# one pinned 1-thread worker process per core, CPU-ALL latency one thread per core
+ONE = ["--threads", "1"]
+ALL_THROUGHPUT = ["--workers", str(CPUS)] if CPUS > 1 else ONE
+ALL_LATENCY = ["--threads", str(CPUS)]
+
+
+@pytest.mark.parametrize("hardware,args", [("CPU-1", ONE), ("CPU-ALL", ALL_THROUGHPUT)])
+def test_throughput_output_equals_python_m_decoder(image, model_dir, hardware, args):
     r = run(image, ["/run.sh", hardware, "throughput"], TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, threads)
+    assert r.stdout == reference(model_dir, TEXT, args)
     assert r.stderr == b""
 
 
 def test_plain_docker_run_is_cpu_all_throughput_without_a_gpu(image, model_dir):
     r = run(image, None, TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, CPUS)
+    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT)
 
 
 def test_gpu_mode_without_cuda_warns_once_and_runs_on_cpu(image, model_dir):
     r = run(image, ["/run.sh", "GPU", "throughput"], TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, CPUS)
+    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT)
     assert r.stderr.decode().count("warning") == 1 and b"CUDA" in r.stderr
 
 
@@ -112,7 +119,7 @@ def test_latency_mode_answers_each_line_before_the_next_is_written(image, model_
     from submission.dockerrun import Session
     sents = synthetic_corpus(5, seed=7)
     ref = lines(reference(model_dir, ("\n".join(sents) + "\n").encode(),
-                          1 if hardware == "CPU-1" else CPUS))
+                          ONE if hardware == "CPU-1" else ALL_LATENCY))
     s = Session(image, ["/run.sh", hardware, "latency"], nano_cpus=CPUS * 10**9)
     try:
         for sent, want in zip(sents, ref):
@@ -159,7 +166,7 @@ def test_bad_input_keeps_one_output_line_per_input_line(image, model_dir, task):
             assert out[i] == b"", f"line {i} should stay empty"
     err = r.stderr.decode().splitlines()
     assert len(err) == 1 and "truncat" in err[0], err
-    assert r.stdout == reference(model_dir, stdin, CPUS)
+    assert r.stdout == reference(model_dir, stdin, ALL_THROUGHPUT if task == "throughput" else ALL_LATENCY)
 
 
 def test_million_lines_stream_through_2g(image):

@@ -135,6 +135,21 @@ def test_empty_lines_give_empty_outputs_without_the_model(fast, monkeypatch):
     assert fast.translate(["", ""]) == ["", ""]
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_worker_processes_give_the_one_process_output(model_dir, lines, beam):
+    """Whole batches go to the workers, so the batches (and their numerics) are
+    those of one process with one thread, across chunk borders and empty lines."""
+    mixed = lines[:25] + ["", "   "] + lines[25:]
+    opts = dict(beam=beam, chunk_lines=15, max_sentences=4)
+    one = Translator(model_dir, threads=1, **opts)
+    want = one.translate(mixed)
+    ids = one.text.encode(["the dog", "a cat"])
+    with Translator(model_dir, workers=2, **opts) as tr:
+        assert tr.model is None  # the parent holds no model copy
+        assert tr.translate(mixed) == want
+        assert tr.translate_ids(ids) == one.translate_ids(ids)
+
+
 def test_too_long_input_is_truncated_with_one_warning(model_dir, capsys):
     tr = Translator(model_dir, max_len_a=0.0, max_len_b=5)  # short outputs keep this fast
     out = tr.translate(["the big dog " * 2000, "the old " * 3000, "a cat"])
