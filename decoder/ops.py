@@ -5,7 +5,7 @@ Built with torch.utils.cpp_extension into $TORCH_EXTENSIONS_DIR (default
 submission image: it has no compiler, so `make image` builds the library on
 the host, which runs the same torch and glibc). Where neither works
 `available()` is False and callers use the plain PyTorch reference
-(decoder/quant.py), which the tests check the ops against.
+(decoder/quant.py, decoder/fused.py), which the tests check the ops against.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import threading
 import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("int8_linear.cpp", "fused_cpu.cpp")
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -41,10 +42,29 @@ def _build() -> bool:
               f"using the PyTorch reference", file=sys.stderr, flush=True)
         return False
 
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes without computing (torch.compile, opcheck, meta tensors)."""
     @torch.library.register_fake("decoder_ops::int8_linear")
     def _(x, wq_t, w_scale, bias, relu):
         return x.new_empty((*x.shape[:-1], wq_t.shape[1]))
-    return True
+
+    @torch.library.register_fake("decoder_ops::add_bias_residual_layernorm")
+    def _(x, h, bias, gamma, beta, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("decoder_ops::add_bias_relu")
+    def _(x, bias):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("decoder_ops::log_softmax_topk")
+    def _(logits, scores, K, n):
+        S = logits.shape[0] // K
+        return (logits.new_empty((S, n), dtype=torch.float32),
+                logits.new_empty((S, n), dtype=torch.int64))
 
 
 def build_library(build_dir: str | None = None) -> str | None:
@@ -56,7 +76,7 @@ def build_library(build_dir: str | None = None) -> str | None:
     from torch.utils.cpp_extension import load
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
-    load(name="decoder_ops", sources=[os.path.join(_HERE, "int8_linear.cpp")],
+    load(name="decoder_ops", sources=[os.path.join(_HERE, f) for f in SOURCES],
          extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"],
          build_directory=build_dir, is_python_module=False, verbose=False)
     # the .so path matters only to `make image`, which passes its own build_dir

@@ -1,0 +1,109 @@
+"""decoder/csrc fused ops: each kernel against its PyTorch reference, and its
+torch.library registration (schema, fake tensor, dispatch) with opcheck."""
+import pytest
+import torch
+
+from decoder import fused, ops
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
+
+# (atol, rtol) per input dtype: the kernels compute in fp32 and round once at the
+# end, the references round after every op in low precision
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+DTYPES = list(TOL)
+SHAPES = [(1, 1, 1), (1, 1, 7), (3, 5, 37), (2, 1, 256), (64, 1, 512), (9, 3, 1000)]
+
+
+def close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_add_bias_residual_layernorm_matches_reference(dtype, shape, with_bias):
+    g = torch.Generator().manual_seed(hash((shape, with_bias)) % 2**31)
+    n = shape[-1]
+    x, h = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    gamma, beta = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    r, y = torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, 1e-5)
+    # the reference in fp32: the kernel's own arithmetic, rounded once
+    r_ref, y_ref = fused.add_bias_residual_layernorm_reference(
+        x.float(), h.float(), None if bias is None else bias.float(), gamma.float(), beta.float(), 1e-5)
+    assert r.dtype == y.dtype == dtype and r.shape == y.shape == x.shape
+    close(r, r_ref.to(dtype), dtype)
+    close(y, y_ref.to(dtype), dtype)
+    # and the low-precision reference the decoder would run without the kernel
+    _, y_lo = fused.add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, 1e-5)
+    close(y, y_lo, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_bias_relu_matches_reference(dtype, shape):
+    g = torch.Generator().manual_seed(7)
+    x, bias = torch.randn(shape, generator=g).to(dtype), torch.randn(shape[-1], generator=g).to(dtype)
+    y = torch.ops.decoder_ops.add_bias_relu(x, bias)
+    assert y.dtype == dtype and y.shape == x.shape and (y >= 0).all()
+    close(y, fused.add_bias_relu_reference(x.float(), bias.float()).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,K,V,n", [(1, 1, 1, 1), (1, 1, 13, 2), (3, 4, 1001, 8), (1, 5, 8000, 10),
+                                     (16, 4, 259, 8), (2, 3, 17, 51)])
+def test_log_softmax_topk_matches_reference(dtype, S, K, V, n):
+    g = torch.Generator().manual_seed(S * 1000 + V)
+    logits = (torch.randn(S * K, V, generator=g) * 4).to(dtype)
+    scores = -torch.rand(S * K, generator=g) * 10
+    v, i = torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n)
+    v_ref, i_ref = fused.log_softmax_topk_reference(logits, scores, K, n)
+    assert v.shape == i.shape == (S, n) and v.dtype == torch.float32 and i.dtype == torch.int64
+    torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
+    assert (v[:, :-1] >= v[:, 1:]).all()  # sorted, best first
+    # each index points at its value (ties, frequent in bf16, may pick other equal candidates)
+    cand = (torch.log_softmax(logits.float(), -1) + scores[:, None]).view(S, K * V)
+    torch.testing.assert_close(cand.gather(1, i), v, atol=1e-5, rtol=1e-5)
+    assert all(len(set(r)) == n for r in i.tolist())  # no candidate twice
+    if dtype == torch.float32:  # random fp32 values do not tie
+        assert torch.equal(i, i_ref)
+
+
+def test_log_softmax_topk_breaks_ties_towards_the_lower_index():
+    logits = torch.zeros(2, 3)  # every candidate equal
+    v, i = torch.ops.decoder_ops.log_softmax_topk(logits, torch.zeros(2), 2, 4)
+    assert i.tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("bad", ["rows", "n", "scores"])
+def test_log_softmax_topk_rejects_inconsistent_shapes(bad):
+    logits, scores, K, n = torch.zeros(6, 5), torch.zeros(6), 3, 4
+    if bad == "rows":
+        K = 4
+    elif bad == "n":
+        n = 16
+    else:
+        scores = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="log_softmax_topk"):
+        torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n)
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_pass_opcheck(dtype):
+    x, h = torch.randn(3, 1, 37).to(dtype), torch.randn(3, 1, 37).to(dtype)
+    b, gm, bt = (torch.randn(37).to(dtype) for _ in range(3))
+    _opcheck(torch.ops.decoder_ops.add_bias_residual_layernorm.default, (x, h, b, gm, bt, 1e-5))
+    _opcheck(torch.ops.decoder_ops.add_bias_residual_layernorm.default, (x, h, None, gm, bt, 1e-5))
+    _opcheck(torch.ops.decoder_ops.add_bias_relu.default, (x, b))
+    _opcheck(torch.ops.decoder_ops.log_softmax_topk.default, (torch.randn(8, 1001).to(dtype), torch.randn(8), 4, 8))
+
+
+def test_int8_linear_passes_opcheck():
+    from decoder.quant import Int8Linear
+    lin = Int8Linear(torch.randn(13, 37), torch.randn(13))
+    _opcheck(torch.ops.decoder_ops.int8_linear.default, (torch.randn(5, 37), lin.wq_t, lin.w_scale, lin.b, True))
