@@ -26,8 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import modeldir
-from .quant import DTYPES, make_linear
+from . import fused, modeldir
+from .quant import DTYPES, Int8Linear, make_linear
 
 
 def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> torch.Tensor:
@@ -81,9 +81,15 @@ class FFN:
         self.relu = activation == "relu"
 
     def __call__(self, x):
-        if self.relu:  # bias + relu in the int8 op's epilogue
-            return self.fc2(self.fc1(x, relu=True))
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.hidden(x))
+
+    def hidden(self, x, fused_relu: bool = False):
+        """act(fc1(x)): the input of fc2."""
+        if not self.relu:
+            return F.gelu(self.fc1(x))
+        if fused_relu and not isinstance(self.fc1, Int8Linear):
+            return fused.add_bias_relu(self.fc1.mm(x), self.fc1.b)
+        return self.fc1(x, relu=True)  # int8: bias + relu in the int8 op's epilogue
 
 
 def heads(x, h):
@@ -102,8 +108,10 @@ class Model:
     """Weights laid out for decoding; built from a model dir by `Model.load`."""
 
     def __init__(self, cfg: modeldir.ModelConfig, w: dict, *, precision: str = "fp32",
-                 device: str = "cpu", fused_qkv: bool = True, fused_ops: bool = True):
+                 device: str = "cpu", fused_qkv: bool = True, fused_ops: bool = True,
+                 fused_norm: bool = False, fused_relu: bool = False):
         a = cfg.arch
+        self.fused_norm, self.fused_relu = fused_norm, fused_relu
         self.cfg, self.arch, self.precision, self.device = cfg, a, precision, torch.device(device)
         self.dtype = DTYPES[precision]  # activations: fp32 around int8 matmuls
         w = {k: v.to(self.device) for k, v in w.items()}
@@ -146,22 +154,35 @@ class Model:
         p0 = start + self.cfg.pad_id + 1
         return self.emb[ids] * self.embed_scale + self.pos[p0:p0 + ids.shape[1]]  # (B, T, d)
 
+    def add_norm(self, x, lin, inp, norm):
+        """The pre-norm residual step: x + lin(inp), and the next LayerNorm of it.
+        With `fused_norm` the bias, the residual add and the norm are one call."""
+        if self.fused_norm:
+            return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
+        x = x + lin(inp)
+        return x, norm(x)
+
     def encode(self, src):
         """src (B, S) right-padded -> (encoder output (B, S, d), key mask (B, 1, 1, S))."""
         mask = (src != self.cfg.pad_id)[:, None, None, :]
-        x = self.embed(src)
-        h = self.n_heads
-        for L in self.enc_layers:
-            y = L["ln1"](x)
+        x = self.embed(src)  # (B, S, d)
+        h, layers = self.n_heads, self.enc_layers
+        y = layers[0]["ln1"](x) if layers else x
+        for i, L in enumerate(layers):
             q, k, v = L["attn"].project_qkv(y)
             o = F.scaled_dot_product_attention(heads(q, h), heads(k, h), heads(v, h), attn_mask=mask)
-            x = x + L["attn"].out(merge(o))
-            x = x + L["ffn"](L["ln2"](x))
-        return self.enc_norm(x), mask
+            x, y = self.add_norm(x, L["attn"].out, merge(o), L["ln2"])
+            nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else self.enc_norm
+            x, y = self.add_norm(x, L["ffn"].fc2, L["ffn"].hidden(y, self.fused_relu), nxt)
+        return (y if layers else self.enc_norm(x)), mask
 
     def logits(self, y, out=None):
         """y (rows, d) -> (rows, V), or (rows, C) through a sliced projection `out`."""
-        return (self.out_proj if out is None else out)(self.dec_norm(y))
+        return self.project(self.dec_norm(y), out)
+
+    def project(self, y, out=None):
+        """The output projection of already normalised y (rows, d)."""
+        return (self.out_proj if out is None else out)(y)
 
     def output_rows(self, vocab):
         """The output projection restricted to the ids `vocab` (C,), once per batch."""
@@ -213,22 +234,24 @@ class IncrementalState:
         N = tokens.shape[0]
         B = N // self.beam
         x = m.embed(tokens[:, None], start=t)  # (N, 1, d)
-        for i, L in enumerate(m.dec_layers):
-            y = L["ln1"](x)
+        layers = m.dec_layers
+        y = layers[0]["ln1"](x) if layers else m.dec_norm(x)
+        for i, L in enumerate(layers):
             q, k, v = L["attn"].project_qkv(y)
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # (N, h, T, hd)
             kc[:, :, t] = k.view(N, h, -1)
             vc[:, :, t] = v.view(N, h, -1)
             o = F.scaled_dot_product_attention(heads(q, h), kc[:, :, :t + 1], vc[:, :, :t + 1])
-            x = x + L["attn"].out(merge(o))
+            x, y = m.add_norm(x, L["attn"].out, merge(o), L["ln2"])
             # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)
-            q = L["cross"].q(L["ln2"](x)).view(B, self.beam, -1)
+            q = L["cross"].q(y).view(B, self.beam, -1)
             ck, cv = self.cross[i]
             o = F.scaled_dot_product_attention(heads(q, h), ck, cv, attn_mask=self.mask)  # (B, h, beam, hd)
-            x = x + L["cross"].out(merge(o).view(N, 1, -1))
-            x = x + L["ffn"](L["ln3"](x))
+            x, y = m.add_norm(x, L["cross"].out, merge(o).view(N, 1, -1), L["ln3"])
+            nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else m.dec_norm
+            x, y = m.add_norm(x, L["ffn"].fc2, L["ffn"].hidden(y, m.fused_relu), nxt)
         self.t = t + 1
-        return m.logits(x[:, 0], self.out)  # (N, V) or (N, C)
+        return m.project(y[:, 0], self.out)  # (N, V) or (N, C)
 
     def reorder(self, rows):
         """Row r takes the history of row rows[r] (beam reorder), in place."""

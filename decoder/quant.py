@@ -36,6 +36,10 @@ class Linear:
         y = F.linear(x, self.w, self.b)
         return F.relu(y) if relu else y
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T without the bias: a fused op downstream adds it."""
+        return F.linear(x, self.w)
+
     def rows(self, idx: torch.Tensor) -> "Linear":
         """This layer restricted to the output features idx (C,): a shortlist's projection."""
         new = Linear.__new__(Linear)
@@ -76,7 +80,13 @@ class Int8Linear:
         y = self.reference(x)
         return y.relu_() if relu else y
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """Without the bias: a fused op downstream adds it."""
+        if self.fused:
+            return ops.int8_linear(x, self.wq_t, self.w_scale, None, False)
+        return self.reference(x, bias=False)
+
+    def reference(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The PyTorch definition the fused op is tested against."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # (M, in)
@@ -85,7 +95,7 @@ class Int8Linear:
         xq = torch.mul(x2, 127.0 / amax).round_().to(torch.int8)
         y = torch._int_mm(xq, self.wq_t).float()  # (M, out)
         y.mul_(amax.mul_(1.0 / 127.0))
-        if self.b is None:
+        if self.b is None or not bias:
             y.mul_(self.w_scale)
         else:
             torch.addcmul(self.b, y, self.w_scale, out=y)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fused
+
 NEG_INF = float("-inf")
 
 
@@ -59,9 +61,12 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
 
 def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                 length_penalty: float = 1.0, early_stop: bool = True,
-                shrink_ratio: float = 0.25, vocab=None) -> list[list[int]]:
+                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
-    finished once `beam` hypotheses ended; best by score / len**length_penalty."""
+    finished once `beam` hypotheses ended; best by score / len**length_penalty.
+    `fused_topk`: one C++ call per step finds the top-2k without writing the
+    (beam x V) log-probabilities (decoder/fused.py); steps that force </s> use the
+    plain path."""
     B, K, dev = limits.shape[0], beam, limits.device
     tokens = torch.full((B * K,), start_id, dtype=torch.long, device=dev)
     scores = torch.zeros(B, K, device=dev)  # (sentences, beam) summed log-probs
@@ -78,15 +83,19 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
     for t in range(int(limits.max())):
         logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
         nb, V = limits.shape[0], logits.shape[-1]
-        # over a shortlist this normalises over the candidates only (as Marian does)
-        cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
-        force = limits <= t + 1  # (nb,) last allowed step: only </s>
-        if bool(force.any()):
-            eos_col = cand[:, :, eos_c].clone()
-            cand[force] = NEG_INF
-            cand[:, :, eos_c] = torch.where(force[:, None], eos_col, cand[:, :, eos_c])
         n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
-        top_s, top_i = cand.view(nb, K * V).topk(n_top, dim=1)  # (nb, n_top)
+        force = limits <= t + 1  # (nb,) last allowed step: only </s>
+        forced = bool(force.any())
+        if fused_topk and not forced:
+            top_s, top_i = fused.log_softmax_topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
+        else:
+            # over a shortlist this normalises over the candidates only (as Marian does)
+            cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
+            if forced:
+                eos_col = cand[:, :, eos_c].clone()
+                cand[force] = NEG_INF
+                cand[:, :, eos_c] = torch.where(force[:, None], eos_col, cand[:, :, eos_c])
+            top_s, top_i = cand.view(nb, K * V).topk(n_top, dim=1)  # (nb, n_top)
         src_beam, tok = top_i // V, top_i % V
         if vocab is not None:
             tok = vocab[tok]

@@ -29,6 +29,9 @@ class Options:
     shrink_ratio: float = 0.25  # ... once this fraction of the rows has finished
     fused_qkv: bool = True      # one matmul for q/k/v (cross: one for k/v)
     fused_ops: bool = True      # C++ int8 linear (quantise + matmul + bias/relu in one call)
+    fused_norm: bool = False    # C++ bias + residual + LayerNorm in one call (decoder/fused.py)
+    fused_relu: bool = False    # C++ bias + relu after a bias-free fp32/bf16 fc1
+    fused_topk: bool = False    # beam: C++ log-softmax + top-k without the (beam x V) log-probs
     pipeline: bool = True       # text processing in worker threads
     cuda_graphs: bool = True    # on CUDA: fixed-shape steps replayed from one CUDA graph
     static_shapes: bool = False  # the fixed-shape state without graphs, on any device (tests)
@@ -87,7 +90,8 @@ class Translator:
             self.pool = WorkerPool(model_dir, self.opts.workers, self.precision, switches)
             return
         self.model = Model(cfg, weights, precision=self.precision, device=self.device,
-                           fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops)
+                           fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops,
+                           fused_norm=self.opts.fused_norm, fused_relu=self.opts.fused_relu)
         if self.opts.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
                                        device=self.model.device)
@@ -128,7 +132,7 @@ class Translator:
                           shrink_ratio=o.shrink_ratio, vocab=vocab)
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
-                           shrink_ratio=o.shrink_ratio, vocab=vocab)
+                           shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk)
 
     # -- text level ----------------------------------------------------------------
     def _compute(self, srcs: list, submit):
