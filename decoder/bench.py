@@ -175,8 +175,19 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
         rows.append((name, dict(cur)))
     variants = [("+ bf16 weights and activations", {**cur, "precision": "bf16"}),
                 ("+ int8 dynamic (PyTorch ops)", {**cur, "precision": "int8"}),
-                ("+ int8 dynamic, fused C++ linear", {**cur, "precision": "int8", "fused_ops": True})]
+                ("+ int8 dynamic, fused C++ linear", {**cur, "precision": "int8", "fused_ops": True}),
+                ("+ fused bias+residual+LayerNorm (C++)", {**cur, "fused_norm": True}),
+                ("+ fused bias+relu (C++)", {**cur, "fused_relu": True}),
+                ("+ fused bias+residual+LayerNorm and bias+relu (C++)", {**cur, "fused_norm": True,
+                                                                         "fused_relu": True})]
     return rows, variants
+
+
+def describe(kw: dict) -> str:
+    """Short name of a picked configuration: its precision and fused kernels."""
+    parts = [kw["precision"] + (", fused linear" if kw["precision"] == "int8" and kw["fused_ops"] else "")]
+    parts += [n for k, n in (("fused_norm", "fused norm"), ("fused_relu", "fused relu")) if kw.get(k)]
+    return ", ".join(parts)
 
 
 def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float = 0.2) -> dict:
@@ -274,13 +285,15 @@ def main(argv=None):
         if len(sub) == len(lines) and kw["beam"] == 1:
             full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
     best = pick_best(full)
-    tag = f"{best['precision']}{', fused ops' if best['precision'] == 'int8' and best['fused_ops'] else ''}"
+    tag = describe(best)
     machine["best_config"] = {k: v for k, v in best.items()}
     if has_shortlist:
         hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens, **{**best, "shortlist": True})
         record(f"best ({tag}) + lexical shortlist", hyps, secs, lines)
     hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens, **{**best, "beam": 4})
     record(f"best ({tag}), beam 4", hyps, secs, lines)
+    hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens, **{**best, "beam": 4, "fused_topk": True})
+    record(f"best ({tag}), beam 4, + fused log-softmax+top-k (C++)", hyps, secs, lines)
     if has_shortlist:
         hyps, secs = run_ours(a.model, lines, a.threads, max_tokens=a.max_tokens,
                               **{**best, "beam": 4, "shortlist": True})
