@@ -27,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--max-len-a", type=float, default=1.5)
     p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--no-repeat-ngram", type=int, default=0,
+                   help="no n-gram of this size twice in one output (0 = off)")
     p.add_argument("--shortlist", action="store_true",
                    help="restrict the output layer to the model dir's lexical shortlist "
                         "(shortlist.safetensors, built by python -m student.shortlist)")
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
                         beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
                         chunk_lines=a.chunk_lines, workers=a.workers, length_penalty=a.length_penalty,
-                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, shortlist=a.shortlist)
+                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, shortlist=a.shortlist,
+                        no_repeat_ngram=a.no_repeat_ngram)
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,25 @@ def log_softmax_topk_reference(logits, scores, K: int, n: int):
     return cand.view(R // K, K * V).topk(n, dim=1)
 
 
+def ngram_block_reference(logits, hist, n: int, vocab=None):
+    """In place: -inf for every token that would repeat an n-gram already in the
+    row's history hist (R, T) (fairseq's no_repeat_ngram_size). With a shortlist
+    the columns are the ids `vocab` (C,), ascending."""
+    R, T = hist.shape
+    if n < 1 or T == 0 or T < n - 1:
+        return logits
+    cols = None if vocab is None else {int(v): j for j, v in enumerate(vocab.tolist())}
+    for r, row in enumerate(hist.tolist()):
+        suffix = row[T - (n - 1):]
+        for i in range(T - n + 1):
+            if row[i:i + n - 1] == suffix:
+                tok = row[i + n - 1]
+                col = tok if cols is None else cols.get(tok)
+                if col is not None and 0 <= col < logits.shape[1]:
+                    logits[r, col] = float("-inf")
+    return logits
+
+
 def _kernel(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and ops.available()
 
@@ -52,3 +71,10 @@ def log_softmax_topk(logits, scores, K: int, n: int):
     if _kernel(logits):
         return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n)
     return log_softmax_topk_reference(logits, scores, K, n)
+
+
+def ngram_block_(logits, hist, n: int, vocab=None):
+    if _kernel(logits) and logits.is_contiguous():
+        torch.ops.decoder_ops.ngram_block_(logits, hist, n, vocab)
+        return logits
+    return ngram_block_reference(logits, hist, n, vocab)

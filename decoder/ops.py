@@ -60,6 +60,10 @@ def _register_fakes() -> None:
     def _(x, bias):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("decoder_ops::ngram_block_")
+    def _(logits, hist, n, vocab):
+        return None
+
     @torch.library.register_fake("decoder_ops::log_softmax_topk")
     def _(logits, scores, K, n):
         S = logits.shape[0] // K

@@ -18,8 +18,18 @@ from . import fused
 NEG_INF = float("-inf")
 
 
+def block_ngrams(logits, hist, n: int, vocab, fused_kernel: bool) -> None:
+    """no_repeat_ngram_size: in place, a token that would repeat an n-gram of the
+    row's history hist (rows, t) gets -inf (decoder/fused.py)."""
+    if fused_kernel:
+        fused.ngram_block_(logits, hist, n, vocab)
+    else:
+        fused.ngram_block_reference(logits, hist, n, vocab)
+
+
 def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_free: bool = True,
-           early_stop: bool = True, shrink_ratio: float = 0.25, vocab=None) -> list[list[int]]:
+           early_stop: bool = True, shrink_ratio: float = 0.25, vocab=None, no_repeat_ngram: int = 0,
+           fused_ngram: bool = True) -> list[list[int]]:
     """Argmax decoding; returns token ids without </s>, one list per sentence.
 
     Finished rows are fed <pad> until at least `shrink_ratio` of the rows are
@@ -36,6 +46,8 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
         logits = state.step(tokens, t)  # (rows, V)
         if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
             logits = torch.log_softmax(logits.float(), -1)
+        if no_repeat_ngram:
+            block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
         nxt = logits.argmax(-1)
         if vocab is not None:
             nxt = vocab[nxt]
@@ -61,7 +73,8 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
 
 def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                 length_penalty: float = 1.0, early_stop: bool = True,
-                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False) -> list[list[int]]:
+                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False, no_repeat_ngram: int = 0,
+                fused_ngram: bool = True) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty.
     `fused_topk`: one C++ call per step finds the top-2k without writing the
@@ -83,6 +96,8 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
     for t in range(int(limits.max())):
         logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
         nb, V = limits.shape[0], logits.shape[-1]
+        if no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
+            block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
         n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
         force = limits <= t + 1  # (nb,) last allowed step: only </s>
         forced = bool(force.any())

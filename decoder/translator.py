@@ -32,6 +32,8 @@ class Options:
     fused_norm: bool = False    # C++ bias + residual + LayerNorm in one call (decoder/fused.py)
     fused_relu: bool = False    # C++ bias + relu after a bias-free fp32/bf16 fc1
     fused_topk: bool = False    # beam: C++ log-softmax + top-k without the (beam x V) log-probs
+    no_repeat_ngram: int = 0    # >0: no n-gram of this size twice in an output (fairseq's no_repeat_ngram_size)
+    fused_ngram: bool = True    # ... checked by the C++ kernel (else the Python reference loop)
     pipeline: bool = True       # text processing in worker threads
     cuda_graphs: bool = True    # on CUDA: fixed-shape steps replayed from one CUDA graph
     static_shapes: bool = False  # the fixed-shape state without graphs, on any device (tests)
@@ -129,10 +131,12 @@ class Translator:
         if o.beam == 1:
             return greedy(state, limits, start_id=c.decoder_start_id, eos_id=c.eos_id, pad_id=c.pad_id,
                           softmax_free=o.softmax_free, early_stop=o.early_stop,
-                          shrink_ratio=o.shrink_ratio, vocab=vocab)
+                          shrink_ratio=o.shrink_ratio, vocab=vocab, no_repeat_ngram=o.no_repeat_ngram,
+                          fused_ngram=o.fused_ngram)
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
-                           shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk)
+                           shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk,
+                           no_repeat_ngram=o.no_repeat_ngram, fused_ngram=o.fused_ngram)
 
     # -- text level ----------------------------------------------------------------
     def _compute(self, srcs: list, submit):

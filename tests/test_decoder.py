@@ -86,6 +86,21 @@ def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
             == Translator(model_dir, beam=beam).translate_ids(sub))
 
 
+def _has_repeated_ngram(ids, n):
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_no_repeat_ngram_leaves_no_ngram_twice_with_kernel_or_reference(model_dir, srcs, beam):
+    sub = srcs[:16]
+    plain = Translator(model_dir, beam=beam).translate_ids(sub)
+    assert any(_has_repeated_ngram(h, 2) for h in plain)  # the random model repeats itself
+    blocked = Translator(model_dir, beam=beam, no_repeat_ngram=2).translate_ids(sub)
+    assert not any(_has_repeated_ngram(h, 2) for h in blocked)
+    assert Translator(model_dir, beam=beam, no_repeat_ngram=2, fused_ngram=False).translate_ids(sub) == blocked
+
+
 def test_greedy_with_and_without_softmax_identical(model_dir, fast, srcs):
     assert Translator(model_dir, softmax_free=False).translate_ids(srcs) == fast.translate_ids(srcs)
 

@@ -107,3 +107,36 @@ def test_int8_linear_passes_opcheck():
     from decoder.quant import Int8Linear
     lin = Int8Linear(torch.randn(13, 37), torch.randn(13))
     _opcheck(torch.ops.decoder_ops.int8_linear.default, (torch.randn(5, 37), lin.wq_t, lin.w_scale, lin.b, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("with_vocab", [False, True])
+def test_ngram_block_matches_reference(dtype, n, with_vocab):
+    g = torch.Generator().manual_seed(n)
+    R, V = 9, 11
+    hist = torch.cat([torch.randint(0, V, (R, 4), generator=g).repeat(1, 3),  # period 4: repeats guaranteed
+                      torch.randint(0, V, (R, 5), generator=g)], 1)
+    hist[::2, -5:] = hist[::2, 3:8]  # ... in every other row the suffix also repeats
+    vocab = torch.tensor([0, 2, 3, 5, 7, 8, 10]) if with_vocab else None
+    C = V if vocab is None else vocab.numel()
+    logits = torch.randn(R, C, generator=g).to(dtype)
+    want = fused.ngram_block_reference(logits.clone(), hist, n, vocab)
+    got = logits.clone()
+    torch.ops.decoder_ops.ngram_block_(got, hist, n, vocab)
+    assert torch.equal(got, want)
+    assert bool(torch.isinf(want).any())  # the case is not vacuous
+
+
+def test_ngram_block_bans_exactly_the_completing_tokens():
+    hist = torch.tensor([[5, 6, 7, 5, 6]])  # last bigram prefix "6" -> after "6" came 7; trigram "5 6" -> 7
+    for n, banned in ((2, {7}), (3, {7}), (4, set())):
+        logits = torch.zeros(1, 10)
+        torch.ops.decoder_ops.ngram_block_(logits, hist, n, None)
+        assert set(torch.isinf(logits[0]).nonzero()[:, 0].tolist()) == banned
+
+
+def test_ngram_block_passes_opcheck():
+    hist = torch.randint(0, 6, (4, 10))
+    _opcheck(torch.ops.decoder_ops.ngram_block_.default, (torch.randn(4, 6), hist, 2, None))
+    _opcheck(torch.ops.decoder_ops.ngram_block_.default, (torch.randn(4, 3), hist, 3, torch.tensor([1, 2, 4])))

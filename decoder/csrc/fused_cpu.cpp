@@ -4,6 +4,8 @@
 //   add_bias_relu                y = max(x + b, 0)
 //   log_softmax_topk             per sentence of K beam rows: the n best of
 //                                log_softmax(logits[row]) + score[row] over K*V
+//   ngram_block_                 in place: -inf for every token that would repeat
+//                                an n-gram of the row's history (no_repeat_ngram_size)
 //
 // Each replaces several ATen dispatches and full passes over memory with one
 // call and one or two passes. References: decoder/fused.py (the tests compare
@@ -167,6 +169,43 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, co
   return {values, indices};
 }
 
+// logits (R, C) in place; hist (R, T) token ids; vocab (C,) ascending ids of the
+// columns when the logits cover a shortlist. For each row, every earlier
+// position whose n-1 tokens equal the row's last n-1 bans the token after them.
+void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const std::optional<at::Tensor>& vocab) {
+  TORCH_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0),
+              "ngram_block_: logits (R, C) and hist (R, T) must have the same rows");
+  TORCH_CHECK(logits.is_contiguous(), "ngram_block_: logits must be contiguous");
+  const int64_t R = hist.size(0), T = hist.size(1), C = logits.size(1);
+  if (n < 1 || T < n - 1 || T == 0) return;
+  auto h = hist.to(at::kLong).contiguous();
+  const int64_t* hp = h.data_ptr<int64_t>();
+  at::Tensor voc;
+  if (vocab.has_value()) voc = vocab->to(at::kLong).contiguous();
+  const int64_t* vp = vocab.has_value() ? voc.data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "ngram_block_", [&] {
+    scalar_t* lp = logits.data_ptr<scalar_t>();
+    const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+    at::parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t* row = hp + r * T;
+        const int64_t* suffix = row + T - (n - 1);
+        for (int64_t i = 0; i + n - 1 < T; ++i) {
+          if (!std::equal(row + i, row + i + n - 1, suffix)) continue;
+          const int64_t tok = row[i + n - 1];
+          int64_t col = tok;
+          if (vp) {
+            const int64_t* it = std::lower_bound(vp, vp + C, tok);
+            if (it == vp + C || *it != tok) continue;  // not a candidate of this batch
+            col = it - vp;
+          }
+          if (col >= 0 && col < C) lp[r * C + col] = ninf;
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
@@ -174,10 +213,12 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
         " -> (Tensor, Tensor)");
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n) -> (Tensor, Tensor)");
+  m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("add_bias_residual_layernorm", &add_bias_residual_layernorm);
   m.impl("add_bias_relu", &add_bias_relu);
   m.impl("log_softmax_topk", &log_softmax_topk);
+  m.impl("ngram_block_", &ngram_block_);
 }
