@@ -178,15 +178,17 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
                 ("+ int8 dynamic, fused C++ linear", {**cur, "precision": "int8", "fused_ops": True}),
                 ("+ fused bias+residual+LayerNorm (C++)", {**cur, "fused_norm": True}),
                 ("+ fused bias+relu (C++)", {**cur, "fused_relu": True}),
-                ("+ fused bias+residual+LayerNorm and bias+relu (C++)", {**cur, "fused_norm": True,
-                                                                         "fused_relu": True})]
+                ("+ fused decode-step attention (C++)", {**cur, "fused_attention": True}),
+                ("+ all fused kernels (norm, relu, attention)", {**cur, "fused_norm": True, "fused_relu": True,
+                                                                  "fused_attention": True})]
     return rows, variants
 
 
 def describe(kw: dict) -> str:
     """Short name of a picked configuration: its precision and fused kernels."""
     parts = [kw["precision"] + (", fused linear" if kw["precision"] == "int8" and kw["fused_ops"] else "")]
-    parts += [n for k, n in (("fused_norm", "fused norm"), ("fused_relu", "fused relu")) if kw.get(k)]
+    parts += [n for k, n in (("fused_norm", "fused norm"), ("fused_relu", "fused relu"),
+                             ("fused_attention", "fused attention")) if kw.get(k)]
     return ", ".join(parts)
 
 

@@ -32,6 +32,11 @@ def log_softmax_topk_reference(logits, scores, K: int, n: int):
     return cand.view(R // K, K * V).topk(n, dim=1)
 
 
+def decode_attention_reference(q, k, v, mask=None):
+    """q (B, H, Q, D) against k, v (B, H, T, D); mask (B, 1, 1, T) bool, True = attend."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def ngram_block_reference(logits, hist, n: int, vocab=None):
     """In place: -inf for every token that would repeat an n-gram already in the
     row's history hist (R, T) (fairseq's no_repeat_ngram_size). With a shortlist
@@ -78,3 +83,9 @@ def ngram_block_(logits, hist, n: int, vocab=None):
         torch.ops.decoder_ops.ngram_block_(logits, hist, n, vocab)
         return logits
     return ngram_block_reference(logits, hist, n, vocab)
+
+
+def decode_attention(q, k, v, mask=None):
+    if _kernel(q):
+        return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
+    return decode_attention_reference(q, k, v, mask)

@@ -109,9 +109,12 @@ class Model:
 
     def __init__(self, cfg: modeldir.ModelConfig, w: dict, *, precision: str = "fp32",
                  device: str = "cpu", fused_qkv: bool = True, fused_ops: bool = True,
-                 fused_norm: bool = False, fused_relu: bool = False):
+                 fused_norm: bool = False, fused_relu: bool = False, fused_attention: bool = False):
         a = cfg.arch
         self.fused_norm, self.fused_relu = fused_norm, fused_relu
+        # the decode step's attention: C++ kernel for few queries, or ATen's SDPA
+        self.attend = fused.decode_attention if fused_attention else (
+            lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         self.cfg, self.arch, self.precision, self.device = cfg, a, precision, torch.device(device)
         self.dtype = DTYPES[precision]  # activations: fp32 around int8 matmuls
         w = {k: v.to(self.device) for k, v in w.items()}
@@ -241,12 +244,12 @@ class IncrementalState:
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # (N, h, T, hd)
             kc[:, :, t] = k.view(N, h, -1)
             vc[:, :, t] = v.view(N, h, -1)
-            o = F.scaled_dot_product_attention(heads(q, h), kc[:, :, :t + 1], vc[:, :, :t + 1])
+            o = m.attend(heads(q, h), kc[:, :, :t + 1], vc[:, :, :t + 1])
             x, y = m.add_norm(x, L["attn"].out, merge(o), L["ln2"])
             # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)
             q = L["cross"].q(y).view(B, self.beam, -1)
             ck, cv = self.cross[i]
-            o = F.scaled_dot_product_attention(heads(q, h), ck, cv, attn_mask=self.mask)  # (B, h, beam, hd)
+            o = m.attend(heads(q, h), ck, cv, self.mask)  # (B, h, beam, hd)
             x, y = m.add_norm(x, L["cross"].out, merge(o).view(N, 1, -1), L["ln3"])
             nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else m.dec_norm
             x, y = m.add_norm(x, L["ffn"].fc2, L["ffn"].hidden(y, m.fused_relu), nxt)

@@ -60,6 +60,10 @@ def _register_fakes() -> None:
     def _(x, bias):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("decoder_ops::decode_attention")
+    def _(q, k, v, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("decoder_ops::ngram_block_")
     def _(logits, hist, n, vocab):
         return None

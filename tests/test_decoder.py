@@ -76,13 +76,14 @@ def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_fused_norm_and_relu_keep_greedy_tokens(model_dir, lines, precision):
     plain = Translator(model_dir, precision=precision).translate(lines)
-    assert Translator(model_dir, precision=precision, fused_norm=True, fused_relu=True).translate(lines) == plain
+    assert Translator(model_dir, precision=precision, fused_norm=True, fused_relu=True,
+                      fused_attention=True).translate(lines) == plain
 
 
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]
-    assert (Translator(model_dir, beam=beam, fused_topk=True).translate_ids(sub)
+    assert (Translator(model_dir, beam=beam, fused_topk=True, fused_attention=True).translate_ids(sub)
             == Translator(model_dir, beam=beam).translate_ids(sub))
 
 

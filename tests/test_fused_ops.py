@@ -140,3 +140,29 @@ def test_ngram_block_passes_opcheck():
     hist = torch.randint(0, 6, (4, 10))
     _opcheck(torch.ops.decoder_ops.ngram_block_.default, (torch.randn(4, 6), hist, 2, None))
     _opcheck(torch.ops.decoder_ops.ngram_block_.default, (torch.randn(4, 3), hist, 3, torch.tensor([1, 2, 4])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Q,T,D,masked", [(1, 1, 1, 1, 1, False), (3, 4, 1, 17, 64, False),
+                                               (2, 4, 4, 23, 32, True), (5, 2, 1, 9, 7, True),
+                                               (64, 8, 1, 40, 64, False)])
+def test_decode_attention_matches_sdpa(dtype, B, H, Q, T, D, masked):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, H, Q, D, generator=g).to(dtype)
+    cache = torch.randn(2, B, H, T + 5, D, generator=g).to(dtype)
+    k, v = cache[0, :, :, :T], cache[1, :, :, :T]  # a strided slice of a cache, as in the decoder
+    mask = None
+    if masked:
+        lens = torch.randint(1, T + 1, (B,), generator=g)
+        mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :]
+    got = torch.ops.decoder_ops.decode_attention(q, k, v, mask)
+    want = fused.decode_attention_reference(q.float(), k.float(), v.float(), mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    close(got, want.to(dtype), dtype)
+
+
+def test_decode_attention_passes_opcheck():
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 11, 8), torch.randn(2, 4, 11, 8)
+    mask = torch.tensor([[True] * 11, [True] * 6 + [False] * 5])[:, None, None, :]
+    _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, None))
+    _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, mask))

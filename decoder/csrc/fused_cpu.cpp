@@ -4,6 +4,8 @@
 //   add_bias_relu                y = max(x + b, 0)
 //   log_softmax_topk             per sentence of K beam rows: the n best of
 //                                log_softmax(logits[row]) + score[row] over K*V
+//   decode_attention             softmax(q k^T / sqrt(hd) + mask) v for the few
+//                                queries of a decode step (no ATen SDPA set-up)
 //   ngram_block_                 in place: -inf for every token that would repeat
 //                                an n-gram of the row's history (no_repeat_ngram_size)
 //
@@ -169,6 +171,77 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, co
   return {values, indices};
 }
 
+MULTIVERSION
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+MULTIVERSION
+void axpy(float a, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// q (B, H, Q, D), k and v (B, H, T, D) with any strides but the last (the cache
+// slice [:, :, :t+1] is not contiguous), mask (B, 1, 1, T) bool, True = attend.
+// One (b, h) pair per task: Q*T dot products of length D, a softmax over T, and
+// T axpys; at decode sizes this is microseconds, where ATen's SDPA spends more
+// choosing and setting up its kernel.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be (B, H, *, D)");
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
+              "decode_attention: k and v must be (B, H, T, D) matching q");
+  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * T && mask->scalar_type() == at::kBool),
+              "decode_attention: mask must be bool (B, 1, 1, T)");
+  auto qf = q.to(at::kFloat).contiguous();
+  auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+  if (kf.stride(3) != 1) kf = kf.contiguous();
+  if (vf.stride(3) != 1) vf = vf.contiguous();
+  at::Tensor m;
+  if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
+  const bool* mp = mask.has_value() ? m.data_ptr<bool>() : nullptr;
+  auto out = at::empty({B, H, Q, D}, qf.options());
+  const float *qp = qf.data_ptr<float>(), *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = kf.stride(0), ks1 = kf.stride(1), ks2 = kf.stride(2);
+  const int64_t vs0 = vf.stride(0), vs1 = vf.stride(1), vs2 = vf.stride(2);
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(T);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* kb = kp + b * ks0 + h * ks1;
+      const float* vb = vp + b * vs0 + h * vs1;
+      const bool* mb = mp ? mp + b * T : nullptr;
+      for (int64_t i = 0; i < Q; ++i) {
+        const float* qi = qp + ((b * H + h) * Q + i) * D;
+        float* oi = op + ((b * H + h) * Q + i) * D;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < T; ++j) {
+          p[j] = (mb && !mb[j]) ? -std::numeric_limits<float>::infinity() : dot(qi, kb + j * ks2, D) * scale;
+          mx = p[j] > mx ? p[j] : mx;
+        }
+        std::fill(oi, oi + D, 0.f);
+        if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: NaN, as SDPA gives
+          std::fill(oi, oi + D, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < T; ++j) { p[j] = std::exp(p[j] - mx); sum += p[j]; }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < T; ++j)
+          if (p[j] != 0.f) axpy(p[j] * inv, vb + j * vs2, oi, D);
+      }
+    }
+  });
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
 // logits (R, C) in place; hist (R, T) token ids; vocab (C,) ascending ids of the
 // columns when the logits cover a shortlist. For each row, every earlier
 // position whose n-1 tokens equal the row's last n-1 bans the token after them.
@@ -213,6 +286,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
         " -> (Tensor, Tensor)");
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n) -> (Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
 }
 
@@ -221,4 +295,5 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("add_bias_relu", &add_bias_relu);
   m.impl("log_softmax_topk", &log_softmax_topk);
   m.impl("ngram_block_", &ngram_block_);
+  m.impl("decode_attention", &decode_attention);
 }
