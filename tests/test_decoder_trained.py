@@ -87,3 +87,20 @@ def test_beam_cache_equals_no_cache_on_trained_model(data):
     a = Translator(MODEL, precision="fp32", beam=4).translate(sub)
     b = Translator(MODEL, precision="fp32", beam=4, cache=False).translate(sub)
     assert a == b
+
+
+def test_trainer_dev_translations_are_the_same_with_the_lean_decoder(data, tmp_path):
+    """student.train's dev BLEU runs the lean decoder on the current weights; it
+    must translate exactly as the training model's own greedy search."""
+    import sentencepiece as spm
+
+    from decoder.pipeline import make_normaliser
+    from student.export import load_model_dir
+    from student.train.evaluate import translate, translate_lean
+    model, cfg = load_model_dir(MODEL)
+    spm_path = os.path.join(MODEL, "spm.model")
+    meta = {"spm_model": spm_path, "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang,
+            "normaliser": cfg.normaliser, "bos_id": cfg.bos_id, "unk_id": cfg.unk_id}
+    lines = data[0][:60] + [""]
+    plain = translate(model, spm.SentencePieceProcessor(model_file=spm_path), lines, make_normaliser(cfg) or str)
+    assert translate_lean(model, meta, lines, str(tmp_path)) == plain

@@ -49,6 +49,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--patience", type=int, default=0, help="stop after N evaluations without dev BLEU gain")
     g.add_argument("--eval-every", type=int, default=d.eval_every)
     g.add_argument("--dev-max", type=int, default=0, help="dev sentences used for BLEU (0 = all)")
+    g.add_argument("--dev-decoder", default=d.dev_decoder, choices=["lean", "reference"],
+                   help="dev BLEU with the lean decoder (default; same tokens, faster) or the training model's "
+                        "plain greedy")
     g.add_argument("--save-every", type=int, default=d.save_every)
     g.add_argument("--keep-last", type=int, default=d.keep_last)
     g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
@@ -90,7 +93,7 @@ def main(argv=None):
                       warmup=a.warmup, label_smoothing=a.label_smoothing, clip_norm=a.clip_norm,
                       amp=a.amp, seed=a.seed, max_steps=a.max_steps, max_epochs=a.max_epochs,
                       max_minutes=a.max_minutes, patience=a.patience, eval_every=a.eval_every,
-                      dev_max=a.dev_max, save_every=a.save_every, keep_last=a.keep_last,
+                      dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
                       test_at_end=not a.no_test)
     from student.data import DataError
     try:
