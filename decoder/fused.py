@@ -1,9 +1,10 @@
 """Fused decode-step ops: the C++ kernels (decoder/csrc/fused_cpu.cpp) beside
 their plain PyTorch definitions.
 
-Each public function runs the kernel for CPU tensors when the library is
-built (decoder/ops.py) and the reference otherwise (CUDA tensors, no
-compiler); the tests check one against the other. Which of them the decoder
+Each public function runs the kernel when the library for the tensor's
+device is built (decoder/ops.py: C++ for CPU, csrc/fused_cuda.cu for CUDA
+where nvcc is found) and the reference otherwise; the tests check one against
+the other. Which of them the decoder
 uses is a switch each (`Options.fused_norm`, `fused_relu`, `fused_topk`), so
 the benchmark measures every fusion alone.
 """
@@ -57,7 +58,9 @@ def ngram_block_reference(logits, hist, n: int, vocab=None):
 
 
 def _kernel(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and ops.available()
+    if t.device.type == "cpu":
+        return ops.available()
+    return t.device.type == "cuda" and ops.cuda_available()
 
 
 def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):

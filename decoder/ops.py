@@ -43,7 +43,32 @@ def _build() -> bool:
         return False
 
     _register_fakes()
+    if torch.cuda.is_available():
+        _state["cuda"] = _build_cuda()
     return True
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels (csrc/fused_cuda.cu) are loaded; False without a GPU."""
+    return available() and _state.get("cuda", False)
+
+
+def _build_cuda() -> bool:
+    """The CUDA kernels are a library of their own, so a failed nvcc build costs
+    only them (CUDA tensors then take the references), never the CPU ops."""
+    from torch.utils.cpp_extension import CUDA_HOME, load
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print("warning: no nvcc (CUDA_HOME) for the fused CUDA kernels; CUDA uses the PyTorch reference",
+              file=sys.stderr, flush=True)
+        return False
+    try:
+        load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")],
+             extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
+        return True
+    except Exception as e:
+        print(f"warning: fused CUDA kernels unavailable ({str(e).splitlines()[0][:200]}); "
+              f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
+        return False
 
 
 def _register_fakes() -> None:

@@ -166,3 +166,40 @@ def test_decode_attention_passes_opcheck():
     mask = torch.tensor([[True] * 11, [True] * 6 + [False] * 5])[:, None, None, :]
     _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, None))
     _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, mask))
+
+
+needs_cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or not ops.cuda_available(),
+    reason="needs a GPU and the CUDA kernels built by nvcc (decoder/csrc/fused_cuda.cu)")
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_kernels_match_references(dtype):
+    dev = "cuda"
+    g = torch.Generator().manual_seed(3)
+    x, h = (torch.randn(7, 3, 257, generator=g).to(dev, dtype) for _ in range(2))
+    b, gm, bt = (torch.randn(257, generator=g).to(dev, dtype) for _ in range(3))
+    r, y = torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, b, gm, bt, 1e-5)
+    r_ref, y_ref = fused.add_bias_residual_layernorm_reference(x.float(), h.float(), b.float(), gm.float(),
+                                                               bt.float(), 1e-5)
+    close(r, r_ref.to(dtype), dtype)
+    close(y, y_ref.to(dtype), dtype)
+    close(torch.ops.decoder_ops.add_bias_relu(x, b), fused.add_bias_relu_reference(x.float(), b.float()).to(dtype),
+          dtype)
+    q = torch.randn(5, 4, 2, 64, generator=g).to(dev, dtype)
+    cache = torch.randn(2, 5, 4, 40, 64, generator=g).to(dev, dtype)
+    mask = (torch.arange(33)[None] < torch.tensor([33, 5, 20, 1, 30])[:, None])[:, None, None, :].to(dev)
+    got = torch.ops.decoder_ops.decode_attention(q, cache[0, :, :, :33], cache[1, :, :, :33], mask)
+    want = fused.decode_attention_reference(q.float(), cache[0, :, :, :33].float(), cache[1, :, :, :33].float(), mask)
+    close(got, want.to(dtype), dtype)
+    logits = (torch.randn(12, 1001, generator=g) * 4).to(dev, dtype)
+    scores = (-torch.rand(12, generator=g) * 10).to(dev)
+    v, i = torch.ops.decoder_ops.log_softmax_topk(logits, scores, 4, 8)
+    v_ref, _ = fused.log_softmax_topk_reference(logits, scores, 4, 8)
+    torch.testing.assert_close(v, v_ref, atol=1e-3, rtol=1e-3)
+    hist = torch.randint(0, 11, (9, 4), generator=g).repeat(1, 3).to(dev)
+    lg = torch.randn(9, 11, generator=g).to(dev, dtype)
+    want = fused.ngram_block_reference(lg.clone(), hist, 3)
+    torch.ops.decoder_ops.ngram_block_(lg, hist, 3, None)
+    assert torch.equal(lg, want)

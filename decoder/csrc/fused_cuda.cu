@@ -1,0 +1,315 @@
+// CUDA kernels of the fused decode-step ops (the CPU kernels and their
+// schemas are in fused_cpu.cpp; the references in decoder/fused.py).
+// fp32, fp16 and bf16 inputs, arithmetic in fp32. Built only where torch has
+// CUDA and nvcc is found (decoder/ops.py); tests/test_fused_ops.py runs them
+// against the references when a GPU is present.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr int kThreads = 256;  // every kernel's block size: a multiple of the warp
+constexpr int kTopThreads = 128;
+constexpr int kMaxTop = 16;    // log_softmax_topk keeps n <= 16 candidates per thread (beam <= 8)
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// sum (or max) over the block, returned to every thread; `sh` holds 32 floats
+template <bool Max>
+__device__ float block_reduce(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = Max ? warp_max(v) : warp_sum(v);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  const float ident = Max ? -INFINITY : 0.f;
+  v = threadIdx.x < nwarps ? sh[threadIdx.x] : ident;
+  if (warp == 0) v = Max ? warp_max(v) : warp_sum(v);
+  if (threadIdx.x == 0) sh[0] = v;
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+
+// one block per row; r is recomputed in fp32 in each pass instead of re-read
+// from its (possibly half-precision) output
+template <typename T>
+__global__ void residual_norm_kernel(const T* x, const T* h, const T* b, const T* g, const T* beta, T* r, T* y,
+                                     int64_t n, float eps) {
+  __shared__ float sh[32];
+  const int64_t o = blockIdx.x * n;
+  auto val = [&](int64_t i) { return float(x[o + i]) + float(h[o + i]) + (b ? float(b[i]) : 0.f); };
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = val(i);
+    r[o + i] = T(v);
+    s += v;
+  }
+  const float mean = block_reduce<false>(s, sh) / n;
+  float q = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float d = val(i) - mean;
+    q += d * d;
+  }
+  const float rstd = rsqrtf(block_reduce<false>(q, sh) / n + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    y[o + i] = T((val(i) - mean) * rstd * float(g[i]) + float(beta[i]));
+}
+
+template <typename T>
+__global__ void bias_relu_kernel(const T* x, const T* b, T* y, int64_t total, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+    y[i] = T(fmaxf(float(x[i]) + float(b[i % n]), 0.f));
+}
+
+// one block per (b, h, query); scores for all keys in shared memory
+template <typename T>
+__global__ void decode_attention_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out, int H, int Q,
+                                        int64_t T_, int64_t D, int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0,
+                                        int64_t vs1, int64_t vs2, float scale) {
+  extern __shared__ float p[];  // (T_,)
+  __shared__ float sh[32];
+  const int64_t bhq = blockIdx.x, b = bhq / (H * Q), h = (bhq / Q) % H;
+  const T* qi = q + bhq * D;
+  const T* kb = k + b * ks0 + h * ks1;
+  const T* vb = v + b * vs0 + h * vs1;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < T_; j += blockDim.x) {
+    float s = -INFINITY;
+    if (!mask || mask[b * T_ + j]) {
+      s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += float(qi[d]) * float(kb[j * ks2 + d]);
+      s *= scale;
+    }
+    p[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_reduce<true>(mx, sh);
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < T_; j += blockDim.x) {
+    p[j] = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
+    sum += p[j];
+  }
+  sum = block_reduce<false>(sum, sh);  // its barriers also publish p[]
+  const float inv = mx == -INFINITY ? NAN : 1.f / sum;  // every key masked: NaN, as SDPA gives
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < T_; ++j) acc += p[j] * float(vb[j * vs2 + d]);
+    out[bhq * D + d] = T(acc * inv);
+  }
+}
+
+// one thread per row
+template <typename T>
+__global__ void ngram_block_kernel(T* logits, const int64_t* hist, const int64_t* vocab, int64_t R, int64_t Tn,
+                                   int64_t C, int64_t n) {
+  const int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (r >= R) return;
+  const int64_t* row = hist + r * Tn;
+  const int64_t* suffix = row + Tn - (n - 1);
+  for (int64_t i = 0; i + n - 1 < Tn; ++i) {
+    bool same = true;
+    for (int64_t j = 0; j < n - 1 && same; ++j) same = row[i + j] == suffix[j];
+    if (!same) continue;
+    int64_t col = row[i + n - 1];
+    if (vocab) {  // lower bound in the ascending candidate ids
+      int64_t lo = 0, hi = C;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (vocab[mid] < col) lo = mid + 1; else hi = mid;
+      }
+      if (lo == C || vocab[lo] != col) continue;
+      col = lo;
+    }
+    if (col >= 0 && col < C) logits[r * C + col] = T(-INFINITY);
+  }
+}
+
+__device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+// one block per sentence: per-row shift = max + log sum exp, then each thread
+// keeps its n best of the K*V candidates, and thread 0 merges the lists
+template <typename T>
+__global__ void log_softmax_topk_kernel(const T* logits, const float* scores, float* values, int64_t* indices,
+                                        int64_t K, int64_t V, int n) {
+  __shared__ float sh[32];
+  extern __shared__ unsigned char smem[];
+  float* shift = reinterpret_cast<float*>(smem);                       // (K,)
+  float* cand_v = shift + K;                                            // (blockDim * n)
+  const size_t head = ((K + blockDim.x * n) * sizeof(float) + 7) / 8 * 8;  // as the host sizes it
+  int64_t* cand_i = reinterpret_cast<int64_t*>(smem + head);              // (blockDim * n)
+  const int64_t s = blockIdx.x;
+  for (int64_t k = 0; k < K; ++k) {
+    const T* row = logits + (s * K + k) * V;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, float(row[j]));
+    mx = block_reduce<true>(mx, sh);
+    float sum = 0.f;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += __expf(float(row[j]) - mx);
+    sum = block_reduce<false>(sum, sh);
+    if (threadIdx.x == 0) shift[k] = mx + logf(sum);
+  }
+  __syncthreads();
+  float bv[kMaxTop];
+  int64_t bi[kMaxTop];
+  for (int t = 0; t < n; ++t) { bv[t] = -INFINITY; bi[t] = -1; }
+  for (int64_t c = threadIdx.x; c < K * V; c += blockDim.x) {
+    const int64_t k = c / V;
+    const float val = (float(logits[s * K * V + c]) - shift[k]) + scores[s * K + k];
+    if (bi[n - 1] != -1 && !better(val, c, bv[n - 1], bi[n - 1])) continue;
+    int t = n - 1;
+    while (t > 0 && (bi[t - 1] == -1 || better(val, c, bv[t - 1], bi[t - 1]))) {
+      bv[t] = bv[t - 1]; bi[t] = bi[t - 1]; --t;
+    }
+    bv[t] = val; bi[t] = c;
+  }
+  for (int t = 0; t < n; ++t) { cand_v[threadIdx.x * n + t] = bv[t]; cand_i[threadIdx.x * n + t] = bi[t]; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int m = blockDim.x * n;
+    for (int t = 0; t < n; ++t) {
+      int best = -1;
+      for (int e = 0; e < m; ++e)
+        if (cand_i[e] != -1 && (best == -1 || better(cand_v[e], cand_i[e], cand_v[best], cand_i[best]))) best = e;
+      values[s * n + t] = cand_v[best];
+      indices[s * n + t] = cand_i[best];
+      cand_i[best] = -1;  // taken
+    }
+  }
+}
+
+int blocks_for(int64_t total) { return static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)); }
+
+std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
+    const at::Tensor& x, const at::Tensor& h, const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
+    const at::Tensor& beta, double eps) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(h.sizes() == x.sizes() && gamma.numel() == n && beta.numel() == n &&
+              (!bias.has_value() || bias->numel() == n), "add_bias_residual_layernorm: inconsistent shapes");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto xc = x.contiguous(), hc = h.contiguous(), gc = gamma.to(x.scalar_type()).contiguous(),
+       bc = beta.to(x.scalar_type()).contiguous();
+  at::Tensor bb;
+  if (bias.has_value()) bb = bias->to(x.scalar_type()).contiguous();
+  auto r = at::empty_like(xc), y = at::empty_like(xc);
+  const int64_t rows = n ? xc.numel() / n : 0;
+  if (rows == 0) return {r, y};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "add_bias_residual_layernorm", [&] {
+    residual_norm_kernel<scalar_t><<<rows, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        xc.data_ptr<scalar_t>(), hc.data_ptr<scalar_t>(), bias.has_value() ? bb.data_ptr<scalar_t>() : nullptr,
+        gc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), n,
+        static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {r, y};
+}
+
+at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto xc = x.contiguous(), bc = bias.to(x.scalar_type()).contiguous();
+  auto y = at::empty_like(xc);
+  if (xc.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "add_bias_relu", [&] {
+    bias_relu_kernel<scalar_t><<<blocks_for(xc.numel()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        xc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel(), n);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+              k.size(1) == q.size(1) && k.size(3) == q.size(3), "decode_attention: q (B,H,Q,D), k/v (B,H,T,D)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
+  auto qc = q.contiguous();
+  auto kc = k.stride(3) == 1 ? k : k.contiguous();
+  auto vc = v.stride(3) == 1 ? v : v.contiguous();
+  kc = kc.to(q.scalar_type()); vc = vc.to(q.scalar_type());
+  at::Tensor m;
+  if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
+  auto out = at::empty_like(qc);
+  if (qc.numel() == 0) return out;
+  const size_t shared = static_cast<size_t>(T) * sizeof(float);
+  TORCH_CHECK(shared <= 48 * 1024, "decode_attention: ", T, " keys exceed the kernel's shared memory");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_kernel<scalar_t><<<B * H * Q, kThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
+        qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+        mask.has_value() ? m.data_ptr<bool>() : nullptr, out.data_ptr<scalar_t>(), H, Q, T, D, kc.stride(0),
+        kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), 1.f / std::sqrt(float(D)));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, const std::optional<at::Tensor>& vocab) {
+  TORCH_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0) && logits.is_contiguous(),
+              "ngram_block_: logits (R, C) contiguous and hist (R, T)");
+  const int64_t R = hist.size(0), T = hist.size(1), C = logits.size(1);
+  if (n < 1 || T == 0 || T < n - 1 || R == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto h = hist.to(at::kLong).contiguous();
+  at::Tensor voc;
+  if (vocab.has_value()) voc = vocab->to(at::kLong).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ngram_block_", [&] {
+    ngram_block_kernel<scalar_t><<<blocks_for(R), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        logits.data_ptr<scalar_t>(), h.data_ptr<int64_t>(), vocab.has_value() ? voc.data_ptr<int64_t>() : nullptr,
+        R, T, C, n);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logits, const at::Tensor& scores,
+                                                         int64_t K, int64_t n) {
+  TORCH_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
+  TORCH_CHECK(scores.numel() == R, "log_softmax_topk: one score per row");
+  TORCH_CHECK(n > 0 && n <= K * V && n <= kMaxTop, "log_softmax_topk: n must be in [1, min(K*V, ", kMaxTop, ")]");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t S = R / K;
+  auto lc = logits.contiguous();
+  auto sc = scores.to(at::kFloat).contiguous();
+  auto values = at::empty({S, n}, lc.options().dtype(at::kFloat));
+  auto indices = at::empty({S, n}, lc.options().dtype(at::kLong));
+  if (S == 0) return {values, indices};
+  // shift (K floats), then the per-thread lists: values, then 8-byte-aligned indices
+  const size_t head = ((K + kTopThreads * n) * sizeof(float) + 7) / 8 * 8;
+  const size_t shared = head + kTopThreads * n * sizeof(int64_t);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "log_softmax_topk", [&] {
+    log_softmax_topk_kernel<scalar_t><<<S, kTopThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
+        lc.data_ptr<scalar_t>(), sc.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), K, V,
+        static_cast<int>(n));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {values, indices};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
+  m.impl("add_bias_residual_layernorm", &add_bias_residual_layernorm_cuda);
+  m.impl("add_bias_relu", &add_bias_relu_cuda);
+  m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("ngram_block_", &ngram_block_cuda);
+  m.impl("log_softmax_topk", &log_softmax_topk_cuda);
+}
