@@ -38,6 +38,15 @@ def decode_attention_reference(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def qkv_to_cache_reference(kc, vc, qkv, t: int):
+    """qkv (N, 1, 3d) -> q (N, 1, d); k and v written to kc, vc (N, H, T, D) at position t."""
+    N, H, _, D = kc.shape
+    q, k, v = qkv.chunk(3, dim=-1)
+    kc[:, :, t] = k.reshape(N, H, D)
+    vc[:, :, t] = v.reshape(N, H, D)
+    return q
+
+
 def ngram_block_reference(logits, hist, n: int, vocab=None):
     """In place: -inf for every token that would repeat an n-gram already in the
     row's history hist (R, T) (fairseq's no_repeat_ngram_size). With a shortlist
@@ -92,3 +101,9 @@ def decode_attention(q, k, v, mask=None):
     if _kernel(q):
         return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
     return decode_attention_reference(q, k, v, mask)
+
+
+def qkv_to_cache_(kc, vc, qkv, t: int):
+    if _kernel(qkv):
+        return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
+    return qkv_to_cache_reference(kc, vc, qkv, t)

@@ -109,9 +109,11 @@ class Model:
 
     def __init__(self, cfg: modeldir.ModelConfig, w: dict, *, precision: str = "fp32",
                  device: str = "cpu", fused_qkv: bool = True, fused_ops: bool = True,
-                 fused_norm: bool = False, fused_relu: bool = False, fused_attention: bool = False):
+                 fused_norm: bool = False, fused_relu: bool = False, fused_attention: bool = False,
+                 fused_cache: bool = False):
         a = cfg.arch
         self.fused_norm, self.fused_relu = fused_norm, fused_relu
+        self.fused_cache = fused_cache and fused_qkv  # needs the one q|k|v product to split
         # the decode step's attention: C++ kernel for few queries, or ATen's SDPA
         self.attend = fused.decode_attention if fused_attention else (
             lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
@@ -240,10 +242,13 @@ class IncrementalState:
         layers = m.dec_layers
         y = layers[0]["ln1"](x) if layers else m.dec_norm(x)
         for i, L in enumerate(layers):
-            q, k, v = L["attn"].project_qkv(y)
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # (N, h, T, hd)
-            kc[:, :, t] = k.view(N, h, -1)
-            vc[:, :, t] = v.view(N, h, -1)
+            if m.fused_cache:  # one call splits q|k|v and writes k, v at position t
+                q = fused.qkv_to_cache_(kc, vc, L["attn"].qkv(y), t)
+            else:
+                q, k, v = L["attn"].project_qkv(y)
+                kc[:, :, t] = k.view(N, h, -1)
+                vc[:, :, t] = v.view(N, h, -1)
             o = m.attend(heads(q, h), kc[:, :, :t + 1], vc[:, :, :t + 1])
             x, y = m.add_norm(x, L["attn"].out, merge(o), L["ln2"])
             # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)

@@ -32,6 +32,7 @@ class Options:
     fused_norm: bool = False    # C++ bias + residual + LayerNorm in one call (decoder/fused.py)
     fused_relu: bool = False    # C++ bias + relu after a bias-free fp32/bf16 fc1
     fused_attention: bool = False  # cached decode step: C++ attention for few queries instead of SDPA
+    fused_cache: bool = False   # cached decode step: C++ split of q|k|v with k, v written into the cache
     fused_topk: bool = False    # beam: C++ log-softmax + top-k without the (beam x V) log-probs
     no_repeat_ngram: int = 0    # >0: no n-gram of this size twice in an output (fairseq's no_repeat_ngram_size)
     fused_ngram: bool = True    # ... checked by the C++ kernel (else the Python reference loop)
@@ -95,7 +96,7 @@ class Translator:
         self.model = Model(cfg, weights, precision=self.precision, device=self.device,
                            fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops,
                            fused_norm=self.opts.fused_norm, fused_relu=self.opts.fused_relu,
-                           fused_attention=self.opts.fused_attention)
+                           fused_attention=self.opts.fused_attention, fused_cache=self.opts.fused_cache)
         if self.opts.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
                                        device=self.model.device)

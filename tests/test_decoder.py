@@ -77,13 +77,14 @@ def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines
 def test_fused_norm_and_relu_keep_greedy_tokens(model_dir, lines, precision):
     plain = Translator(model_dir, precision=precision).translate(lines)
     assert Translator(model_dir, precision=precision, fused_norm=True, fused_relu=True,
-                      fused_attention=True).translate(lines) == plain
+                      fused_attention=True, fused_cache=True).translate(lines) == plain
 
 
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]
-    assert (Translator(model_dir, beam=beam, fused_topk=True, fused_attention=True).translate_ids(sub)
+    fused = Translator(model_dir, beam=beam, fused_topk=True, fused_attention=True, fused_cache=True)
+    assert (fused.translate_ids(sub)
             == Translator(model_dir, beam=beam).translate_ids(sub))
 
 

@@ -44,14 +44,16 @@ def test_model_translates_better_than_chance(data, fp32):
 
 
 def test_greedy_with_fused_kernels_equals_greedy_without_on_trained_model(data, fp32):
-    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_relu=True, fused_attention=True)
+    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_relu=True, fused_attention=True,
+                       fused_cache=True)
     assert fused.translate(data[0]) == fp32
 
 
 def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data):
     sub = data[0][:60]
     plain = Translator(MODEL, precision="fp32", beam=4).translate(sub)
-    assert Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_attention=True).translate(sub) == plain
+    fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_attention=True, fused_cache=True)
+    assert fused.translate(sub) == plain
 
 
 def test_optimised_greedy_equals_naive_on_trained_model(data, fp32):

@@ -203,3 +203,20 @@ def test_cuda_kernels_match_references(dtype):
     want = fused.ngram_block_reference(lg.clone(), hist, 3)
     torch.ops.decoder_ops.ngram_block_(lg, hist, 3, None)
     assert torch.equal(lg, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,H,D,T,t", [(1, 1, 1, 1, 0), (3, 4, 16, 9, 5), (64, 8, 64, 40, 39), (5, 3, 7, 4, 0)])
+def test_qkv_to_cache_matches_reference(dtype, N, H, D, T, t):
+    g = torch.Generator().manual_seed(N + T)
+    qkv = torch.randn(N, 1, 3 * H * D, generator=g).to(dtype)
+    cache = torch.randn(2, 2, N, H, T, D, generator=g).to(dtype)  # (layers, k|v, ...): strided views per layer
+    want_cache = cache.clone()
+    q = torch.ops.decoder_ops.qkv_to_cache_(cache[1, 0], cache[1, 1], qkv, t)
+    q_ref = fused.qkv_to_cache_reference(want_cache[1, 0], want_cache[1, 1], qkv, t)
+    assert torch.equal(q, q_ref) and torch.equal(cache, want_cache)
+
+
+def test_qkv_to_cache_passes_opcheck():
+    cache = torch.zeros(2, 3, 4, 6, 8)
+    _opcheck(torch.ops.decoder_ops.qkv_to_cache_.default, (cache[0], cache[1], torch.randn(3, 1, 96), 2))

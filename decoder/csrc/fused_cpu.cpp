@@ -6,6 +6,8 @@
 //                                log_softmax(logits[row]) + score[row] over K*V
 //   decode_attention             softmax(q k^T / sqrt(hd) + mask) v for the few
 //                                queries of a decode step (no ATen SDPA set-up)
+//   qkv_to_cache_                the fused q|k|v projection of one step split:
+//                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
 //                                an n-gram of the row's history (no_repeat_ngram_size)
 //
@@ -242,6 +244,37 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+// qkv (N, 1, 3*H*D) -> q (N, 1, H*D); k and v of row r, head h go to
+// kc[r, h, t, :] and vc[r, h, t, :] of the (N, H, T, D) cache views, whose
+// rows and heads may be strided (a slice of the preallocated cache).
+at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
+  TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "qkv_to_cache_: caches must be (N, H, T, D)");
+  const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3), d = H * D;
+  TORCH_CHECK(qkv.numel() == N * 3 * d, "qkv_to_cache_: qkv must be (N, 1, 3*H*D)");
+  TORCH_CHECK(t >= 0 && t < T, "qkv_to_cache_: position ", t, " outside the cache of ", T);
+  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && kc.scalar_type() == qkv.scalar_type() &&
+              vc.scalar_type() == qkv.scalar_type(), "qkv_to_cache_: caches must match qkv's dtype, last dim dense");
+  auto src = qkv.reshape({N, 3 * d}).contiguous();
+  auto q = at::empty({N, 1, d}, src.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "qkv_to_cache_", [&] {
+    const scalar_t* sp = src.data_ptr<scalar_t>();
+    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = kc.data_ptr<scalar_t>(), *vp = vc.data_ptr<scalar_t>();
+    const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
+    const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
+    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const scalar_t* row = sp + r * 3 * d;
+        std::copy(row, row + d, qp + r * d);
+        for (int64_t h = 0; h < H; ++h) {
+          std::copy(row + d + h * D, row + d + (h + 1) * D, kp + r * k0 + h * k1 + t * k2);
+          std::copy(row + 2 * d + h * D, row + 2 * d + (h + 1) * D, vp + r * v0 + h * v1 + t * v2);
+        }
+      }
+    });
+  });
+  return q;
+}
+
 // logits (R, C) in place; hist (R, T) token ids; vocab (C,) ascending ids of the
 // columns when the logits cover a shortlist. For each row, every earlier
 // position whose n-1 tokens equal the row's last n-1 bans the token after them.
@@ -287,6 +320,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
 }
 
@@ -296,4 +330,5 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("log_softmax_topk", &log_softmax_topk);
   m.impl("ngram_block_", &ngram_block_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("qkv_to_cache_", &qkv_to_cache_);
 }
