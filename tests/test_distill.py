@@ -339,3 +339,19 @@ def test_cleaning_drops_empty_copied_repetitive_and_length_ratio_outliers():
     assert counts == {"empty": 1, "copy": 1, "repetitive": 1, "ratio": 2, "kept": 2}
     assert s == ["the man sees the dog", "the house is red"]  # line separators never reach the corpus
     assert h == ["el hombre ve el perro", "la casa es roja"]
+
+
+def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_still_learning():
+    from student.distill.report import verdict
+    rows = [{"system": "teacher", "bleu": 17.9}, {"system": "student", "bleu": 12.4},
+            {"system": "baseline", "bleu": 9.0}]
+    training = {"student": {"steps": 800, "minutes": 45.2, "stop_reason": "max_steps", "dev_bleu": [3.1, 11.0],
+                            "dev_steps": [400, 800]},
+                "baseline": {"steps": 800, "minutes": 44.0, "stop_reason": "max_steps", "dev_bleu": [5.0, 4.0],
+                             "dev_steps": [400, 800]}}
+    v = verdict(rows, training)
+    assert v[0] == "KD student vs teacher: -5.50 BLEU (misses the 0.5 aim)."
+    assert v[1].startswith("KD student vs the same student without KD: +3.40 BLEU (distillation helps")
+    assert "still rising" in v[2] and "still rising" not in v[3]
+    assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})[0].endswith(
+        "(within the 0.5 aim).")

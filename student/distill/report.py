@@ -56,14 +56,47 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
                      **{f"size_{k}": v for k, v in system.size().items()},
                      "bleu_signature": m["bleu_signature"], "chrf_signature": m["chrf_signature"]})
     stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
+    training = {}
+    for name, system, _ in systems:  # the students' training facts, for the verdict
+        metrics = os.path.join(os.path.dirname(str(system)), "train", "metrics.json")
+        if isinstance(system, str) and os.path.exists(metrics):
+            with open(metrics, encoding="utf-8") as fh:
+                m = json.load(fh)
+            training[name] = {"steps": m["step"], "minutes": m["train_minutes"], "stop_reason": m["stop_reason"],
+                              "dev_bleu": [h["dev_bleu"] for h in m["history"]],
+                              "dev_steps": [h["step"] for h in m["history"]]}
     rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
                                      "prepared": prep.dir},
            "machine": machine(), "lean_decoder": lean_translator() is not None,
-           "systems": rows, "stages": stages}
+           "systems": rows, "stages": stages, "training": training, "verdict": verdict(rows, training)}
     write_json(os.path.join(out_dir, "report.json"), rep)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(rep))
     return {"systems": [{k: r[k] for k in ("system", "bleu", "chrf", "words_per_second")} for r in rows]}
+
+
+def verdict(rows: list[dict], training: dict) -> list[str]:
+    """The acceptance questions in words: is the KD student within 0.5 BLEU of
+    its teacher, does it beat the same student without KD, and, where not,
+    whether its dev BLEU was still rising (the budget, not the recipe, limits it)."""
+    bleu = {r["system"]: r["bleu"] for r in rows}
+    out = []
+    if "teacher" in bleu and "student" in bleu:
+        gap = bleu["student"] - bleu["teacher"]
+        out.append(f"KD student vs teacher: {gap:+.2f} BLEU ({'within' if gap >= -0.5 else 'misses'} the 0.5 aim).")
+    if "baseline" in bleu and "student" in bleu:
+        d = bleu["student"] - bleu["baseline"]
+        out.append(f"KD student vs the same student without KD: {d:+.2f} BLEU "
+                   f"({'distillation helps' if d > 0 else 'distillation does not help'} at this budget).")
+    for name, t in training.items():
+        curve = t["dev_bleu"]
+        line = f"{name}: {t['steps']} steps, {t['minutes']:.0f} training minutes ({t['stop_reason']})"
+        if curve:
+            line += ", dev BLEU " + " -> ".join(f"{b:.1f}" for b in curve)
+            if len(curve) > 1 and curve[-1] > curve[-2]:
+                line += ", still rising at the end: more steps would raise it"
+        out.append(line + ".")
+    return out
 
 
 def markdown(rep: dict) -> str:
@@ -79,6 +112,8 @@ def markdown(rep: dict) -> str:
         size = f"{r['size_bytes'] / 2**20:.3g}" if r.get("size_bytes") else "-"
         lines.append(f"| {r['system']} | {r['bleu']:.2f} | {r['chrf']:.2f} | {r['words_per_second']:.0f} | "
                      f"{beam or '-'} | {r['engine']} | {params} | {size} |")
+    if rep.get("verdict"):
+        lines += [""] + [f"- {v}" for v in rep["verdict"]]
     lines += ["", "Systems:"]
     lines += [f"- {r['system']}: {r['description']}" for r in rep["systems"]]
     if not rep["lean_decoder"]:
