@@ -183,7 +183,7 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
                 ("+ fused bias+residual+LayerNorm (C++)", {**cur, "fused_norm": True}),
                 ("+ fused bias+relu (C++)", {**cur, "fused_relu": True}),
                 ("+ fused decode-step attention (C++)", {**cur, "fused_attention": True}),
-                ("+ fused q|k|v split into the K/V cache (C++)", {**cur, "fused_cache": True}),
+                ("+ fused q/k/v split into the K/V cache (C++)", {**cur, "fused_cache": True}),
                 ("+ all fused kernels (norm, relu, attention, cache)", {**cur, "fused_norm": True, "fused_relu": True,
                                                                         "fused_attention": True, "fused_cache": True})]
     return rows, variants

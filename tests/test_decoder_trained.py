@@ -106,3 +106,13 @@ def test_trainer_dev_translations_are_the_same_with_the_lean_decoder(data, tmp_p
     lines = data[0][:60] + [""]
     plain = translate(model, spm.SentencePieceProcessor(model_file=spm_path), lines, make_normaliser(cfg) or str)
     assert translate_lean(model, meta, lines, str(tmp_path)) == plain
+
+
+def test_bench_fused_prints_every_switch_with_its_ratio(capsys):
+    from decoder.bench_fused import BEAM, GREEDY, main
+    main(["--model", MODEL, "--src", SRC, "--lines", "12", "--passes", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "configuration" not in line]
+    names = [r.split(" | ")[0][2:] for r in rows]
+    assert names == [k for k in list(GREEDY) + list(BEAM) if "shortlist" not in k]  # the fixture has none
+    assert all(r.split(" | ")[2] for r in rows) and rows[0].split(" | ")[2] == "1.000"
