@@ -22,18 +22,14 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+
+#include "multiversion.h"
 #include <cstdint>
 #include <limits>
 #include <utility>
 #include <vector>
 
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MULTIVERSION
-#endif
 
 // r = x + h (+ b), then mean and variance of r in two passes (as ATen's
 // layer_norm: no E[x^2]-E[x]^2 cancellation); y = (r - mean) * rstd * g + beta.

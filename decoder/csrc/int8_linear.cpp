@@ -10,15 +10,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+
+#include "multiversion.h"
 #include <cstdint>
 
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MULTIVERSION
-#endif
 
 MULTIVERSION
 float quantize_row(const float* x, int8_t* q, int64_t n) {
