@@ -22,6 +22,9 @@ _state: dict = {}
 
 
 def available() -> bool:
+    ok = _state.get("ok")
+    if ok is not None:  # the decode step asks several times per layer: no lock once decided
+        return ok
     with _lock:
         if "ok" not in _state:
             _state["ok"] = _build()
