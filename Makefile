@@ -7,13 +7,14 @@ STAMP   := $(VENV)/.setup-stamp
 APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test distill bench clean help image evaluate
+.PHONY: setup test distill bench clean help image evaluate cuda-check
 
 help:
 	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
 	@echo "make test      the test suite (what CI runs)"
 	@echo "make evaluate  BLEU/chrF vs words/s for every system, Pareto chart (EVAL_ARGS=...)"
 	@echo "make setup     create $(VENV) and install what the kit needs"
+	@echo "make cuda-check  compile the CUDA kernels with nvcc (no GPU needed; fetches a CUDA torch)"
 
 setup: $(STAMP)
 
@@ -72,6 +73,13 @@ bench: setup
 #   --model student=DIR --teacher DIR --container wmt-kit:latest --mode both
 evaluate: setup
 	$(VPY) -m submission.evaluate $(EVAL_ARGS)
+
+# nvcc-compile decoder/csrc/fused_cuda.cu against the CUDA build of our torch and
+# check every fused op has its CUDA kernel; no GPU needed. Without a CUDA torch it
+# makes $(CUDA_VENV) with one and nvcc from PyPI (about 5 GB).
+CUDA_VENV ?= build/cuda-venv
+cuda-check: setup
+	$(VPY) -m decoder.cuda_check --venv $(CUDA_VENV)
 
 clean:
 	rm -rf build .pytest_cache

@@ -59,19 +59,34 @@ def cuda_available() -> bool:
 def _build_cuda() -> bool:
     """The CUDA kernels are a library of their own, so a failed nvcc build costs
     only them (CUDA tensors then take the references), never the CPU ops."""
-    from torch.utils.cpp_extension import CUDA_HOME, load
+    from torch.utils.cpp_extension import CUDA_HOME
     if torch.version.cuda is None or CUDA_HOME is None:
         print("warning: no nvcc (CUDA_HOME) for the fused CUDA kernels; CUDA uses the PyTorch reference",
               file=sys.stderr, flush=True)
         return False
     try:
-        load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")],
-             extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
+        build_cuda_library()
         return True
     except Exception as e:
         print(f"warning: fused CUDA kernels unavailable ({str(e).splitlines()[0][:200]}); "
               f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
         return False
+
+
+def build_cuda_library(build_dir: str | None = None, verbose: bool = False) -> None:
+    """Compile (or find cached) csrc/fused_cuda.cu with nvcc and load it; raises
+    on failure. Needs the CPU library loaded first: it holds the op schemas.
+    Also runs without a GPU (decoder/cuda_check.py: TORCH_CUDA_ARCH_LIST names
+    the targets then)."""
+    from torch.utils.cpp_extension import CUDA_HOME, load
+    if build_dir:
+        os.makedirs(build_dir, exist_ok=True)
+    # torch links -L$CUDA_HOME/lib64 whenever that folder exists; toolkits laid out
+    # from pip wheels keep libcudart in lib/ beside an empty lib64/
+    ldflags = [f"-L{d}" for d in (os.path.join(CUDA_HOME or "", "lib"),)
+               if os.path.exists(os.path.join(d, "libcudart.so"))]
+    load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")], extra_cuda_cflags=["-O3"],
+         extra_ldflags=ldflags, build_directory=build_dir, is_python_module=False, verbose=verbose)
 
 
 def _register_fakes() -> None:

@@ -1,0 +1,159 @@
+"""python -m decoder.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR]
+
+Compiles the CUDA kernels (decoder/csrc/fused_cuda.cu) with nvcc against a CUDA
+build of torch and checks that every fused op then has a CUDA kernel
+registered. No GPU is needed: without one the targets come from --arch. On a
+GPU machine, tests/test_fused_ops.py then runs the kernels against their
+references.
+
+From the kit's own venv (CPU torch), --venv DIR makes DIR a second venv holding
+the CUDA build of the same torch version and, for CUDA 13 and later, nvcc from
+PyPI's nvidia-* wheels (about 5 GB), and runs the check there. An installed
+toolkit ($CUDA_HOME, /usr/local/cuda) comes before the wheels' nvcc.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import time
+
+# int8_linear is the CPU int8 GEMM; every other op has a CUDA kernel
+CPU_ONLY = {"int8_linear"}
+SYSTEM_CUDA = "/usr/local/cuda"
+
+
+def _run(cmd, env=None) -> str:
+    return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE).stdout.strip()
+
+
+def setup_venv(venv: str, torch_version: str) -> str:
+    """DIR/bin/python with the CUDA torch `torch_version` and nvcc; returns its path."""
+    py = os.path.join(venv, "bin", "python")
+    probe = "import torch; print(torch.version.cuda or '')"
+    if not os.path.exists(py):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # a local wheel folder or constraint may pin the CPU build of this version, which pip would prefer
+    for k in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL"):
+        env.pop(k, None)
+    pip = [py, "-m", "pip", "install", "-q"]
+    if not _cuda_of(py):
+        print(f"installing torch=={torch_version} (CUDA build) into {venv} ...", flush=True)
+        subprocess.run(pip + [f"torch=={torch_version}", "numpy", "ninja"], env=env, check=True)
+    cuda = _run([py, "-c", probe])
+    if not cuda:
+        sys.exit(f"error: PyPI gave torch=={torch_version} without CUDA; install a CUDA build into {venv} by hand")
+    major, minor = cuda.split(".")[:2]
+    if not _nvcc(py, major) and int(major) >= 13:
+        print(f"installing nvcc {major}.{minor} (nvidia-cuda-nvcc wheels) ...", flush=True)
+        subprocess.run(pip + [f"nvidia-{n}=={major}.{minor}.*" for n in
+                              ("cuda-nvcc", "nvvm", "cuda-crt", "cuda-cccl", "cuda-runtime")], env=env, check=True)
+    return py
+
+
+def _cuda_of(py: str) -> str:
+    try:
+        return _run([py, "-c", "import torch; print(torch.version.cuda or '')"])
+    except (subprocess.CalledProcessError, OSError):
+        return ""
+
+
+def _nvcc(py: str, major: str) -> str:
+    code = f"import sys, glob; print(next(iter(sum((glob.glob(p + '/nvidia/cu{major}/bin/nvcc') for p in sys.path), [])), ''))"
+    return _run([py, "-c", code])
+
+
+def find_toolkit() -> str | None:
+    """CUDA_HOME for the build: $CUDA_HOME, /usr/local/cuda, the nvidia/cuNN
+    folder of pip wheels matching this torch, or nvcc on $PATH, in that order
+    (a /usr/local/bin/nvcc may be a wrapper script, so PATH comes last). Sets
+    $CUDA_HOME and $PATH; must run before torch.utils.cpp_extension is
+    imported, which reads them once."""
+    import shutil
+
+    import torch
+    home = os.environ.get("CUDA_HOME")
+    if not home and os.path.exists(os.path.join(SYSTEM_CUDA, "bin", "nvcc")):
+        home = SYSTEM_CUDA
+    if not home:
+        major = (torch.version.cuda or "0").split(".")[0]
+        found = sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", f"cu{major}", "bin", "nvcc")))
+        if found:
+            home = os.path.dirname(os.path.dirname(found[0]))
+            # the wheels ship libcudart.so.N only; the extension links -lcudart
+            lib = os.path.join(home, "lib")
+            so = sorted(glob.glob(os.path.join(lib, "libcudart.so.*")))
+            if so and not os.path.exists(os.path.join(lib, "libcudart.so")):
+                os.symlink(os.path.basename(so[0]), os.path.join(lib, "libcudart.so"))
+    if not home and shutil.which("nvcc"):
+        home = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("nvcc"))))
+    if home:
+        os.environ["CUDA_HOME"] = home
+        os.environ["PATH"] = os.path.join(home, "bin") + os.pathsep + os.environ.get("PATH", "")
+    return home
+
+
+def check(arch: str, build_dir: str | None, verbose: bool) -> int:
+    import torch
+    home = find_toolkit()
+    if home is None:
+        print("error: no nvcc: set CUDA_HOME, put nvcc on PATH, or use --venv (CUDA 13+ wheels)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch)
+    from . import ops
+    if not ops.available():
+        print("error: the CPU library (op schemas) did not build", file=sys.stderr)
+        return 1
+    nvcc = _run([os.path.join(home, "bin", "nvcc"), "--version"]).splitlines()[-1]
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {nvcc}, "
+          f"targets {os.environ.get('TORCH_CUDA_ARCH_LIST', 'this GPU')}, GPU: {torch.cuda.is_available()}",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        ops.build_cuda_library(build_dir, verbose=verbose)
+    except Exception as e:
+        print(f"FAILED to build csrc/fused_cuda.cu: {e}", file=sys.stderr)
+        return 1
+    print(f"built and loaded decoder_ops_cuda in {time.perf_counter() - t0:.0f} s")
+    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("decoder_ops::"))
+    missing = []
+    for n in names:
+        if n in CPU_ONLY:
+            continue
+        ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"decoder_ops::{n}", "CUDA")
+        print(f"  {n:32s} CUDA kernel {'registered' if ok else 'MISSING'}")
+        if not ok:
+            missing.append(n)
+    if missing:
+        print(f"FAILED: no CUDA kernel for {', '.join(missing)}", file=sys.stderr)
+        return 1
+    print("ok" + ("" if torch.cuda.is_available() else "; no GPU here, so the kernels were not run"))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m decoder.cuda_check", description=__doc__.split("\n\n")[1])
+    p.add_argument("--venv", help="when this torch has no CUDA: make/use this venv with the CUDA build and nvcc")
+    p.add_argument("--arch", default="8.0;9.0",
+                   help="targets without a GPU (TORCH_CUDA_ARCH_LIST wins when set; default: %(default)s)")
+    p.add_argument("--build-dir", help="where the library is built (default: torch's extension cache)")
+    p.add_argument("--verbose", action="store_true", help="show the nvcc and ninja commands")
+    a = p.parse_args(argv)
+    import torch
+    if torch.version.cuda is None:
+        if not a.venv:
+            p.error("this torch is a CPU build; pass --venv DIR to check in a venv with the CUDA build")
+        py = setup_venv(a.venv, torch.__version__.split("+")[0])
+        rest = ["--arch", a.arch] + (["--build-dir", a.build_dir] if a.build_dir else []) + \
+            (["--verbose"] if a.verbose else [])
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run([py, "-m", "decoder.cuda_check"] + rest, cwd=root).returncode
+    return check(a.arch, a.build_dir, a.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""decoder/cuda_check.py: finding nvcc for the CUDA kernels' build (the build
+itself needs a CUDA torch: `make cuda-check`)."""
+import os
+import sys
+
+import pytest
+import torch
+
+from decoder import cuda_check
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored afterwards
+    monkeypatch.setattr(cuda_check, "SYSTEM_CUDA", str(tmp_path / "no-system-cuda"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    return monkeypatch
+
+
+def _wheel_toolkit(root, major="13"):
+    home = root / "site" / "nvidia" / f"cu{major}"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("")
+    (home / "lib").mkdir()
+    (home / "lib" / "libcudart.so.13").write_text("")
+    return home
+
+
+def test_wheel_toolkit_of_torchs_cuda_major_is_found_and_gets_a_libcudart_link(clean_env, tmp_path):
+    home = _wheel_toolkit(tmp_path)
+    _wheel_toolkit(tmp_path / "other", major="12")  # another major: never picked
+    clean_env.setattr(sys, "path", [str(tmp_path / "other" / "site"), str(tmp_path / "site")] + sys.path)
+    assert cuda_check.find_toolkit() == str(home)
+    assert os.readlink(home / "lib" / "libcudart.so") == "libcudart.so.13"
+    assert os.environ["CUDA_HOME"] == str(home)
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(home / "bin")
+
+
+def test_cuda_home_wins_over_the_wheels(clean_env, tmp_path):
+    _wheel_toolkit(tmp_path)
+    clean_env.setattr(sys, "path", [str(tmp_path / "site")] + sys.path)
+    clean_env.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert cuda_check.find_toolkit() == str(tmp_path / "toolkit")
+
+
+def test_cpu_torch_without_venv_is_one_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(SystemExit) as e:
+        cuda_check.main([])
+    assert e.value.code == 2
+    assert "--venv" in capsys.readouterr().err
