@@ -185,7 +185,9 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
                 ("+ fused decode-step attention (C++)", {**cur, "fused_attention": True}),
                 ("+ fused q/k/v split into the K/V cache (C++)", {**cur, "fused_cache": True}),
                 ("+ all fused kernels (norm, relu, attention, cache)", {**cur, "fused_norm": True, "fused_relu": True,
-                                                                        "fused_attention": True, "fused_cache": True})]
+                                                                        "fused_attention": True, "fused_cache": True}),
+                ("+ fused argmax (C++)", {**cur, "fused_argmax": True}),
+                ("+ fused output projection + argmax (C++)", {**cur, "fused_project_argmax": True})]
     return rows, variants
 
 
@@ -193,7 +195,9 @@ def describe(kw: dict) -> str:
     """Short name of a picked configuration: its precision and fused kernels."""
     parts = [kw["precision"] + (", fused linear" if kw["precision"] == "int8" and kw["fused_ops"] else "")]
     parts += [n for k, n in (("fused_norm", "fused norm"), ("fused_relu", "fused relu"),
-                             ("fused_attention", "fused attention"), ("fused_cache", "fused cache")) if kw.get(k)]
+                             ("fused_attention", "fused attention"), ("fused_cache", "fused cache"),
+                             ("fused_argmax", "fused argmax"), ("fused_project_argmax", "fused projection+argmax"))
+              if kw.get(k)]
     return ", ".join(parts)
 
 

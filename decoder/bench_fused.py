@@ -16,6 +16,10 @@ GREEDY = {"plain (best fp32 greedy)": {}, "+ fused bias+residual+LayerNorm": dic
           "+ fused bias+relu": dict(fused_relu=True), "+ fused decode-step attention": dict(fused_attention=True),
           "+ fused q/k/v split into the cache": dict(fused_cache=True),
           "+ all four": dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True),
+          "+ fused argmax": dict(fused_argmax=True),
+          "+ fused projection+argmax": dict(fused_project_argmax=True),
+          "+ all four + projection+argmax": dict(fused_norm=True, fused_relu=True, fused_attention=True,
+                                                 fused_cache=True, fused_project_argmax=True),
           "+ lexical shortlist (no fused kernels)": dict(shortlist=True)}
 BEAM = {"beam 4 (plain)": dict(beam=4), "beam 4 + fused log-softmax+top-k": dict(beam=4, fused_topk=True),
         "beam 4 + lexical shortlist": dict(beam=4, shortlist=True)}

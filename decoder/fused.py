@@ -66,6 +66,16 @@ def ngram_block_reference(logits, hist, n: int, vocab=None):
     return logits
 
 
+def argmax_rows_reference(logits):
+    """logits (R, C) -> (R,) the first column of each row's maximum (NaN counts as largest)."""
+    return logits.argmax(-1)
+
+
+def linear_argmax_reference(x, weight, bias=None, chunk: int = 0):
+    """x (R, d), weight (V, d) -> (R,) argmax of the projection, through the full logits."""
+    return F.linear(x, weight, bias).argmax(-1)
+
+
 def _kernel(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return ops.available()
@@ -107,3 +117,15 @@ def qkv_to_cache_(kc, vc, qkv, t: int):
     if _kernel(qkv):
         return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
     return qkv_to_cache_reference(kc, vc, qkv, t)
+
+
+def argmax_rows(logits):
+    if _kernel(logits):
+        return torch.ops.decoder_ops.argmax_rows(logits)
+    return argmax_rows_reference(logits)
+
+
+def linear_argmax(x, weight, bias=None, chunk: int = 1024):
+    if _kernel(x):
+        return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
+    return linear_argmax_reference(x, weight, bias)

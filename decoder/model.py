@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused, modeldir
-from .quant import DTYPES, Int8Linear, make_linear
+from .quant import DTYPES, Int8Linear, Linear, make_linear
 
 
 def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> torch.Tensor:
@@ -189,6 +189,17 @@ class Model:
         """The output projection of already normalised y (rows, d)."""
         return (self.out_proj if out is None else out)(y)
 
+    def project_argmax(self, y, out=None, chunk: int = 1024, min_rows: int = 8):
+        """(rows,) column of the largest logit of already normalised y (rows, d),
+        the full logits never written: fp32/bf16 projections go `chunk`
+        vocabulary rows at a time (fused.linear_argmax). Below `min_rows` rows
+        (batch-1 latency) the chunks cost more than they save: one product, then
+        the C++ argmax (decoder/bench_fused.py measures both)."""
+        lin = self.out_proj if out is None else out
+        if isinstance(lin, Linear) and y.shape[0] >= min_rows:
+            return fused.linear_argmax(y, lin.w, lin.b, chunk)
+        return fused.argmax_rows(lin(y))
+
     def output_rows(self, vocab):
         """The output projection restricted to the ids `vocab` (C,), once per batch."""
         return self.out_proj.rows(vocab)
@@ -233,8 +244,9 @@ class IncrementalState:
                                  dtype=model.dtype, device=enc.device)  # (L, 2, rows, h, T, hd)
         self.t = 0
 
-    def step(self, tokens, t: int):
-        """tokens (rows,) at position t -> logits (rows, V), or (rows, C) with `out`."""
+    def step(self, tokens, t: int, best: bool = False):
+        """tokens (rows,) at position t -> logits (rows, V), or (rows, C) with `out`;
+        with `best` only each row's argmax column (rows,) (Model.project_argmax)."""
         m, h = self.m, self.m.n_heads
         N = tokens.shape[0]
         B = N // self.beam
@@ -259,6 +271,8 @@ class IncrementalState:
             nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else m.dec_norm
             x, y = m.add_norm(x, L["ffn"].fc2, L["ffn"].hidden(y, m.fused_relu), nxt)
         self.t = t + 1
+        if best:
+            return m.project_argmax(y[:, 0], self.out)  # (N,)
         return m.project(y[:, 0], self.out)  # (N, V) or (N, C)
 
     def reorder(self, rows):

@@ -115,6 +115,14 @@ def _register_fakes() -> None:
     def _(logits, hist, n, vocab):
         return None
 
+    @torch.library.register_fake("decoder_ops::argmax_rows")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+    @torch.library.register_fake("decoder_ops::linear_argmax")
+    def _(x, weight, bias, chunk):
+        return x.new_empty((x.shape[0],), dtype=torch.int64)
+
     @torch.library.register_fake("decoder_ops::log_softmax_topk")
     def _(logits, scores, K, n):
         S = logits.shape[0] // K

@@ -29,8 +29,13 @@ def block_ngrams(logits, hist, n: int, vocab, fused_kernel: bool) -> None:
 
 def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_free: bool = True,
            early_stop: bool = True, shrink_ratio: float = 0.25, vocab=None, no_repeat_ngram: int = 0,
-           fused_ngram: bool = True) -> list[list[int]]:
+           fused_ngram: bool = True, fused_argmax: bool = False,
+           argmax_in_step: bool = False) -> list[list[int]]:
     """Argmax decoding; returns token ids without </s>, one list per sentence.
+
+    `fused_argmax`: the C++ argmax over the logits. `argmax_in_step`: the state
+    returns the argmax columns itself (`step(..., best=True)`, projection and
+    argmax fused); only without n-gram blocking and log-softmax.
 
     Finished rows are fed <pad> until at least `shrink_ratio` of the rows are
     finished, then they leave the batch together: every shrink copies the live
@@ -43,12 +48,15 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
     out: list = [None] * B
     fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
     for t in range(int(limits.max())):
-        logits = state.step(tokens, t)  # (rows, V)
-        if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
-            logits = torch.log_softmax(logits.float(), -1)
-        if no_repeat_ngram:
-            block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
-        nxt = logits.argmax(-1)
+        if argmax_in_step:
+            nxt = state.step(tokens, t, best=True)  # (rows,)
+        else:
+            logits = state.step(tokens, t)  # (rows, V)
+            if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
+                logits = torch.log_softmax(logits.float(), -1)
+            if no_repeat_ngram:
+                block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
+            nxt = fused.argmax_rows(logits) if fused_argmax else logits.argmax(-1)
         if vocab is not None:
             nxt = vocab[nxt]
         nxt = torch.where(limits <= t + 1, eos_id, nxt)

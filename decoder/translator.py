@@ -34,6 +34,9 @@ class Options:
     fused_attention: bool = False  # cached decode step: C++ attention for few queries instead of SDPA
     fused_cache: bool = False   # cached decode step: C++ split of q|k|v with k, v written into the cache
     fused_topk: bool = False    # beam: C++ log-softmax + top-k without the (beam x V) log-probs
+    fused_argmax: bool = False  # greedy: C++ argmax over the logits
+    fused_project_argmax: bool = False  # greedy, cached, fp32/bf16: output projection + argmax per
+    #                                     vocabulary chunk, the logits never written (not with n-gram blocking)
     no_repeat_ngram: int = 0    # >0: no n-gram of this size twice in an output (fairseq's no_repeat_ngram_size)
     fused_ngram: bool = True    # ... checked by the C++ kernel (else the Python reference loop)
     pipeline: bool = True       # text processing in worker threads
@@ -135,7 +138,9 @@ class Translator:
             return greedy(state, limits, start_id=c.decoder_start_id, eos_id=c.eos_id, pad_id=c.pad_id,
                           softmax_free=o.softmax_free, early_stop=o.early_stop,
                           shrink_ratio=o.shrink_ratio, vocab=vocab, no_repeat_ngram=o.no_repeat_ngram,
-                          fused_ngram=o.fused_ngram)
+                          fused_ngram=o.fused_ngram, fused_argmax=o.fused_argmax,
+                          argmax_in_step=(o.fused_project_argmax and o.softmax_free and not o.no_repeat_ngram
+                                          and isinstance(state, IncrementalState)))
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
                            shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk,

@@ -80,6 +80,25 @@ def test_fused_norm_and_relu_keep_greedy_tokens(model_dir, lines, precision):
                       fused_attention=True, fused_cache=True).translate(lines) == plain
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_fused_projection_argmax_keeps_greedy_tokens(model_dir, lines, precision):
+    # int8 projections take the logits and the C++ argmax instead
+    kw = dict(precision=precision, max_sentences=16)
+    plain = Translator(model_dir, **kw).translate(lines)
+    assert Translator(model_dir, fused_project_argmax=True, fused_argmax=True, **kw).translate(lines) == plain
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("chunk", [7, 64, 100000])
+def test_project_argmax_equals_the_argmax_of_the_logits(model_dir, rows, chunk):
+    m = Translator(model_dir, precision="fp32").model
+    y = torch.randn(rows, m.d, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(m.project_argmax(y, chunk=chunk), m.project(y).argmax(-1))
+    vocab = torch.arange(0, m.out_proj.w.shape[0], 3)  # a shortlist's sliced projection
+    out = m.output_rows(vocab)
+    assert torch.equal(m.project_argmax(y, out, chunk=chunk), m.project(y, out).argmax(-1))
+
+
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]

@@ -203,6 +203,14 @@ def test_cuda_kernels_match_references(dtype):
     want = fused.ngram_block_reference(lg.clone(), hist, 3)
     torch.ops.decoder_ops.ngram_block_(lg, hist, 3, None)
     assert torch.equal(lg, want)
+    lg = torch.randn(9, 8001, generator=g).to(dev, dtype)
+    assert torch.equal(torch.ops.decoder_ops.argmax_rows(lg), lg.argmax(-1))
+    lg[2, 7] = lg[2, 4000] = lg[2].max() + 1  # a tie: the first index, as torch.argmax
+    assert torch.equal(torch.ops.decoder_ops.argmax_rows(lg), lg.argmax(-1))
+    xs, w = torch.randn(9, 64, generator=g).to(dev, dtype), torch.randn(8001, 64, generator=g).to(dev, dtype)
+    got = torch.ops.decoder_ops.linear_argmax(xs, w, None, 1024)
+    full = torch.nn.functional.linear(xs.float(), w.float())
+    torch.testing.assert_close(full.gather(1, got[:, None])[:, 0], full.max(-1).values, atol=0.05, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -220,3 +228,60 @@ def test_qkv_to_cache_matches_reference(dtype, N, H, D, T, t):
 def test_qkv_to_cache_passes_opcheck():
     cache = torch.zeros(2, 3, 4, 6, 8)
     _opcheck(torch.ops.decoder_ops.qkv_to_cache_.default, (cache[0], cache[1], torch.randn(3, 1, 96), 2))
+
+
+# argmax: the same index as torch.argmax, whatever the dtype (no tolerance:
+# both read the same stored values)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,C", [(1, 1), (1, 7), (3, 37), (64, 8000), (5, 8001), (0, 9)])
+def test_argmax_rows_matches_torch_argmax(dtype, R, C):
+    logits = torch.randn(R, C, generator=torch.Generator().manual_seed(R + C)).to(dtype)
+    assert torch.equal(fused.argmax_rows(logits), logits.argmax(-1))
+
+
+def test_argmax_rows_takes_the_first_of_ties_and_a_nan_over_numbers():
+    logits = torch.tensor([[1., 5., 5., 2.], [float("-inf")] * 4, [0., float("nan"), 9., float("nan")],
+                           [3., 2., 1., 3.]])
+    assert torch.ops.decoder_ops.argmax_rows(logits).tolist() == logits.argmax(-1).tolist() == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,d,V,chunk", [(1, 1, 1, 1), (1, 16, 7, 3), (3, 37, 1001, 256), (64, 64, 8000, 1024),
+                                         (9, 32, 50, 1000), (2, 8, 33, 32)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_argmax_picks_the_largest_logit(dtype, R, d, V, chunk, with_bias):
+    g = torch.Generator().manual_seed(R * V + d)
+    x, w = torch.randn(R, d, generator=g).to(dtype), torch.randn(V, d, generator=g).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if with_bias else None
+    got = torch.ops.decoder_ops.linear_argmax(x, w, b, chunk)
+    logits = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())  # (R, V)
+    # a chunk's product may round differently from the full one: the pick must
+    # be the reference's or within rounding of its logit
+    assert got.shape == (R,) and got.dtype == torch.int64
+    picked, best = logits.gather(1, got[:, None])[:, 0], logits.max(-1).values
+    atol = {torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.05}[dtype]
+    torch.testing.assert_close(picked, best, atol=atol, rtol=0)
+    if dtype == torch.float32:
+        assert torch.equal(got, fused.linear_argmax_reference(x, w, b))
+
+
+def test_linear_argmax_keeps_the_first_index_across_chunks():
+    x = torch.ones(2, 1)
+    w = torch.tensor([[1.], [3.], [2.], [3.], [3.], [float("nan")]])  # ties in chunks 1 and 2, a NaN in 3
+    assert torch.ops.decoder_ops.linear_argmax(x[:, :], w[:5], None, 2).tolist() == [1, 1]
+    assert torch.ops.decoder_ops.linear_argmax(x, w, None, 2).tolist() == [5, 5]
+
+
+def test_linear_argmax_rejects_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="linear_argmax"):
+        torch.ops.decoder_ops.linear_argmax(torch.randn(2, 4), torch.randn(5, 3), None, 8)
+    with pytest.raises(RuntimeError, match="chunk"):
+        torch.ops.decoder_ops.linear_argmax(torch.randn(2, 4), torch.randn(5, 4), None, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_ops_pass_opcheck(dtype):
+    _opcheck(torch.ops.decoder_ops.argmax_rows.default, (torch.randn(5, 37).to(dtype),))
+    x, w, b = torch.randn(5, 16).to(dtype), torch.randn(37, 16).to(dtype), torch.randn(37).to(dtype)
+    _opcheck(torch.ops.decoder_ops.linear_argmax.default, (x, w, b, 8))
+    _opcheck(torch.ops.decoder_ops.linear_argmax.default, (x, w, None, 64))

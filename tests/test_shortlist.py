@@ -43,8 +43,9 @@ def copy_with(base_dir, tmp_path, lists, frequent=()):
 
 @pytest.mark.parametrize("switches", [
     dict(beam=1), dict(beam=3), dict(beam=1, precision="int8"), dict(beam=3, precision="int8"),
-    dict(beam=1, static_shapes=True), dict(beam=2, cache=False, early_stop=False)],
-    ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute"])
+    dict(beam=1, static_shapes=True), dict(beam=2, cache=False, early_stop=False),
+    dict(beam=1, fused_project_argmax=True)],
+    ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute", "greedy-fused-argmax"])
 def test_whole_vocabulary_shortlist_gives_the_same_output(base_dir, tmp_path, vocab, lines, switches):
     d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
     full = Translator(d, **switches).translate(lines)
@@ -250,7 +251,7 @@ def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
     assert not any(kw.get("shortlist") for _, kw in cumulative + variants)
     last = cumulative[-1][1]
     assert last["precision"] == "fp32"
-    fused = {"fused_norm", "fused_relu", "fused_attention", "fused_cache"}
+    fused = {"fused_norm", "fused_relu", "fused_attention", "fused_cache", "fused_argmax", "fused_project_argmax"}
     for _, kw in variants:  # each differs from the last fp32 row in precision or fused kernels only
         assert {k for k in kw if kw[k] != last.get(k, False)} <= {"precision", "fused_ops"} | fused
 

@@ -10,6 +10,9 @@
 //                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
 //                                an n-gram of the row's history (no_repeat_ngram_size)
+//   argmax_rows                  greedy's argmax over each row of the logits
+//   linear_argmax                argmax(x W^T + b) per row, one vocabulary chunk
+//                                at a time: the full logits are never written
 //
 // Each replaces several ATen dispatches and full passes over memory with one
 // call and one or two passes. References: decoder/fused.py (the tests compare
@@ -308,6 +311,84 @@ void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const s
   });
 }
 
+// First index of the row's maximum, a NaN counting as larger than any number
+// (torch.argmax's rule). One vectorised pass for the max, then a scan that stops
+// at its first occurrence.
+MULTIVERSION
+int64_t row_argmax(const float* x, int64_t n, float* best) {
+  float m = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    m = x[i] > m ? x[i] : m;
+    nan |= x[i] != x[i];
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (nan ? x[i] != x[i] : x[i] == m) {
+      *best = x[i];
+      return i;
+    }
+  *best = m;
+  return 0;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  const int64_t R = logits.size(0), C = logits.size(1);
+  auto lf = as_float_rows(logits, C);
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* lp = lf.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      float v;
+      op[r] = row_argmax(lp + r * C, C, &v);
+    }
+  });
+  return out;
+}
+
+// x (R, d), weight (V, d), bias (V,): the product is taken `chunk` vocabulary
+// rows at a time into one (R, chunk) buffer that stays in cache, and each row
+// keeps its running best; ties and NaNs resolve as in argmax over the full row.
+at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         int64_t chunk) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(0) > 0,
+              "linear_argmax: x (R, d) and weight (V, d) with V > 0");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
+  TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
+  const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
+  auto xr = x.contiguous();
+  auto out = at::zeros({R}, x.options().dtype(at::kLong));
+  if (R == 0) return out;
+  std::vector<float> best(R, -std::numeric_limits<float>::infinity());
+  auto buf = at::empty({R * cw}, xr.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t s = 0; s < V; s += cw) {
+    const int64_t w = std::min(cw, V - s);
+    auto o = buf.narrow(0, 0, R * w).view({R, w});
+    auto ws = weight.narrow(0, s, w).t();
+    if (bias.has_value())
+      at::addmm_out(o, bias->narrow(0, s, w), xr, ws);
+    else
+      at::mm_out(o, xr, ws);
+    auto of = o.scalar_type() == at::kFloat ? o : o.to(at::kFloat);
+    const float* p = of.data_ptr<float>();
+    at::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        float v;
+        const int64_t i = row_argmax(p + r * w, w, &v);
+        // an earlier NaN stays; a later value must be strictly larger (first index wins)
+        if (best[r] == best[r] && (v != v || v > best[r])) {
+          best[r] = v;
+          op[r] = s + i;
+        }
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
@@ -318,6 +399,8 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, int chunk) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
@@ -327,4 +410,6 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("ngram_block_", &ngram_block_);
   m.impl("decode_attention", &decode_attention);
   m.impl("qkv_to_cache_", &qkv_to_cache_);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("linear_argmax", &linear_argmax);
 }

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace {
 
@@ -207,6 +208,48 @@ __global__ void log_softmax_topk_kernel(const T* logits, const float* scores, fl
   }
 }
 
+// is (v, i) chosen over (bv, bi)? torch.argmax's order: NaN above every number,
+// then the larger value, then the lower index
+__device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
+  const bool vn = v != v, bn = bv != bv;
+  if (vn || bn) return vn && (!bn || i < bi);
+  return v > bv || (v == bv && i < bi);
+}
+
+// one block per row of x (R, C): the row's best, at column offset + j, written
+// to (best_v, best_i), or merged into them when `merge` (a later vocabulary chunk)
+template <typename T>
+__global__ void argmax_kernel(const T* x, int64_t C, int64_t offset, float* best_v, int64_t* best_i, bool merge) {
+  __shared__ float sv[kThreads];
+  __shared__ int64_t si[kThreads];
+  const int64_t row = blockIdx.x;
+  const T* p = x + row * C;
+  float bv = -INFINITY;
+  int64_t bi = INT64_MAX;
+  for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float v = float(p[j]);
+    if (argmax_better(v, j, bv, bi)) { bv = v; bi = j; }
+  }
+  sv[threadIdx.x] = bv;
+  si[threadIdx.x] = bi;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s && argmax_better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
+      sv[threadIdx.x] = sv[threadIdx.x + s];
+      si[threadIdx.x] = si[threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const float v = sv[0], b = best_v[row];
+    // a later chunk replaces only with a NaN or a strictly larger value: the first index wins
+    if (!merge || (b == b && (v != v || v > b))) {
+      best_v[row] = v;
+      best_i[row] = si[0] + offset;
+    }
+  }
+}
+
 int blocks_for(int64_t total) { return static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)); }
 
 std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
@@ -335,6 +378,53 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
   return {values, indices};
 }
 
+void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::Tensor& best_i, bool merge) {
+  const int64_t R = x.size(0), C = x.size(1);
+  if (R == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "argmax_rows", [&] {
+    argmax_kernel<scalar_t><<<R, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<scalar_t>(), C, offset, best_v.data_ptr<float>(), best_i.data_ptr<int64_t>(), merge);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor argmax_rows_cuda(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto lc = logits.contiguous();
+  auto best_v = at::empty({lc.size(0)}, lc.options().dtype(at::kFloat));
+  auto best_i = at::empty({lc.size(0)}, lc.options().dtype(at::kLong));
+  launch_argmax(lc, 0, best_v, best_i, false);
+  return best_i;
+}
+
+// cuBLAS per vocabulary chunk into one (R, chunk) buffer, the running best per row beside it
+at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              int64_t chunk) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(0) > 0,
+              "linear_argmax: x (R, d) and weight (V, d) with V > 0");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
+  TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
+  auto xr = x.contiguous();
+  auto best_v = at::empty({R}, xr.options().dtype(at::kFloat));
+  auto best_i = at::zeros({R}, xr.options().dtype(at::kLong));
+  if (R == 0) return best_i;
+  auto buf = at::empty({R * cw}, xr.options());
+  for (int64_t s = 0; s < V; s += cw) {
+    const int64_t w = std::min(cw, V - s);
+    auto o = buf.narrow(0, 0, R * w).view({R, w});
+    auto ws = weight.narrow(0, s, w).t();
+    if (bias.has_value())
+      at::addmm_out(o, bias->narrow(0, s, w), xr, ws);
+    else
+      at::mm_out(o, xr, ws);
+    launch_argmax(o, s, best_v, best_i, s > 0);
+  }
+  return best_i;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
@@ -344,4 +434,6 @@ TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
   m.impl("ngram_block_", &ngram_block_cuda);
   m.impl("qkv_to_cache_", &qkv_to_cache_cuda);
   m.impl("log_softmax_topk", &log_softmax_topk_cuda);
+  m.impl("argmax_rows", &argmax_rows_cuda);
+  m.impl("linear_argmax", &linear_argmax_cuda);
 }
