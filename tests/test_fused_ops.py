@@ -1,5 +1,10 @@
 """decoder/csrc fused ops: each kernel against its PyTorch reference, and its
 torch.library registration (schema, fake tensor, dispatch) with opcheck."""
+import platform
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -285,3 +290,30 @@ def test_argmax_ops_pass_opcheck(dtype):
     x, w, b = torch.randn(5, 16).to(dtype), torch.randn(37, 16).to(dtype), torch.randn(37).to(dtype)
     _opcheck(torch.ops.decoder_ops.linear_argmax.default, (x, w, b, 8))
     _opcheck(torch.ops.decoder_ops.linear_argmax.default, (x, w, None, 64))
+
+
+# the float loops are plain C++ left to the compiler (csrc/multiversion.h): this
+# pins that each AVX2 / AVX-512 clone really holds packed vector code
+VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "exp_shift_sum", "row_argmax",
+                "dot", "axpy", "quantize_row", "dequant_row")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("objdump"), reason="needs x86-64 and objdump")
+def test_float_loops_are_vectorised_in_the_avx2_and_avx512_clones():
+    with open("/proc/self/maps") as f:
+        so = next((ln.split()[-1] for ln in f if ln.rstrip().endswith("decoder_ops.so")), None)
+    if so is None:
+        pytest.skip("decoder_ops.so is not a mapped file here")
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", so], capture_output=True, text=True,
+                         check=True).stdout
+    bodies = {}
+    for block in re.split(r"\n(?=[0-9a-f]+ <)", dis):
+        m = re.match(r"[0-9a-f]+ <(?:\(anonymous namespace\)::)?(\w+)\(.*\[clone \.(arch_x86_64_v[34])\]>:", block)
+        if m:
+            bodies[m.group(1), m.group(2)] = block
+    packed = {"arch_x86_64_v3": r"\sv\w+p[sd]\s.*%ymm|\svp\w+\s.*%ymm",
+              "arch_x86_64_v4": r"\sv\w+p[sd]\s.*%[yz]mm|\svp\w+\s.*%[yz]mm"}
+    for fn in VECTOR_LOOPS:
+        for clone, pattern in packed.items():
+            assert (fn, clone) in bodies, f"{fn} has no {clone} clone (MULTIVERSION dropped?)"
+            assert re.search(pattern, bodies[fn, clone]), f"{fn} [{clone}] has no packed vector instruction"
