@@ -41,20 +41,23 @@ class StaticState(IncrementalState):
         # (1, 1, 1, T): 0 up to the current position, -inf after it
         bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
             self.positions > self.pos, float("-inf"))[None, None, None]
-        for i, L in enumerate(m.dec_layers):
-            y = L["ln1"](x)
+        layers = m.dec_layers
+        y = layers[0]["ln1"](x) if layers else m.dec_norm(x)
+        for i, L in enumerate(layers):
             q, k, v = L["attn"].project_qkv(y)
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # (N, h, T, hd)
             kc.index_copy_(2, self.pos, k.view(N, h, 1, -1))
             vc.index_copy_(2, self.pos, v.view(N, h, 1, -1))
             o = F.scaled_dot_product_attention(heads(q, h), kc, vc, attn_mask=bias)
-            x = x + L["attn"].out(merge(o))
-            q = L["cross"].q(L["ln2"](x)).view(B, self.beam, -1)
+            # add_norm: with fused_norm / fused_relu their kernels are captured in the graph too
+            x, y = m.add_norm(x, L["attn"].out, merge(o), L["ln2"])
+            q = L["cross"].q(y).view(B, self.beam, -1)
             ck, cv = self.cross[i]
             o = F.scaled_dot_product_attention(heads(q, h), ck, cv, attn_mask=self.mask)
-            x = x + L["cross"].out(merge(o).view(N, 1, -1))
-            x = x + L["ffn"](L["ln3"](x))
-        return m.logits(x[:, 0], self.out)  # (N, V) or (N, C)
+            x, y = m.add_norm(x, L["cross"].out, merge(o).view(N, 1, -1), L["ln3"])
+            nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else m.dec_norm
+            x, y = m.add_norm(x, L["ffn"].fc2, L["ffn"].hidden(y, m.fused_relu), nxt)
+        return m.project(y[:, 0], self.out)  # (N, V) or (N, C)
 
     def step(self, tokens, t: int):
         self.tokens.copy_(tokens)

@@ -258,6 +258,14 @@ def test_fixed_shape_state_for_cuda_graphs_gives_same_tokens(model_dir, srcs, be
     assert a == b
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_fixed_shape_state_with_fused_norm_and_relu_gives_same_tokens(model_dir, srcs, beam):
+    """What a CUDA graph captures with fused_norm / fused_relu, run eagerly on CPU."""
+    sub = srcs[:12]
+    a = Translator(model_dir, beam=beam, static_shapes=True, fused_norm=True, fused_relu=True).translate_ids(sub)
+    assert a == Translator(model_dir, beam=beam).translate_ids(sub)
+
+
 @pytest.mark.parametrize("int8_s,fp32_s,want", [(0.001, 0.003, "int8"), (0.015, 0.0005, "fp32")])
 def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypatch, int8_s, fp32_s, want):
     from decoder import quant

@@ -1,4 +1,5 @@
-"""GPU path (fp16 on CUDA); skipped without CUDA."""
+"""GPU path (fp16 on CUDA); skipped without CUDA, except the GPU benchmark's
+CPU fallback and its kernel classification."""
 import pytest
 import torch
 
@@ -46,3 +47,33 @@ def test_cuda_graph_replay_equals_eager_steps(model_dir, beam):
     b = Translator(model_dir, device="cuda", precision="fp16", beam=beam, cuda_graphs=False,
                    static_shapes=True).translate(lines)
     assert a == b  # same kernels, replayed instead of launched
+
+
+@pytest.mark.parametrize("name,tc", [
+    ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel__5x_cublas", True),
+    ("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn", True),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", True),
+    ("volta_sgemm_128x64_nn", False),
+    ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false>", False)])
+def test_gpu_bench_tells_tensor_core_gemms_by_name(name, tc):
+    from decoder.bench_gpu import GEMM, TENSOR_CORE
+    assert GEMM.search(name) and bool(TENSOR_CORE.search(name)) == tc
+
+
+def test_gpu_bench_runs_its_rows_on_cpu_without_cuda(model_dir, tmp_path):
+    """Every row and the profile table on CPU: the path a GPU run takes, minus CUDA."""
+    from decoder import bench_gpu
+    src, ref = tmp_path / "t.en", tmp_path / "t.es"
+    lines = synthetic_corpus(6, seed=3)
+    src.write_text("\n".join(lines) + "\n")
+    ref.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "gpu"
+    assert bench_gpu.main(["--model", str(model_dir), "--src", str(src), "--ref", str(ref), "--passes", "1",
+                           "--out", str(out)]) == 0
+    import json
+    rec = json.loads((tmp_path / "gpu.json").read_text())
+    names = [r["configuration"] for r in rec["rows"]]
+    assert len(names) == len(set(names)) == len(bench_gpu.configurations(torch.cuda.is_available()))
+    assert all(r["words_per_s"] > 0 for r in rec["rows"])
+    assert rec["gemm_kernels"], "the profile found no matmul"
+    assert "| configuration |" in (tmp_path / "gpu.md").read_text()
