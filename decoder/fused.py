@@ -129,3 +129,57 @@ def linear_argmax(x, weight, bias=None, chunk: int = 1024):
     if _kernel(x):
         return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
     return linear_argmax_reference(x, weight, bias)
+
+
+def self_check(device, call=None) -> list[str]:
+    """Names of the ops whose kernels on `device` disagree with their references
+    on small random inputs (fp32 and fp16 on CUDA, fp32 and bf16 on CPU); [] when
+    all agree. decoder/ops.py runs it once after building the CUDA kernels, so
+    a kernel that went wrong on some GPU is never used there. `call(name, *args)`
+    runs an op (default: torch.ops.decoder_ops), which lets the tests plant a bad one."""
+    call = call or (lambda name, *a: getattr(torch.ops.decoder_ops, name)(*a))
+    g = torch.Generator().manual_seed(11)
+    bad: list[str] = []
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    def agree(name, got, want, tol):
+        ok = all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                 for a, b in zip(got, want))
+        if not ok and name not in bad:
+            bad.append(name)
+
+    half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+    for dt, tol in ((torch.float32, 1e-4), (half, 5e-2)):
+        x, h = rnd(5, 2, 67, dtype=dt), rnd(5, 2, 67, dtype=dt)
+        b, gm, bt = rnd(67, dtype=dt), rnd(67, dtype=dt), rnd(67, dtype=dt)
+        want = add_bias_residual_layernorm_reference(x.float(), h.float(), b.float(), gm.float(), bt.float(), 1e-5)
+        agree("add_bias_residual_layernorm", call("add_bias_residual_layernorm", x, h, b, gm, bt, 1e-5), want, tol)
+        agree("add_bias_relu", [call("add_bias_relu", x, b)], [add_bias_relu_reference(x.float(), b.float())], tol)
+        q, kv = rnd(3, 2, 2, 16, dtype=dt), rnd(2, 3, 2, 9, 16, dtype=dt)
+        mask = (torch.arange(9)[None] < torch.tensor([9, 4, 1])[:, None])[:, None, None, :].to(device)
+        agree("decode_attention", [call("decode_attention", q, kv[0], kv[1], mask)],
+              [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)], tol)
+        cache, ref = torch.zeros(2, 3, 2, 5, 8, device=device, dtype=dt), torch.zeros(2, 3, 2, 5, 8, device=device)
+        qkv = rnd(3, 1, 48, dtype=dt)
+        q_got = call("qkv_to_cache_", cache[0], cache[1], qkv, 2)
+        agree("qkv_to_cache_", [q_got, cache], [qkv_to_cache_reference(ref[0], ref[1], qkv.float(), 2), ref], tol)
+        logits = rnd(8, 301, dtype=dt) * 4
+        scores = -torch.rand(8, generator=g).to(device)
+        v, i = call("log_softmax_topk", logits, scores, 4, 6)
+        cand = (torch.log_softmax(logits.float(), -1) + scores[:, None]).view(2, -1)
+        agree("log_softmax_topk", [v, cand.gather(1, i)], [log_softmax_topk_reference(logits, scores, 4, 6)[0], v], tol)
+        hist = torch.randint(0, 11, (6, 4), generator=g).repeat(1, 3).to(device)
+        lg = rnd(6, 11, dtype=dt)
+        want = ngram_block_reference(lg.clone(), hist, 3)
+        call("ngram_block_", lg, hist, 3, None)
+        agree("ngram_block_", [lg], [want], 0)
+        lg = rnd(7, 1001, dtype=dt)
+        lg[3, 5] = lg[3, 900] = lg[3].max() + 1  # a tie: the first index wins
+        agree("argmax_rows", [call("argmax_rows", lg)], [lg.argmax(-1)], 0)
+        xs, w, wb = rnd(9, 32, dtype=dt), rnd(1001, 32, dtype=dt), rnd(1001, dtype=dt)
+        full = F.linear(xs.float(), w.float(), wb.float())
+        got = call("linear_argmax", xs, w, wb, 256)
+        agree("linear_argmax", [full.gather(1, got[:, None])[:, 0]], [full.max(-1).values], 10 * tol)
+    return bad

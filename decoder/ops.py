@@ -66,11 +66,17 @@ def _build_cuda() -> bool:
         return False
     try:
         build_cuda_library()
-        return True
+        from . import fused
+        bad = fused.self_check("cuda")  # once per process: a kernel wrong on this GPU is never used
     except Exception as e:
         print(f"warning: fused CUDA kernels unavailable ({str(e).splitlines()[0][:200]}); "
               f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
         return False
+    if bad:
+        print(f"warning: fused CUDA kernels disagree with their references ({', '.join(bad)}); "
+              f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def build_cuda_library(build_dir: str | None = None, verbose: bool = False) -> None:

@@ -178,6 +178,26 @@ needs_cuda_kernels = pytest.mark.skipif(
     reason="needs a GPU and the CUDA kernels built by nvcc (decoder/csrc/fused_cuda.cu)")
 
 
+def test_self_check_finds_the_cpu_kernels_agree():
+    assert fused.self_check("cpu") == []
+
+
+def test_self_check_names_each_kernel_that_disagrees():
+    def planted(name, *a):
+        out = getattr(torch.ops.decoder_ops, name)(*a)
+        if name == "add_bias_relu":
+            return out + 1e-2
+        if name == "argmax_rows":
+            return (out + 1) % a[0].shape[1]
+        return out
+    assert fused.self_check("cpu", planted) == ["add_bias_relu", "argmax_rows"]
+
+
+@needs_cuda_kernels
+def test_self_check_finds_the_cuda_kernels_agree():
+    assert fused.self_check("cuda") == []
+
+
 @needs_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_kernels_match_references(dtype):
