@@ -155,7 +155,8 @@ def run_hf(model_dir, lines, threads, batch=64):
 # -- the table -------------------------------------------------------------------------------
 
 NAIVE = dict(beam=4, cache=False, sort=False, early_stop=False, softmax_free=False, fused_qkv=False,
-             pipeline=False, precision="fp32", fused_ops=False, retain_memory=False)
+             pipeline=False, precision="fp32", fused_ops=False, retain_memory=False, fused_cache=False,
+             fused_argmax=False, fused_project_argmax=False, fused_topk=False)
 
 
 def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:

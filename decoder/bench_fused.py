@@ -12,14 +12,16 @@ import argparse
 import os
 import time
 
+# every fused switch off, whatever the decoder's defaults: each row adds its own
+PLAIN = dict(fused_norm=False, fused_relu=False, fused_attention=False, fused_cache=False, fused_argmax=False,
+             fused_project_argmax=False, fused_topk=False)
+FOUR = dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True)
 GREEDY = {"plain (best fp32 greedy)": {}, "+ fused bias+residual+LayerNorm": dict(fused_norm=True),
           "+ fused bias+relu": dict(fused_relu=True), "+ fused decode-step attention": dict(fused_attention=True),
-          "+ fused q/k/v split into the cache": dict(fused_cache=True),
-          "+ all four": dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True),
-          "+ fused argmax": dict(fused_argmax=True),
-          "+ fused projection+argmax": dict(fused_project_argmax=True),
-          "+ all four + projection+argmax": dict(fused_norm=True, fused_relu=True, fused_attention=True,
-                                                 fused_cache=True, fused_project_argmax=True),
+          "+ fused q/k/v split into the cache": dict(fused_cache=True), "+ all four": FOUR,
+          "+ fused argmax": dict(fused_argmax=True), "+ fused projection+argmax": dict(fused_project_argmax=True),
+          "+ all four + projection+argmax": dict(FOUR, fused_project_argmax=True),
+          "+ norm, relu and projection+argmax": dict(fused_norm=True, fused_relu=True, fused_project_argmax=True),
           "+ lexical shortlist (no fused kernels)": dict(shortlist=True)}
 BEAM = {"beam 4 (plain)": dict(beam=4), "beam 4 + fused log-softmax+top-k": dict(beam=4, fused_topk=True),
         "beam 4 + lexical shortlist": dict(beam=4, shortlist=True)}
@@ -47,7 +49,7 @@ def main(argv=None):
     shortlist = os.path.exists(os.path.join(a.model, "shortlist.safetensors"))
     rows = []
     for group in (GREEDY, BEAM):
-        trs = {k: Translator(a.model, precision="fp32", **kw) for k, kw in group.items()
+        trs = {k: Translator(a.model, precision="fp32", **{**PLAIN, **kw}) for k, kw in group.items()
                if shortlist or not kw.get("shortlist")}
         for tr in trs.values():
             tr.translate(src[:8])  # warm-up

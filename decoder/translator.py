@@ -33,10 +33,11 @@ class Options:
     fused_relu: bool = False    # C++ bias + relu after a bias-free fp32/bf16 fc1
     fused_attention: bool = False  # cached decode step: C++ attention for few queries instead of SDPA
     fused_cache: bool = False   # cached decode step: C++ split of q|k|v with k, v written into the cache
-    fused_topk: bool = False    # beam: C++ log-softmax + top-k without the (beam x V) log-probs
+    # on by default: faster in every measurement, same output (docs/bench/README.md)
+    fused_topk: bool = True     # beam: C++ log-softmax + top-k without the (beam x V) log-probs
+    fused_project_argmax: bool = True  # greedy, cached, fp32/bf16: output projection + argmax per
+    #                                    vocabulary chunk, the logits never written (not with n-gram blocking)
     fused_argmax: bool = False  # greedy: C++ argmax over the logits
-    fused_project_argmax: bool = False  # greedy, cached, fp32/bf16: output projection + argmax per
-    #                                     vocabulary chunk, the logits never written (not with n-gram blocking)
     no_repeat_ngram: int = 0    # >0: no n-gram of this size twice in an output (fairseq's no_repeat_ngram_size)
     fused_ngram: bool = True    # ... checked by the C++ kernel (else the Python reference loop)
     pipeline: bool = True       # text processing in worker threads
@@ -140,7 +141,7 @@ class Translator:
                           shrink_ratio=o.shrink_ratio, vocab=vocab, no_repeat_ngram=o.no_repeat_ngram,
                           fused_ngram=o.fused_ngram, fused_argmax=o.fused_argmax,
                           argmax_in_step=(o.fused_project_argmax and o.softmax_free and not o.no_repeat_ngram
-                                          and isinstance(state, IncrementalState)))
+                                          and type(state) is IncrementalState))  # not the graphed step
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
                            shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk,

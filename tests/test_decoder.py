@@ -66,7 +66,8 @@ def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
     assert tr.translate_ids(srcs) == ref.greedy(src)
 
 
-@pytest.mark.parametrize("switch", ["cache", "softmax_free", "early_stop", "fused_qkv", "sort", "pipeline"])
+@pytest.mark.parametrize("switch", ["cache", "softmax_free", "early_stop", "fused_qkv", "sort", "pipeline",
+                                    "fused_project_argmax"])
 def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines, switch):
     assert Translator(model_dir, **{switch: False}).translate(lines) == fast.translate(lines)
 
@@ -84,7 +85,7 @@ def test_fused_norm_and_relu_keep_greedy_tokens(model_dir, lines, precision):
 def test_fused_projection_argmax_keeps_greedy_tokens(model_dir, lines, precision):
     # int8 projections take the logits and the C++ argmax instead
     kw = dict(precision=precision, max_sentences=16)
-    plain = Translator(model_dir, **kw).translate(lines)
+    plain = Translator(model_dir, fused_project_argmax=False, **kw).translate(lines)
     assert Translator(model_dir, fused_project_argmax=True, fused_argmax=True, **kw).translate(lines) == plain
 
 
@@ -104,7 +105,7 @@ def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]
     fused = Translator(model_dir, beam=beam, fused_topk=True, fused_attention=True, fused_cache=True)
     assert (fused.translate_ids(sub)
-            == Translator(model_dir, beam=beam).translate_ids(sub))
+            == Translator(model_dir, beam=beam, fused_topk=False).translate_ids(sub))
 
 
 def _has_repeated_ngram(ids, n):
@@ -259,11 +260,13 @@ def test_fixed_shape_state_for_cuda_graphs_gives_same_tokens(model_dir, srcs, be
 
 
 @pytest.mark.parametrize("beam", [1, 3])
-def test_fixed_shape_state_with_fused_norm_and_relu_gives_same_tokens(model_dir, srcs, beam):
-    """What a CUDA graph captures with fused_norm / fused_relu, run eagerly on CPU."""
+def test_fixed_shape_state_with_fused_kernels_gives_same_tokens(model_dir, srcs, beam):
+    """What a CUDA graph captures with fused_norm / fused_relu, run eagerly on CPU;
+    the fused argmax switches apply around the graphed step."""
     sub = srcs[:12]
-    a = Translator(model_dir, beam=beam, static_shapes=True, fused_norm=True, fused_relu=True).translate_ids(sub)
-    assert a == Translator(model_dir, beam=beam).translate_ids(sub)
+    a = Translator(model_dir, beam=beam, static_shapes=True, fused_norm=True, fused_relu=True, fused_argmax=True,
+                   fused_project_argmax=True, fused_topk=True).translate_ids(sub)
+    assert a == Translator(model_dir, beam=beam, fused_project_argmax=False, fused_topk=False).translate_ids(sub)
 
 
 @pytest.mark.parametrize("int8_s,fp32_s,want", [(0.001, 0.003, "int8"), (0.015, 0.0005, "fp32")])
