@@ -25,14 +25,13 @@ CPU_ONLY = {"int8_linear"}
 SYSTEM_CUDA = "/usr/local/cuda"
 
 
-def _run(cmd, env=None) -> str:
-    return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE).stdout.strip()
+def _run(cmd, env=None, stderr=None) -> str:
+    return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, stderr=stderr).stdout.strip()
 
 
 def setup_venv(venv: str, torch_version: str) -> str:
     """DIR/bin/python with the CUDA torch `torch_version` and nvcc; returns its path."""
     py = os.path.join(venv, "bin", "python")
-    probe = "import torch; print(torch.version.cuda or '')"
     if not os.path.exists(py):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -43,7 +42,7 @@ def setup_venv(venv: str, torch_version: str) -> str:
     if not _cuda_of(py):
         print(f"installing torch=={torch_version} (CUDA build) into {venv} ...", flush=True)
         subprocess.run(pip + [f"torch=={torch_version}", "numpy", "ninja"], env=env, check=True)
-    cuda = _run([py, "-c", probe])
+    cuda = _cuda_of(py)
     if not cuda:
         sys.exit(f"error: PyPI gave torch=={torch_version} without CUDA; install a CUDA build into {venv} by hand")
     major, minor = cuda.split(".")[:2]
@@ -56,7 +55,8 @@ def setup_venv(venv: str, torch_version: str) -> str:
 
 def _cuda_of(py: str) -> str:
     try:
-        return _run([py, "-c", "import torch; print(torch.version.cuda or '')"])
+        # a venv without torch yet is the normal first run: no traceback for it
+        return _run([py, "-c", "import torch; print(torch.version.cuda or '')"], stderr=subprocess.DEVNULL)
     except (subprocess.CalledProcessError, OSError):
         return ""
 
