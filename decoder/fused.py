@@ -94,8 +94,11 @@ def add_bias_relu(x, bias):
     return add_bias_relu_reference(x, bias)
 
 
+CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <= 8); kMaxTop in fused_cuda.cu
+
+
 def log_softmax_topk(logits, scores, K: int, n: int):
-    if _kernel(logits):
+    if _kernel(logits) and not (logits.is_cuda and n > CUDA_MAX_TOP):
         return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n)
     return log_softmax_topk_reference(logits, scores, K, n)
 
@@ -119,14 +122,17 @@ def qkv_to_cache_(kc, vc, qkv, t: int):
     return qkv_to_cache_reference(kc, vc, qkv, t)
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels compare in fp32
+
+
 def argmax_rows(logits):
-    if _kernel(logits):
+    if _kernel(logits) and logits.dtype in _ARGMAX_DTYPES:
         return torch.ops.decoder_ops.argmax_rows(logits)
     return argmax_rows_reference(logits)
 
 
 def linear_argmax(x, weight, bias=None, chunk: int = 1024):
-    if _kernel(x):
+    if _kernel(x) and x.dtype in _ARGMAX_DTYPES:
         return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
     return linear_argmax_reference(x, weight, bias)
 

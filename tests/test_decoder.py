@@ -86,7 +86,14 @@ def test_fused_projection_argmax_keeps_greedy_tokens(model_dir, lines, precision
     # int8 projections take the logits and the C++ argmax instead
     kw = dict(precision=precision, max_sentences=16)
     plain = Translator(model_dir, fused_project_argmax=False, **kw).translate(lines)
-    assert Translator(model_dir, fused_project_argmax=True, fused_argmax=True, **kw).translate(lines) == plain
+    assert Translator(model_dir, fused_project_argmax=True, **kw).translate(lines) == plain
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_fused_argmax_over_full_logits_keeps_greedy_tokens(model_dir, lines, precision):
+    kw = dict(precision=precision, max_sentences=16, fused_project_argmax=False)
+    plain = Translator(model_dir, fused_argmax=False, **kw).translate(lines)
+    assert Translator(model_dir, fused_argmax=True, **kw).translate(lines) == plain
 
 
 @pytest.mark.parametrize("rows", [1, 8, 33])

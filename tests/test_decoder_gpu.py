@@ -60,6 +60,21 @@ def test_gpu_bench_tells_tensor_core_gemms_by_name(name, tc):
     assert GEMM.search(name) and bool(TENSOR_CORE.search(name)) == tc
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_gpu_bench_rows_are_distinct_configurations_with_unnamed_fused_switches_off(cuda):
+    # a row whose switch is already on by default would repeat the row before it
+    from decoder import bench_gpu
+    from decoder.translator import Options
+    rows = bench_gpu.configurations(cuda)
+    settings = [tuple(sorted(kw.items())) for _, kw in rows]
+    # on CPU fp16 becomes fp32, so only the first two rows may coincide
+    assert len(set(settings)) == len(settings) - (0 if cuda else 1)
+    fused = [f for f in vars(Options()) if f.startswith("fused_") and f not in ("fused_qkv", "fused_ngram",
+                                                                                   "fused_ops")]
+    for name, kw in rows:
+        assert set(fused) <= set(kw), f"{name} leaves {sorted(set(fused) - set(kw))} to the defaults"
+
+
 def test_gpu_bench_runs_its_rows_on_cpu_without_cuda(model_dir, tmp_path):
     """Every row and the profile table on CPU: the path a GPU run takes, minus CUDA."""
     from decoder import bench_gpu

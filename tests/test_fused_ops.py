@@ -238,6 +238,18 @@ def test_cuda_kernels_match_references(dtype):
     torch.testing.assert_close(full.gather(1, got[:, None])[:, 0], full.max(-1).values, atol=0.05, rtol=0)
 
 
+@needs_cuda_kernels
+def test_a_beam_wider_than_the_cuda_top_k_kernel_takes_the_reference():
+    # the kernel keeps at most 16 candidates; beam 9 asks for 18
+    g = torch.Generator().manual_seed(5)
+    logits, scores = torch.randn(18, 301, generator=g).cuda(), -torch.rand(18, generator=g).cuda()
+    n = fused.CUDA_MAX_TOP + 2
+    v, i = fused.log_softmax_topk(logits, scores, 9, n)
+    v_ref, i_ref = fused.log_softmax_topk_reference(logits, scores, 9, n)
+    torch.testing.assert_close(v, v_ref)
+    assert torch.equal(i, i_ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,H,D,T,t", [(1, 1, 1, 1, 0), (3, 4, 16, 9, 5), (64, 8, 64, 40, 39), (5, 3, 7, 4, 0)])
 def test_qkv_to_cache_matches_reference(dtype, N, H, D, T, t):
@@ -295,6 +307,33 @@ def test_linear_argmax_keeps_the_first_index_across_chunks():
     w = torch.tensor([[1.], [3.], [2.], [3.], [3.], [float("nan")]])  # ties in chunks 1 and 2, a NaN in 3
     assert torch.ops.decoder_ops.linear_argmax(x[:, :], w[:5], None, 2).tolist() == [1, 1]
     assert torch.ops.decoder_ops.linear_argmax(x, w, None, 2).tolist() == [5, 5]
+
+
+def test_linear_argmax_keeps_an_exact_tie_when_the_last_chunk_is_narrow():
+    # a 7-wide tail chunk once rounded differently from the full product and
+    # picked row 8192 over its exact twin, row 0
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(8, 512, generator=g), torch.randn(8199, 512, generator=g)
+    w[0] = w[8192] = x[0] * 0.2
+    got = torch.ops.decoder_ops.linear_argmax(x, w, None, 1024)
+    assert got[0].item() == 0
+    assert torch.equal(got, fused.linear_argmax_reference(x, w))
+
+
+def test_linear_argmax_takes_a_bias_of_any_shape_with_v_elements():
+    x, w, b = torch.randn(3, 8), torch.randn(50, 8), torch.randn(1, 50)
+    assert torch.equal(torch.ops.decoder_ops.linear_argmax(x, w, b, 16), fused.linear_argmax_reference(x, w, b[0]))
+
+
+def test_argmax_kernels_refuse_float64_and_the_wrappers_take_the_reference():
+    # the kernels compare in fp32, where 1 and 1 + 1e-12 are equal
+    logits = torch.tensor([[1.0, 1.0 + 1e-12]], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="argmax_rows: float32, float16 or bfloat16 only"):
+        torch.ops.decoder_ops.argmax_rows(logits)
+    with pytest.raises(RuntimeError, match="linear_argmax: float32, float16 or bfloat16 only"):
+        torch.ops.decoder_ops.linear_argmax(torch.ones(1, 1, dtype=torch.float64), logits.t().contiguous(), None, 8)
+    assert fused.argmax_rows(logits).tolist() == [1]
+    assert fused.linear_argmax(torch.ones(1, 1, dtype=torch.float64), logits.t().contiguous()).tolist() == [1]
 
 
 def test_linear_argmax_rejects_mismatched_shapes():

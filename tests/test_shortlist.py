@@ -44,8 +44,10 @@ def copy_with(base_dir, tmp_path, lists, frequent=()):
 @pytest.mark.parametrize("switches", [
     dict(beam=1), dict(beam=3), dict(beam=1, precision="int8"), dict(beam=3, precision="int8"),
     dict(beam=1, static_shapes=True), dict(beam=2, cache=False, early_stop=False),
-    dict(beam=1, fused_project_argmax=True)],
-    ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute", "greedy-fused-argmax"])
+    dict(beam=1, fused_project_argmax=False), dict(beam=1, fused_project_argmax=False, fused_argmax=True),
+    dict(beam=3, fused_topk=False)],
+    ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute", "greedy-plain-projection",
+         "greedy-fused-argmax", "beam-plain-topk"])
 def test_whole_vocabulary_shortlist_gives_the_same_output(base_dir, tmp_path, vocab, lines, switches):
     d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
     full = Translator(d, **switches).translate(lines)

@@ -78,7 +78,8 @@ float row_max(const float* x, int64_t n) {
 // Cephes' expf polynomial, 2^k through the exponent bits. Relative error below
 // 3e-7 against std::exp (tests/test_fused_ops.py); x < -87 gives 0.
 inline float exp_nonpos(float x) {
-  const float xc = x < -87.f ? -87.f : x;
+  // NaN is clamped too (a NaN k would be an undefined int cast) and put back at the end
+  const float xc = !(x >= -87.f) ? -87.f : x;
   const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
   const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -89,7 +90,7 @@ inline float exp_nonpos(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   const float scale = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-  return x < -87.f ? 0.f : p * scale;
+  return x != x ? x : (x < -87.f ? 0.f : p * scale);
 }
 
 MULTIVERSION
@@ -115,6 +116,13 @@ float exp_shift_sum(float* p, int64_t n, float m) {
 // the rows as fp32: the tensor itself when it is fp32 and contiguous, else a converted copy
 at::Tensor as_float_rows(const at::Tensor& t, int64_t n) {
   return t.reshape({-1, n}).to(at::kFloat).contiguous();
+}
+
+// the argmax kernels compare in fp32, which would merge distinct float64 values
+void check_argmax_dtype(const at::Tensor& t, const char* op) {
+  const auto d = t.scalar_type();
+  TORCH_CHECK(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, op, ": float32, float16 or bfloat16 only, got ",
+              d);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm(
@@ -198,7 +206,8 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, co
             // per block against the entry bar in logit space skips them (the
             // margin covers rounding; NaNs never enter either way)
             const float bar = (best.back().first - add) + shift;
-            if (row_max(row + b0, b1 - b0) < bar - 1e-4f * (1.f + std::fabs(bar))) continue;
+            const float slack = 1e-4f * (1.f + std::fabs(bar) + std::fabs(best.back().first - add));
+            if (row_max(row + b0, b1 - b0) < bar - slack) continue;
           }
           for (int64_t v = b0; v < b1; ++v) {
             const float c = (row[v] - shift) + add;
@@ -378,6 +387,7 @@ int64_t row_argmax(const float* x, int64_t n, float* best) {
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  check_argmax_dtype(logits, "argmax_rows");
   const int64_t R = logits.size(0), C = logits.size(1);
   auto lf = as_float_rows(logits, C);
   auto out = at::empty({R}, logits.options().dtype(at::kLong));
@@ -395,25 +405,31 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // x (R, d), weight (V, d), bias (V,): the product is taken `chunk` vocabulary
 // rows at a time into one (R, chunk) buffer that stays in cache, and each row
 // keeps its running best; ties and NaNs resolve as in argmax over the full row.
+// Every chunk has the same width (the last one starts at V - chunk and overlaps
+// its neighbour) because a GEMM's rounding can depend on the width: a narrow
+// tail once broke an exact tie the full product kept.
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          int64_t chunk) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(0) > 0,
               "linear_argmax: x (R, d) and weight (V, d) with V > 0");
   TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
   TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
+  check_argmax_dtype(x, "linear_argmax");
   const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
   auto xr = x.contiguous();
+  std::optional<at::Tensor> b1d;
+  if (bias.has_value()) b1d = bias->reshape({-1});
   auto out = at::zeros({R}, x.options().dtype(at::kLong));
   if (R == 0) return out;
   std::vector<float> best(R, -std::numeric_limits<float>::infinity());
   auto buf = at::empty({R * cw}, xr.options());
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t s = 0; s < V; s += cw) {
-    const int64_t w = std::min(cw, V - s);
-    auto o = buf.narrow(0, 0, R * w).view({R, w});
+  for (int64_t s0 = 0; s0 < V; s0 += cw) {
+    const int64_t s = std::min(s0, V - cw), w = cw;
+    auto o = buf.view({R, w});
     auto ws = weight.narrow(0, s, w).t();
-    if (bias.has_value())
-      at::addmm_out(o, bias->narrow(0, s, w), xr, ws);
+    if (b1d.has_value())
+      at::addmm_out(o, b1d->narrow(0, s, w), xr, ws);
     else
       at::mm_out(o, xr, ws);
     auto of = o.scalar_type() == at::kFloat ? o : o.to(at::kFloat);

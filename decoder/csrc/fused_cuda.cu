@@ -378,6 +378,13 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
   return {values, indices};
 }
 
+// the argmax kernels compare in fp32, which would merge distinct float64 values
+void check_argmax_dtype(const at::Tensor& t, const char* op) {
+  const auto d = t.scalar_type();
+  TORCH_CHECK(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, op, ": float32, float16 or bfloat16 only, got ",
+              d);
+}
+
 void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::Tensor& best_i, bool merge) {
   const int64_t R = x.size(0), C = x.size(1);
   if (R == 0) return;
@@ -390,6 +397,7 @@ void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::
 
 at::Tensor argmax_rows_cuda(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  check_argmax_dtype(logits, "argmax_rows");
   const c10::cuda::CUDAGuard guard(logits.device());
   auto lc = logits.contiguous();
   auto best_v = at::empty({lc.size(0)}, lc.options().dtype(at::kFloat));
@@ -405,22 +413,26 @@ at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, con
               "linear_argmax: x (R, d) and weight (V, d) with V > 0");
   TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
   TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
+  check_argmax_dtype(x, "linear_argmax");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
   auto xr = x.contiguous();
+  std::optional<at::Tensor> b1d;
+  if (bias.has_value()) b1d = bias->reshape({-1});
   auto best_v = at::empty({R}, xr.options().dtype(at::kFloat));
   auto best_i = at::zeros({R}, xr.options().dtype(at::kLong));
   if (R == 0) return best_i;
   auto buf = at::empty({R * cw}, xr.options());
-  for (int64_t s = 0; s < V; s += cw) {
-    const int64_t w = std::min(cw, V - s);
-    auto o = buf.narrow(0, 0, R * w).view({R, w});
+  // equal-width chunks, the last one overlapping, as on the CPU: the GEMM's rounding may depend on the width
+  for (int64_t s0 = 0; s0 < V; s0 += cw) {
+    const int64_t s = std::min(s0, V - cw), w = cw;
+    auto o = buf.view({R, w});
     auto ws = weight.narrow(0, s, w).t();
-    if (bias.has_value())
-      at::addmm_out(o, bias->narrow(0, s, w), xr, ws);
+    if (b1d.has_value())
+      at::addmm_out(o, b1d->narrow(0, s, w), xr, ws);
     else
       at::mm_out(o, xr, ws);
-    launch_argmax(o, s, best_v, best_i, s > 0);
+    launch_argmax(o, s, best_v, best_i, s0 > 0);
   }
   return best_i;
 }
