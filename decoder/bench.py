@@ -156,7 +156,7 @@ def run_hf(model_dir, lines, threads, batch=64):
 
 NAIVE = dict(beam=4, cache=False, sort=False, early_stop=False, softmax_free=False, fused_qkv=False,
              pipeline=False, precision="fp32", fused_ops=False, retain_memory=False, fused_cache=False,
-             fused_argmax=False, fused_project_argmax=False, fused_topk=False)
+             fused_argmax=False, fused_project_argmax=False, fused_topk=False, fused_log_softmax=False)
 
 
 def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
@@ -309,6 +309,9 @@ def main(argv=None):
     record(f"best ({tag}), beam 4", hyps, secs, lines)
     hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
                           **{**best, "beam": 4, "fused_topk": True})
+    record(f"best ({tag}), beam 4, + fused add+top-k (C++)", hyps, secs, lines)
+    hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
+                          **{**best, "beam": 4, "fused_topk": True, "fused_log_softmax": True})
     record(f"best ({tag}), beam 4, + fused log-softmax+top-k (C++)", hyps, secs, lines)
     if has_shortlist:
         hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,

@@ -14,7 +14,7 @@ import time
 
 # every fused switch off, whatever the decoder's defaults: each row adds its own
 PLAIN = dict(fused_norm=False, fused_relu=False, fused_attention=False, fused_cache=False, fused_argmax=False,
-             fused_project_argmax=False, fused_topk=False)
+             fused_project_argmax=False, fused_topk=False, fused_log_softmax=False)
 FOUR = dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True)
 GREEDY = {"plain (best fp32 greedy)": {}, "+ fused bias+residual+LayerNorm": dict(fused_norm=True),
           "+ fused bias+relu": dict(fused_relu=True), "+ fused decode-step attention": dict(fused_attention=True),
@@ -23,7 +23,8 @@ GREEDY = {"plain (best fp32 greedy)": {}, "+ fused bias+residual+LayerNorm": dic
           "+ all four + projection+argmax": dict(FOUR, fused_project_argmax=True),
           "+ norm, relu and projection+argmax": dict(fused_norm=True, fused_relu=True, fused_project_argmax=True),
           "+ lexical shortlist (no fused kernels)": dict(shortlist=True)}
-BEAM = {"beam 4 (plain)": dict(beam=4), "beam 4 + fused log-softmax+top-k": dict(beam=4, fused_topk=True),
+BEAM = {"beam 4 (plain)": dict(beam=4), "beam 4 + fused add+top-k": dict(beam=4, fused_topk=True),
+        "beam 4 + fused log-softmax+top-k": dict(beam=4, fused_topk=True, fused_log_softmax=True),
         "beam 4 + lexical shortlist": dict(beam=4, shortlist=True)}
 
 

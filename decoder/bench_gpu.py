@@ -52,7 +52,9 @@ def configurations(cuda: bool) -> list[tuple[str, dict]]:
                                                                   "fused_relu": True, "fused_argmax": True}),
             (f"{half} + CUDA graphs, beam 4", {**graphs, "beam": 4}),
             (f"{half}, eager, beam 4", {**eager, "beam": 4}),
-            (f"{half}, eager, beam 4 + fused log-softmax+top-k", {**eager, "beam": 4, "fused_topk": True})]
+            (f"{half}, eager, beam 4 + fused add+top-k", {**eager, "beam": 4, "fused_topk": True}),
+            (f"{half}, eager, beam 4 + fused log-softmax+top-k", {**eager, "beam": 4, "fused_topk": True,
+                                                                  "fused_log_softmax": True})]
 
 
 def gemm_profile(tr, lines: list[str]) -> list[dict]:

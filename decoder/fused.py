@@ -26,10 +26,12 @@ def add_bias_relu_reference(x, bias):
     return torch.relu(x + bias)
 
 
-def log_softmax_topk_reference(logits, scores, K: int, n: int):
-    """logits (S*K, V), scores (S*K,) -> the n best (values, indices in [0, K*V)) per sentence."""
+def log_softmax_topk_reference(logits, scores, K: int, n: int, normalized: bool = False):
+    """logits (S*K, V), scores (S*K,) -> the n best (values, indices in [0, K*V)) per sentence
+    of log_softmax(logits) + score; `normalized`: the logits are log-probs already."""
     R, V = logits.shape
-    cand = torch.log_softmax(logits.float(), -1) + scores.float()[:, None]  # (S*K, V)
+    lp = logits.float() if normalized else torch.log_softmax(logits.float(), -1)  # (S*K, V)
+    cand = lp + scores.float()[:, None]  # (S*K, V)
     return cand.view(R // K, K * V).topk(n, dim=1)
 
 
@@ -97,10 +99,10 @@ def add_bias_relu(x, bias):
 CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <= 8); kMaxTop in fused_cuda.cu
 
 
-def log_softmax_topk(logits, scores, K: int, n: int):
+def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
     if _kernel(logits) and not (logits.is_cuda and n > CUDA_MAX_TOP):
-        return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n)
-    return log_softmax_topk_reference(logits, scores, K, n)
+        return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
+    return log_softmax_topk_reference(logits, scores, K, n, normalized)
 
 
 def ngram_block_(logits, hist, n: int, vocab=None):
@@ -176,6 +178,9 @@ def self_check(device, call=None) -> list[str]:
         v, i = call("log_softmax_topk", logits, scores, 4, 6)
         cand = (torch.log_softmax(logits.float(), -1) + scores[:, None]).view(2, -1)
         agree("log_softmax_topk", [v, cand.gather(1, i)], [log_softmax_topk_reference(logits, scores, 4, 6)[0], v], tol)
+        lp = torch.log_softmax(logits.float(), -1)
+        agree("log_softmax_topk", list(call("log_softmax_topk", lp, scores, 4, 6, True)),
+              list(log_softmax_topk_reference(lp, scores, 4, 6, True)), 0)
         hist = torch.randint(0, 11, (6, 4), generator=g).repeat(1, 3).to(device)
         lg = rnd(6, 11, dtype=dt)
         want = ngram_block_reference(lg.clone(), hist, 3)

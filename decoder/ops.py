@@ -130,7 +130,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("decoder_ops::log_softmax_topk")
-    def _(logits, scores, K, n):
+    def _(logits, scores, K, n, normalized=False):
         S = logits.shape[0] // K
         return (logits.new_empty((S, n), dtype=torch.float32),
                 logits.new_empty((S, n), dtype=torch.int64))

@@ -81,13 +81,15 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
 
 def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                 length_penalty: float = 1.0, early_stop: bool = True,
-                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False, no_repeat_ngram: int = 0,
-                fused_ngram: bool = True) -> list[list[int]]:
+                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False, fused_log_softmax: bool = False,
+                no_repeat_ngram: int = 0, fused_ngram: bool = True) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty.
-    `fused_topk`: one C++ call per step finds the top-2k without writing the
-    (beam x V) log-probabilities (decoder/fused.py); steps that force </s> use the
-    plain path."""
+    `fused_topk`: after ATen's log-softmax, one C++ call per step adds the beam
+    scores and finds the top-2k without writing the sums (decoder/fused.py);
+    with `fused_log_softmax` that call normalises the logits itself, so the
+    (beam x V) log-probabilities are never written. Steps that force </s> use
+    the plain path."""
     B, K, dev = limits.shape[0], beam, limits.device
     tokens = torch.full((B * K,), start_id, dtype=torch.long, device=dev)
     scores = torch.zeros(B, K, device=dev)  # (sentences, beam) summed log-probs
@@ -110,7 +112,11 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
         force = limits <= t + 1  # (nb,) last allowed step: only </s>
         forced = bool(force.any())
         if fused_topk and not forced:
-            top_s, top_i = fused.log_softmax_topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
+            if fused_log_softmax:
+                top_s, top_i = fused.log_softmax_topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
+            else:
+                lp = torch.log_softmax(logits.float(), -1)  # (nb*K, V): the plain path's exact values
+                top_s, top_i = fused.log_softmax_topk(lp, scores.view(-1), K, n_top, normalized=True)
         else:
             # over a shortlist this normalises over the candidates only (as Marian does)
             cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]

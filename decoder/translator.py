@@ -34,7 +34,10 @@ class Options:
     fused_attention: bool = False  # cached decode step: C++ attention for few queries instead of SDPA
     fused_cache: bool = False   # cached decode step: C++ split of q|k|v with k, v written into the cache
     # on by default: faster in every measurement, same output (docs/bench/README.md)
-    fused_topk: bool = True     # beam: C++ log-softmax + top-k without the (beam x V) log-probs
+    fused_topk: bool = True     # beam: ATen's log-softmax, then one C++ pass for + score and the top 2k
+    #                             (same picks as the plain add + topk, bit for bit)
+    fused_log_softmax: bool = False  # ... and the log-softmax inside that pass too: the (beam x V) log-probs
+    #                                  are never written, but they round differently (near ties may flip)
     fused_project_argmax: bool = True  # greedy, cached, fp32/bf16: output projection + argmax per
     #                                    vocabulary chunk, the logits never written (not with n-gram blocking)
     fused_argmax: bool = False  # greedy: C++ argmax over the logits
@@ -145,6 +148,7 @@ class Translator:
         return beam_search(state, limits, beam=o.beam, start_id=c.decoder_start_id, eos_id=c.eos_id,
                            length_penalty=o.length_penalty, early_stop=o.early_stop,
                            shrink_ratio=o.shrink_ratio, vocab=vocab, fused_topk=o.fused_topk,
+                           fused_log_softmax=o.fused_log_softmax,
                            no_repeat_ngram=o.no_repeat_ngram, fused_ngram=o.fused_ngram)
 
     # -- text level ----------------------------------------------------------------

@@ -56,11 +56,22 @@ def test_greedy_with_fused_argmax_equals_greedy_without_on_trained_model(data, f
     assert Translator(MODEL, precision="fp32", **switches).translate(data[0]) == fp32
 
 
-def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data):
-    sub = data[0][:60]
-    plain = Translator(MODEL, precision="fp32", beam=4, fused_topk=False).translate(sub)
+@pytest.fixture(scope="module")
+def beam4(data):
+    return Translator(MODEL, precision="fp32", beam=4, fused_topk=False).translate(data[0])
+
+
+def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data, beam4):
     fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_attention=True, fused_cache=True)
-    assert fused.translate(sub) == plain
+    assert fused.translate(data[0]) == beam4
+
+
+def test_beam_with_fused_log_softmax_differs_at_most_in_a_few_lines_on_trained_model(data, beam4):
+    # one line in 300 differed on an AVX-512 EPYC (a near tie between two names)
+    fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_log_softmax=True)
+    out = fused.translate(data[0])
+    assert sum(a != b for a, b in zip(out, beam4)) <= 3
+    assert abs(bleu(out, data[1]) - bleu(beam4, data[1])) < 0.5
 
 
 def test_optimised_greedy_equals_naive_on_trained_model(data, fp32):

@@ -75,6 +75,22 @@ def test_log_softmax_topk_matches_reference(dtype, S, K, V, n):
         assert torch.equal(i, i_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,K,V,n", [(1, 1, 1, 1), (3, 4, 1001, 8), (1, 5, 8000, 10), (2, 3, 17, 51)])
+def test_topk_over_log_probs_picks_what_add_and_topk_pick_bit_for_bit(dtype, S, K, V, n):
+    # normalized=True: the rows are ATen's log-probs; lp + score is rounded once, as the plain path does
+    g = torch.Generator().manual_seed(S * 1000 + V + 1)
+    lp = torch.log_softmax(torch.randn(S * K, V, generator=g) * 4, -1).to(dtype)
+    scores = -torch.rand(S * K, generator=g) * 10
+    v, i = torch.ops.decoder_ops.log_softmax_topk(lp, scores, K, n, True)
+    v_ref, i_ref = fused.log_softmax_topk_reference(lp, scores, K, n, normalized=True)
+    assert torch.equal(v, v_ref)
+    cand = (lp.float() + scores[:, None]).view(S, K * V)
+    assert torch.equal(cand.gather(1, i), v)
+    if dtype == torch.float32:  # low-precision log-probs tie often; then any of the equal ones is right
+        assert torch.equal(i, i_ref)
+
+
 def test_log_softmax_topk_breaks_ties_towards_the_lower_index():
     logits = torch.zeros(2, 3)  # every candidate equal
     v, i = torch.ops.decoder_ops.log_softmax_topk(logits, torch.zeros(2), 2, 4)
@@ -106,6 +122,8 @@ def test_ops_pass_opcheck(dtype):
     _opcheck(torch.ops.decoder_ops.add_bias_residual_layernorm.default, (x, h, None, gm, bt, 1e-5))
     _opcheck(torch.ops.decoder_ops.add_bias_relu.default, (x, b))
     _opcheck(torch.ops.decoder_ops.log_softmax_topk.default, (torch.randn(8, 1001).to(dtype), torch.randn(8), 4, 8))
+    _opcheck(torch.ops.decoder_ops.log_softmax_topk.default,
+             (torch.randn(8, 1001).to(dtype), torch.randn(8), 4, 8, True))
 
 
 def test_int8_linear_passes_opcheck():

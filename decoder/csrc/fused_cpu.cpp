@@ -4,6 +4,7 @@
 //   add_bias_relu                y = max(x + b, 0)
 //   log_softmax_topk             per sentence of K beam rows: the n best of
 //                                log_softmax(logits[row]) + score[row] over K*V
+//                                (normalized: the rows are log-probs already)
 //   decode_attention             softmax(q k^T / sqrt(hd) + mask) v for the few
 //                                queries of a decode step (no ATen SDPA set-up)
 //   qkv_to_cache_                the fused q|k|v projection of one step split:
@@ -172,10 +173,13 @@ at::Tensor add_bias_relu(const at::Tensor& x, const at::Tensor& bias) {
 // Per row: max and sum of exp (two passes), then one pass that keeps the n
 // best of logit - (max + log sum) + score in a small sorted buffer; the full
 // log-probability matrix is never written. Ties go to the lower index.
+// `normalized`: the rows are ATen's log-probs, the shift is 0, and each
+// candidate is lp + score rounded once, exactly as the plain path adds them,
+// so the pick equals log_softmax + add + topk bit for bit.
 constexpr int64_t kBlock = 64;  // log_softmax_topk's skip test granularity
 
 std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, const at::Tensor& scores,
-                                                    int64_t K, int64_t n) {
+                                                    int64_t K, int64_t n, bool normalized) {
   TORCH_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
@@ -196,8 +200,11 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, co
       best.clear();
       for (int64_t k = 0; k < K; ++k) {
         const float* row = lp + (s * K + k) * V;
-        const float m = row_max(row, V);
-        const float shift = m + std::log(row_sum_exp(row, V, m));
+        float shift = 0.f;
+        if (!normalized) {
+          const float m = row_max(row, V);
+          shift = m + std::log(row_sum_exp(row, V, m));
+        }
         const float add = sp[s * K + k];
         for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
           const int64_t b1 = std::min(V, b0 + kBlock);
@@ -455,7 +462,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("add_bias_residual_layernorm(Tensor x, Tensor h, Tensor? bias, Tensor gamma, Tensor beta, float eps)"
         " -> (Tensor, Tensor)");
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
-  m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n) -> (Tensor, Tensor)");
+  m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");

@@ -157,11 +157,12 @@ __device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib)
   return a > b || (a == b && ia < ib);
 }
 
-// one block per sentence: per-row shift = max + log sum exp, then each thread
-// keeps its n best of the K*V candidates, and thread 0 merges the lists
+// one block per sentence: per-row shift = max + log sum exp (0 when the rows
+// are log-probs already), then each thread keeps its n best of the K*V
+// candidates, and thread 0 merges the lists
 template <typename T>
 __global__ void log_softmax_topk_kernel(const T* logits, const float* scores, float* values, int64_t* indices,
-                                        int64_t K, int64_t V, int n) {
+                                        int64_t K, int64_t V, int n, bool normalized) {
   __shared__ float sh[32];
   extern __shared__ unsigned char smem[];
   float* shift = reinterpret_cast<float*>(smem);                       // (K,)
@@ -170,6 +171,10 @@ __global__ void log_softmax_topk_kernel(const T* logits, const float* scores, fl
   int64_t* cand_i = reinterpret_cast<int64_t*>(smem + head);              // (blockDim * n)
   const int64_t s = blockIdx.x;
   for (int64_t k = 0; k < K; ++k) {
+    if (normalized) {
+      if (threadIdx.x == 0) shift[k] = 0.f;
+      continue;
+    }
     const T* row = logits + (s * K + k) * V;
     float mx = -INFINITY;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, float(row[j]));
@@ -353,7 +358,7 @@ void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, con
 }
 
 std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logits, const at::Tensor& scores,
-                                                         int64_t K, int64_t n) {
+                                                         int64_t K, int64_t n, bool normalized) {
   TORCH_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
@@ -372,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "log_softmax_topk", [&] {
     log_softmax_topk_kernel<scalar_t><<<S, kTopThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
         lc.data_ptr<scalar_t>(), sc.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), K, V,
-        static_cast<int>(n));
+        static_cast<int>(n), normalized);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {values, indices};
