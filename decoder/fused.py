@@ -5,7 +5,7 @@ Each public function runs the kernel when the library for the tensor's
 device is built (decoder/ops.py: C++ for CPU, csrc/fused_cuda.cu for CUDA
 where nvcc is found) and the reference otherwise; the tests check one against
 the other. Which of them the decoder
-uses is a switch each (`Options.fused_norm`, `fused_relu`, `fused_topk`), so
+uses is a switch each (`Options.fused_norm`, `fused_relu`, `fused_topk`, ...), so
 the benchmark measures every fusion alone.
 """
 from __future__ import annotations
