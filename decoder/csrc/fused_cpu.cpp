@@ -29,6 +29,7 @@
 #include <cmath>
 
 #include "multiversion.h"
+#include "checks.h"
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -117,13 +118,6 @@ float exp_shift_sum(float* p, int64_t n, float m) {
 // the rows as fp32: the tensor itself when it is fp32 and contiguous, else a converted copy
 at::Tensor as_float_rows(const at::Tensor& t, int64_t n) {
   return t.reshape({-1, n}).to(at::kFloat).contiguous();
-}
-
-// the argmax kernels compare in fp32, which would merge distinct float64 values
-void check_argmax_dtype(const at::Tensor& t, const char* op) {
-  const auto d = t.scalar_type();
-  TORCH_CHECK(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, op, ": float32, float16 or bfloat16 only, got ",
-              d);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm(
@@ -417,11 +411,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // tail once broke an exact tie the full product kept.
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          int64_t chunk) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(0) > 0,
-              "linear_argmax: x (R, d) and weight (V, d) with V > 0");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
-  TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
-  check_argmax_dtype(x, "linear_argmax");
+  check_linear_argmax(x, weight, bias, chunk);
   const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
   auto xr = x.contiguous();
   std::optional<at::Tensor> b1d;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include "checks.h"
 
 namespace {
 
@@ -383,13 +384,6 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
   return {values, indices};
 }
 
-// the argmax kernels compare in fp32, which would merge distinct float64 values
-void check_argmax_dtype(const at::Tensor& t, const char* op) {
-  const auto d = t.scalar_type();
-  TORCH_CHECK(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, op, ": float32, float16 or bfloat16 only, got ",
-              d);
-}
-
 void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::Tensor& best_i, bool merge) {
   const int64_t R = x.size(0), C = x.size(1);
   if (R == 0) return;
@@ -414,11 +408,7 @@ at::Tensor argmax_rows_cuda(const at::Tensor& logits) {
 // cuBLAS per vocabulary chunk into one (R, chunk) buffer, the running best per row beside it
 at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                               int64_t chunk) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(0) > 0,
-              "linear_argmax: x (R, d) and weight (V, d) with V > 0");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == weight.size(0), "linear_argmax: bias must have V elements");
-  TORCH_CHECK(chunk > 0, "linear_argmax: chunk must be positive");
-  check_argmax_dtype(x, "linear_argmax");
+  check_linear_argmax(x, weight, bias, chunk);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
   auto xr = x.contiguous();
