@@ -65,6 +65,17 @@ def test_kill_during_training_then_resume_matches_uninterrupted_run(toy_files, t
     assert not [f for f in os.listdir(tmp_path / "killed") if ".tmp" in f]
 
 
+def test_start_removes_saves_cut_short_by_dead_processes_only(tmp_path):
+    from student.train.trainer import remove_stale_tmp
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = [f"last.pt.tmp.{dead.pid}", f"last.pt.tmp.{os.getppid()}", f"best.pt.tmp.{os.getpid()}", "last.pt"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert remove_stale_tmp(str(tmp_path)) == [names[0]]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
 def test_torchrun_two_processes_keep_replicas_identical(toy_files, tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                 "-m", "student.train"]

@@ -89,6 +89,26 @@ def atomic_save(obj, path: str):
     os.replace(tmp, path)
 
 
+def remove_stale_tmp(out_dir: str) -> list[str]:
+    """Delete the half-written `X.tmp.PID` files of atomic_save whose process is
+    gone (a run killed inside a save); returns their names."""
+    gone = []
+    for f in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        pid = f.rsplit(".tmp.", 1)[-1] if ".tmp." in f else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running: not ours to touch
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        os.remove(os.path.join(out_dir, f))
+        gone.append(f)
+    return gone
+
+
 def release_memory():
     """Hand freed heap back to the OS. Length-bucketed batches allocate tensors of
     ever-changing sizes and glibc's arenas fragment: measured on teacher-tiny,
@@ -208,6 +228,9 @@ def train(cfg: TrainConfig) -> dict:
 
     last_path = os.path.join(cfg.out_dir, "last.pt")
     best_path = os.path.join(cfg.out_dir, "best.pt")
+    if rank == 0:
+        for f in remove_stale_tmp(cfg.out_dir):
+            print(f"removed {f}: a save cut short by an earlier run", flush=True)
     if os.path.exists(last_path):
         ck = torch.load(last_path, map_location="cpu", weights_only=True)
         model.load_state_dict(ck["model"])
