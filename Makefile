@@ -67,7 +67,7 @@ test: setup
 
 # ablation table (docs/bench/); BENCH_ARGS e.g. --model DIR --threads 2
 bench: setup
-	$(VPY) -m decoder.bench $(BENCH_ARGS)
+	$(VPY) -m tools.bench $(BENCH_ARGS)
 
 # every system on one BLEU-vs-words/s chart (runs/evaluate/); EVAL_ARGS e.g.
 #   --model student=DIR --teacher DIR --container wmt-kit:latest --mode both
@@ -79,7 +79,7 @@ evaluate: setup
 # makes $(CUDA_VENV) with one and nvcc from PyPI (about 5 GB).
 CUDA_VENV ?= build/cuda-venv
 cuda-check: setup
-	$(VPY) -m decoder.cuda_check --venv $(CUDA_VENV)
+	$(VPY) -m tools.cuda_check --venv $(CUDA_VENV)
 
 clean:
 	rm -rf build .pytest_cache

@@ -5,10 +5,12 @@ Each public function runs the kernel when the library for the tensor's
 device is built (decoder/ops.py: C++ for CPU, csrc/fused_cuda.cu for CUDA
 where nvcc is found) and the reference otherwise; the tests check one against
 the other. Which of them the decoder
-uses is a switch each (`Options.fused_norm`, `fused_relu`, `fused_topk`, ...), so
-the benchmark measures every fusion alone.
+uses is a switch each (decoder/optimisations.py), so the benchmarks measure
+every fusion alone.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +83,25 @@ def linear_argmax_reference(x, weight, bias=None, chunk: int = 0):
 def _kernel(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return ops.available()
-    return t.device.type == "cuda" and ops.cuda_available()
+    return t.device.type == "cuda" and _cuda_kernels()
+
+
+_cuda: dict = {}
+
+
+def _cuda_kernels() -> bool:
+    """The CUDA kernels, once built, are compared with their references once per
+    process: a kernel that went wrong on some GPU is never used there."""
+    ok = _cuda.get("ok")
+    if ok is None:
+        ok = ops.cuda_available()
+        bad = self_check("cuda") if ok else []
+        if bad:
+            print(f"warning: fused CUDA kernels disagree with their references ({', '.join(bad)}); "
+                  f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
+            ok = False
+        _cuda["ok"] = ok
+    return ok
 
 
 def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):

@@ -23,6 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 
 class Linear:
     """y = x @ w.T + b in the compute dtype of the precision."""
+    dense = True  # a plain weight matrix that fused ops downstream can take as it is
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype):
         self.w = w.to(dtype).contiguous()  # (out, in)
@@ -50,6 +51,7 @@ class Linear:
 
 class Int8Linear:
     """Dynamic int8: per-row activation scales, per-output-channel weight scales."""
+    dense = False  # bias and relu go into the int8 op's own epilogue
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True):
         # fused: one C++ call (decoder/csrc/int8_linear.cpp) instead of ~8 tensor ops

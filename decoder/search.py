@@ -1,7 +1,8 @@
-"""Greedy and beam search over a decoder state (decoder/model.py).
+"""Greedy and beam search over a decoder state (decoder/cache.py).
 
-A state has `step(tokens (rows,), t) -> logits (rows, V)`, `reorder(rows)` and
-`keep(sentences, rows)`; the searches own nothing else. `limits` (B,) is the
+A state has `step(tokens (rows,), t) -> logits (rows, V)`, `reorder(rows)`,
+`keep(sentences, rows)` and `can_shrink`; the searches own nothing else. Which
+kernels they call was resolved once at load time (`Search.plan`). `limits` (B,) is the
 most target tokens a sentence may have including </s> (a·src_len + b, capped):
 at the last allowed step </s> is forced, so every sentence ends.
 
@@ -11,56 +12,60 @@ columns and map them back at once, so histories and outputs are real ids.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import fused
+from .optimisations import Plan
 
 NEG_INF = float("-inf")
 
 
-def block_ngrams(logits, hist, n: int, vocab, fused_kernel: bool) -> None:
-    """no_repeat_ngram_size: in place, a token that would repeat an n-gram of the
-    row's history hist (rows, t) gets -inf (decoder/fused.py)."""
-    if fused_kernel:
-        fused.ngram_block_(logits, hist, n, vocab)
-    else:
-        fused.ngram_block_reference(logits, hist, n, vocab)
+@dataclass(frozen=True)
+class Search:
+    """Everything a search needs besides the state and the batch, fixed at load time."""
+    plan: Plan
+    start_id: int
+    eos_id: int
+    pad_id: int
+    beam: int = 1
+    length_penalty: float = 1.0
+    shrink_ratio: float = 0.25  # finished rows leave once this fraction has finished
+    no_repeat_ngram: int = 0    # >0: no n-gram of this size twice (fairseq's no_repeat_ngram_size)
+
+    def run(self, state, limits, vocab=None) -> list[list[int]]:
+        return (greedy if self.beam == 1 else beam_search)(state, limits, self, vocab)
 
 
-def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_free: bool = True,
-           early_stop: bool = True, shrink_ratio: float = 0.25, vocab=None, no_repeat_ngram: int = 0,
-           fused_ngram: bool = True, fused_argmax: bool = False,
-           argmax_in_step: bool = False) -> list[list[int]]:
+def greedy(state, limits, s: Search, vocab=None) -> list[list[int]]:
     """Argmax decoding; returns token ids without </s>, one list per sentence.
 
-    `fused_argmax`: the C++ argmax over the logits. `argmax_in_step`: the state
-    returns the argmax columns itself (`step(..., best=True)`, projection and
-    argmax fused); only without n-gram blocking and log-softmax.
+    With `plan.argmax_in_step` the state returns the argmax columns itself
+    (`step(..., best=True)`: projection and argmax fused, the logits never written).
 
     Finished rows are fed <pad> until at least `shrink_ratio` of the rows are
     finished, then they leave the batch together: every shrink copies the live
     K/V cache, so shrinking per sentence costs more than it saves."""
     B, dev = limits.shape[0], limits.device
-    tokens = torch.full((B,), start_id, dtype=torch.long, device=dev)
+    p, eos_id = s.plan, s.eos_id
+    tokens = torch.full((B,), s.start_id, dtype=torch.long, device=dev)
     alive = torch.arange(B)  # input sentence of each row
     hist = torch.empty((B, 0), dtype=torch.long, device=dev)  # (rows, t)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     out: list = [None] * B
-    fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
+    shrink = p.early_stop and state.can_shrink
     for t in range(int(limits.max())):
-        if argmax_in_step:
+        if p.argmax_in_step:
             nxt = state.step(tokens, t, best=True)  # (rows,)
         else:
-            logits = state.step(tokens, t)  # (rows, V)
-            if not softmax_free:  # same argmax; the naive baseline pays for the normalisation
-                logits = torch.log_softmax(logits.float(), -1)
-            if no_repeat_ngram:
-                block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
-            nxt = fused.argmax_rows(logits) if fused_argmax else logits.argmax(-1)
+            logits = p.normalise(state.step(tokens, t))  # (rows, V)
+            if s.no_repeat_ngram:
+                p.block(logits, hist, s.no_repeat_ngram, vocab)
+            nxt = p.argmax(logits)
         if vocab is not None:
             nxt = vocab[nxt]
         nxt = torch.where(limits <= t + 1, eos_id, nxt)
-        nxt = torch.where(done, pad_id, nxt)
+        nxt = torch.where(done, s.pad_id, nxt)
         hist = torch.cat([hist, nxt[:, None]], 1)
         fin = nxt == eos_id
         if bool(fin.any()):
@@ -70,7 +75,7 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
             n_done = int(done.sum())
             if n_done == done.numel():
                 break
-            if early_stop and not fixed and n_done >= shrink_ratio * done.numel():
+            if shrink and n_done >= s.shrink_ratio * done.numel():
                 keep = (~done).nonzero()[:, 0]
                 state.keep(keep, keep)
                 alive, hist, limits, nxt, done = (alive[keep.cpu()], hist[keep], limits[keep],
@@ -79,19 +84,14 @@ def greedy(state, limits, *, start_id: int, eos_id: int, pad_id: int, softmax_fr
     return out
 
 
-def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
-                length_penalty: float = 1.0, early_stop: bool = True,
-                shrink_ratio: float = 0.25, vocab=None, fused_topk: bool = False, fused_log_softmax: bool = False,
-                no_repeat_ngram: int = 0, fused_ngram: bool = True) -> list[list[int]]:
+def beam_search(state, limits, s: Search, vocab=None) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty.
-    `fused_topk`: after ATen's log-softmax, one C++ call per step adds the beam
-    scores and finds the top-2k without writing the sums (decoder/fused.py);
-    with `fused_log_softmax` that call normalises the logits itself, so the
-    (beam x V) log-probabilities are never written. Steps that force </s> use
-    the plain path."""
-    B, K, dev = limits.shape[0], beam, limits.device
-    tokens = torch.full((B * K,), start_id, dtype=torch.long, device=dev)
+    `plan.topk` (fused_topk, fused_log_softmax) replaces the add and the top-2k
+    (decoder/optimisations.py); steps that force </s> use the plain path."""
+    B, K, dev = limits.shape[0], s.beam, limits.device
+    p, eos_id = s.plan, s.eos_id
+    tokens = torch.full((B * K,), s.start_id, dtype=torch.long, device=dev)
     scores = torch.zeros(B, K, device=dev)  # (sentences, beam) summed log-probs
     scores[:, 1:] = NEG_INF  # all beams start equal: keep one
     hist = torch.empty((B * K, 0), dtype=torch.long, device=dev)  # (rows, t)
@@ -99,24 +99,20 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
     alive = list(range(B))
     done = torch.zeros(B, dtype=torch.bool)
     beam_ar = torch.arange(K, device=dev)
-    fixed = getattr(state, "fixed_rows", False)  # CUDA-graph states keep their shape
+    shrink = p.early_stop and state.can_shrink
     eos_c = eos_id if vocab is None else int(torch.searchsorted(vocab, eos_id))  # </s>'s column
     if vocab is not None and (eos_c >= vocab.numel() or int(vocab[eos_c]) != eos_id):
         raise ValueError("the shortlist candidates must include </s>")
     for t in range(int(limits.max())):
         logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
         nb, V = limits.shape[0], logits.shape[-1]
-        if no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
-            block_ngrams(logits, hist, no_repeat_ngram, vocab, fused_ngram)
+        if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
+            p.block(logits, hist, s.no_repeat_ngram, vocab)
         n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
         force = limits <= t + 1  # (nb,) last allowed step: only </s>
         forced = bool(force.any())
-        if fused_topk and not forced:
-            if fused_log_softmax:
-                top_s, top_i = fused.log_softmax_topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
-            else:
-                lp = torch.log_softmax(logits.float(), -1)  # (nb*K, V): the plain path's exact values
-                top_s, top_i = fused.log_softmax_topk(lp, scores.view(-1), K, n_top, normalized=True)
+        if p.topk is not None and not forced:
+            top_s, top_i = p.topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
         else:
             # over a shortlist this normalises over the candidates only (as Marian does)
             cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
@@ -135,7 +131,7 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
                 fb = finals[alive[b]]
                 if len(fb) < K and not done[b]:
                     r = b * K + int(src_beam[b, j])
-                    fb.append((float(top_s[b, j]) / (t + 1) ** length_penalty, hist[r].tolist()))
+                    fb.append((float(top_s[b, j]) / (t + 1) ** s.length_penalty, hist[r].tolist()))
         # the best K continuations that are not </s>
         rank = torch.arange(n_top, device=dev).expand(nb, -1) + is_eos.long() * n_top
         sel = rank.topk(K, dim=1, largest=False).indices  # (nb, K) ascending rank
@@ -148,7 +144,7 @@ def beam_search(state, limits, *, beam: int, start_id: int, eos_id: int,
         if bool(now_done.all()):
             break
         done = now_done
-        if early_stop and not fixed and int(done.sum()) >= max(1.0, shrink_ratio * nb):
+        if shrink and int(done.sum()) >= max(1.0, s.shrink_ratio * nb):
             keep = (~done).nonzero()[:, 0]
             kd = keep.to(dev)
             rows = rows.view(nb, K)[kd].view(-1)

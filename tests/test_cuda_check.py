@@ -1,4 +1,4 @@
-"""decoder/cuda_check.py: finding nvcc for the CUDA kernels' build (the build
+"""tools/cuda_check.py: finding nvcc for the CUDA kernels' build (the build
 itself needs a CUDA torch: `make cuda-check`)."""
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from decoder import cuda_check
+from tools import cuda_check
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from decoder import Translator
-from decoder.convert import to_ctranslate2, to_hf
+from tools.convert import to_ctranslate2, to_hf
 from fixture_model import make_model_dir, synthetic_corpus
 
 

@@ -127,7 +127,8 @@ def test_trainer_dev_translations_are_the_same_with_the_lean_decoder(data, tmp_p
 
 
 def test_bench_fused_prints_every_switch_with_its_ratio(capsys):
-    from decoder.bench_fused import BEAM, GREEDY, main
+    from tools.bench_fused import main, rows as configs
+    GREEDY, BEAM = configs()
     main(["--model", MODEL, "--src", SRC, "--lines", "12", "--passes", "1", "--threads", "1"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "configuration" not in line]

@@ -248,7 +248,7 @@ def test_add_to_model_dir_names_the_file_of_a_line_count_mismatch(base_dir, tmp_
 
 
 def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
-    from decoder.bench import ablation
+    from tools.bench import ablation
     cumulative, variants = ablation()
     assert not any(kw.get("shortlist") for _, kw in cumulative + variants)
     last = cumulative[-1][1]
@@ -259,7 +259,7 @@ def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
 
 
 def test_bench_best_is_the_fastest_row_within_the_bleu_bound():
-    from decoder.bench import pick_best
+    from tools.bench import pick_best
     fp32, int8, bf16 = ({"precision": p} for p in ("fp32", "int8", "bf16"))
     assert pick_best([(100, 20.0, fp32), (300, 19.9, int8), (200, 20.0, bf16)]) is int8
     assert pick_best([(100, 20.0, fp32), (300, 19.5, int8), (200, 20.0, bf16)]) is bf16  # int8 lost 0.5

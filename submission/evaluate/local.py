@@ -19,7 +19,7 @@ def child_env(system: System, ct2_isa: str | None) -> dict:
         # as /run.sh CPU-1 does: OpenMP/MKL size their pools when they load
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(system.threads)
     if ct2_isa:
-        env["CT2_FORCE_CPU_ISA"] = ct2_isa  # same kernels in every CT2 row (decoder/bench.py)
+        env["CT2_FORCE_CPU_ISA"] = ct2_isa  # same kernels in every CT2 row (tools/bench.py)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

@@ -31,8 +31,8 @@ def load(spec: dict, tmp: str):
                         pipeline=not latency)  # one line at a time has nothing to overlap (serve.py)
         return tr.translate, {"model_bytes": dir_bytes(model)}
     if engine == "ct2":
-        from decoder.bench import ct2_translator
-        from decoder.convert import to_ctranslate2
+        from tools.baselines import ct2_translator
+        from tools.convert import to_ctranslate2
         from .systems import CT2_COMPUTE
         compute = CT2_COMPUTE[spec["precision"]]
         t = time.perf_counter()
@@ -44,7 +44,7 @@ def load(spec: dict, tmp: str):
                             device="cuda" if spec["device"].startswith("cuda") else "cpu")
         return go, facts
     if engine == "hf":
-        from decoder.bench import hf_translator
+        from tools.baselines import hf_translator
         return hf_translator(model, spec["threads"], beam=spec["beam"]), {"model_bytes": dir_bytes(model)}
     raise ValueError(f"unknown engine {engine!r}")
 

@@ -1,7 +1,7 @@
 """Ablation benchmark: naive PyTorch -> each optimisation in turn -> HF and CTranslate2
 on the same weights (TenTrans-style table), plus a batch-1 latency comparison.
 
-    python -m decoder.bench --model DIR [--input FILE --ref FILE] [--repeat K] [--threads N]
+    python -m tools.bench --model DIR [--input FILE --ref FILE] [--repeat K] [--threads N]
 
 Every row translates the same lines end to end (normalise, SPM, search, detokenise)
 with the same thread count; CTranslate2's CPU ISA is pinned (CT2_FORCE_CPU_ISA)
@@ -18,28 +18,18 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+
+from decoder.optimisations import all_off, describe, group
+from decoder.quant import int8_pays
+from decoder.translator import Translator
+
+from .baselines import _text, run_ct2, run_hf
+from .convert import to_ctranslate2
+from .machine import cpu_info, ct2_isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_info() -> dict:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name") and model in ("unknown", "x86_64", ""):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "flags": [f for f in FLAGS if f in flags]}
-
-
-def ct2_isa(flags: list[str]) -> str:
-    return "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "GENERIC"
 
 
 def read(path: str) -> list[str]:
@@ -57,7 +47,6 @@ def scores(hyps, refs) -> tuple[float, float]:
 
 def run_ours(model_dir, lines, threads, passes: int = 1, **kw):
     """(outputs, seconds): the fastest of `passes` timed passes after a warm-up."""
-    from .translator import Translator
     tr = Translator(model_dir, threads=threads, **kw)
     tr.translate(lines[:8])  # warm-up: allocator, oneDNN primitive caches
     best = float("inf")
@@ -68,138 +57,40 @@ def run_ours(model_dir, lines, threads, passes: int = 1, **kw):
     return out, best
 
 
-def _text(model_dir):
-    from . import modeldir
-    from .pipeline import Text
-    cfg, _, spm_path = modeldir.load(model_dir)
-    return cfg, Text(cfg, spm_path, cfg.arch.max_positions)
-
-
-def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens=4096, batch1=False,
-                   device="cpu"):
-    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart)."""
-    import ctranslate2
-    cfg, text = _text(model_dir)
-    tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=compute_type,
-                                intra_threads=threads, inter_threads=1)
-    piece = text.sp.id_to_piece
-
-    def go(ls):
-        srcs = text.encode(ls)
-        idx = [i for i, s in enumerate(srcs) if s]
-        toks = [[piece(t) for t in srcs[i]] for i in idx]
-        cap = int(max(len(t) for t in toks) * 1.5 + 10) if toks else 1
-        kw = dict(beam_size=beam, max_decoding_length=min(cap, cfg.arch.max_positions - 1),
-                  min_decoding_length=0, max_input_length=cfg.arch.max_positions)
-        if batch1:
-            res = [tr.translate_batch([t], **kw)[0] for t in toks]
-        else:
-            res = tr.translate_batch(toks, max_batch_size=max_tokens, batch_type="tokens", **kw)
-        out = [""] * len(ls)
-        dec = text.decode([[text.sp.piece_to_id(p) for p in r.hypotheses[0]] for r in res])
-        for i, s in zip(idx, dec):
-            out[i] = s
-        return out
-    return go
-
-
-def run_ct2(ct2_dir, model_dir, lines, threads, compute_type, beam=1, max_tokens=4096, batch1=False):
-    go = ct2_translator(ct2_dir, model_dir, threads, compute_type, beam, max_tokens, batch1)
-    go(lines[:8])
-    t = time.perf_counter()
-    out = go(lines)
-    return out, time.perf_counter() - t
-
-
-def hf_translator(model_dir, threads, batch=64, beam=1):
-    """Load once; return translate(lines) -> hypotheses."""
-    import torch
-    from .convert import to_hf
-    torch.set_num_threads(threads)
-    model, cfg = to_hf(model_dir)
-    _, text = _text(model_dir)
-
-    def go(ls):
-        srcs = text.encode(ls)
-        idx = sorted((i for i, s in enumerate(srcs) if s), key=lambda i: -len(srcs[i]))
-        out = [""] * len(ls)
-        for b in range(0, len(idx), batch):
-            chunk = idx[b:b + batch]
-            S = max(len(srcs[i]) for i in chunk)
-            ids = torch.full((len(chunk), S), cfg.pad_id)
-            for r, i in enumerate(chunk):
-                ids[r, :len(srcs[i])] = torch.tensor(srcs[i])
-            with torch.inference_mode():
-                g = model.generate(ids, attention_mask=ids != cfg.pad_id, num_beams=beam, do_sample=False,
-                                   max_new_tokens=min(int(S * 1.5 + 10), cfg.arch.max_positions - 1),
-                                   min_length=0, decoder_start_token_id=cfg.decoder_start_id,
-                                   eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)
-            hyps = []
-            for row in g[:, 1:].tolist():
-                row = row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row
-                hyps.append([t for t in row if t != cfg.pad_id])
-            for i, s in zip(chunk, text.decode(hyps)):
-                out[i] = s
-        return out
-    return go
-
-
-def run_hf(model_dir, lines, threads, batch=64):
-    go = hf_translator(model_dir, threads, batch)
-    go(lines[:8])
-    t = time.perf_counter()
-    out = go(lines)
-    return out, time.perf_counter() - t
-
-
 # -- the table -------------------------------------------------------------------------------
 
-NAIVE = dict(beam=4, cache=False, sort=False, early_stop=False, softmax_free=False, fused_qkv=False,
-             pipeline=False, precision="fp32", fused_ops=False, retain_memory=False, fused_cache=False,
-             fused_argmax=False, fused_project_argmax=False, fused_topk=False, fused_log_softmax=False)
+NAIVE = dict(all_off(), beam=4, precision="fp32")  # every switch of decoder/optimisations.py off
 
 
 def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
-    """(cumulative fp32 rows, precision rows). Each cumulative row adds one
-    optimisation to the previous one; each precision row is the last fp32 row
-    with one precision change, so the table shows what int8 or bf16 does on this
-    CPU (on an AVX2-only CPU both are slower than fp32) and the best
-    configuration is picked by measurement, not assumed."""
-    steps = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", {}),
-             ("+ K/V cache, cross K/V once per sentence", dict(cache=True)),
-             ("+ length-sorted batches", dict(sort=True)),
-             ("+ greedy without softmax", dict(beam=1, softmax_free=True)),
-             ("+ early stop (finished sentences leave)", dict(early_stop=True)),
-             ("+ fused QKV", dict(fused_qkv=True)),
-             ("+ async text pipeline", dict(pipeline=True)),
-             # process-wide and irreversible: every row after this one has it too
-             ("+ glibc keeps freed memory", dict(retain_memory=True))]
-    rows, cur = [], dict(NAIVE)
-    for name, change in steps:
-        cur = {**cur, **change}
-        rows.append((name, dict(cur)))
+    """(cumulative fp32 rows, variant rows), generated from the registry. Each
+    cumulative row adds one "ladder" optimisation to the previous one; each
+    variant is the last cumulative row with one precision change or one fused
+    kernel, so the table shows what each does on this CPU (on an AVX2-only CPU
+    int8 and bf16 are slower than fp32) and the best configuration is picked by
+    measurement, not assumed."""
+    rows, cur = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", dict(NAIVE))], dict(NAIVE)
+    for o in group("ladder"):
+        cur = {**cur, o.name: True, **o.row}
+        rows.append((f"+ {o.label}", dict(cur)))
     variants = [("+ bf16 weights and activations", {**cur, "precision": "bf16"}),
-                ("+ int8 dynamic (PyTorch ops)", {**cur, "precision": "int8"}),
-                ("+ int8 dynamic, fused C++ linear", {**cur, "precision": "int8", "fused_ops": True}),
-                ("+ fused bias+residual+LayerNorm (C++)", {**cur, "fused_norm": True}),
-                ("+ fused bias+relu (C++)", {**cur, "fused_relu": True}),
-                ("+ fused decode-step attention (C++)", {**cur, "fused_attention": True}),
-                ("+ fused q/k/v split into the K/V cache (C++)", {**cur, "fused_cache": True}),
-                ("+ all fused kernels (norm, relu, attention, cache)", {**cur, "fused_norm": True, "fused_relu": True,
-                                                                        "fused_attention": True, "fused_cache": True}),
-                ("+ fused argmax (C++)", {**cur, "fused_argmax": True}),
-                ("+ fused output projection + argmax (C++)", {**cur, "fused_project_argmax": True})]
+                ("+ int8 dynamic (PyTorch ops)", {**cur, "precision": "int8"})]
+    variants += [(f"+ int8 dynamic, {o.label}", {**cur, "precision": "int8", o.name: True}) for o in group("int8")]
+    step = group("step")
+    variants += [(f"+ {o.label}", {**cur, o.name: True}) for o in step]
+    variants.append((f"+ all of {', '.join(o.name for o in step)}", {**cur, **{o.name: True for o in step}}))
+    variants += [(f"+ {o.label}", {**cur, o.name: True}) for o in group("greedy")]
     return rows, variants
 
 
-def describe(kw: dict) -> str:
-    """Short name of a picked configuration: its precision and fused kernels."""
-    parts = [kw["precision"] + (", fused linear" if kw["precision"] == "int8" and kw["fused_ops"] else "")]
-    parts += [n for k, n in (("fused_norm", "fused norm"), ("fused_relu", "fused relu"),
-                             ("fused_attention", "fused attention"), ("fused_cache", "fused cache"),
-                             ("fused_argmax", "fused argmax"), ("fused_project_argmax", "fused projection+argmax"))
-              if kw.get(k)]
-    return ", ".join(parts)
+def beam_rows(best: dict) -> list[tuple[str, dict]]:
+    """Beam 4 from the best greedy configuration, then each beam kernel added in turn."""
+    tag, cur = describe(best), {**best, "beam": 4}
+    rows = [(f"best ({tag}), beam 4", dict(cur))]
+    for o in group("beam"):
+        cur = {**cur, o.name: True}
+        rows.append((f"best ({tag}), beam 4, + {o.label}", dict(cur)))
+    return rows
 
 
 def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float = 0.2) -> dict:
@@ -212,7 +103,6 @@ def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float
 
 def slow_here(kw: dict, flags: list[str]) -> bool:
     """A precision this CPU runs far slower than fp32: time it on a subset only."""
-    from .quant import int8_pays
     if kw.get("precision") == "int8":
         return not int8_pays()
     if kw.get("precision") == "bf16":
@@ -221,7 +111,7 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m decoder.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(DEFAULT_DATA, "model"))
     p.add_argument("--input", default=None, help="source lines (default: the Bible test split "
                    "next to the model, tests/fixtures/bible-tiny/test.en)")
@@ -269,11 +159,9 @@ def main(argv=None):
           f"CT2 ISA {isa}", file=sys.stderr)
     print(f"input: {src_path} ({len(src)} lines x {a.repeat})", file=sys.stderr)
 
-    from .translator import Translator
-    sp = Translator.__new__(Translator)  # only for token counting below
-    _, sp.text = _text(a.model)
+    cfg, text = _text(a.model)  # token counting only
     n_src_words = lambda ls: sum(len(s.split()) for s in ls)  # noqa: E731
-    n_tgt_tokens = lambda hs: sum(len(x) for x in sp.text.sp.encode(hs))  # noqa: E731
+    n_tgt_tokens = lambda hs: sum(len(x) for x in text.sp.encode(hs))  # noqa: E731
 
     rows = []
 
@@ -286,11 +174,11 @@ def main(argv=None):
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
-    has_shortlist = sp.text.cfg.shortlist is not None  # rows with the switch only where there is a file
+    has_shortlist = cfg.shortlist is not None  # rows with the switch only where there is a file
     cumulative, variants = ablation()
     full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
     for name, kw in cumulative + variants:
-        naive_row = not kw["cache"]
+        naive_row = not kw.get("cache", True)
         if naive_row and "naive" in skip:
             continue
         sub = lines[:a.naive_lines] if (naive_row or slow_here(kw, machine["flags"])) and a.naive_lines else lines
@@ -305,14 +193,9 @@ def main(argv=None):
         hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
                               **{**best, "shortlist": True})
         record(f"best ({tag}) + lexical shortlist", hyps, secs, lines)
-    hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens, **{**best, "beam": 4})
-    record(f"best ({tag}), beam 4", hyps, secs, lines)
-    hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
-                          **{**best, "beam": 4, "fused_topk": True})
-    record(f"best ({tag}), beam 4, + fused add+top-k (C++)", hyps, secs, lines)
-    hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
-                          **{**best, "beam": 4, "fused_topk": True, "fused_log_softmax": True})
-    record(f"best ({tag}), beam 4, + fused log-softmax+top-k (C++)", hyps, secs, lines)
+    for name, kw in beam_rows(best):
+        hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens, **kw)
+        record(name, hyps, secs, lines)
     if has_shortlist:
         hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
                               **{**best, "beam": 4, "shortlist": True})
@@ -322,7 +205,6 @@ def main(argv=None):
         record("HF transformers M2M100, greedy, fp32", hyps, secs, lines)
     ct2_int8 = None
     if ctranslate2 is not None and "ct2" not in skip:
-        from .convert import to_ctranslate2
         with tempfile.TemporaryDirectory() as tmp:
             ct2_dir = to_ctranslate2(a.model, os.path.join(tmp, "ct2"))
             for ct, beam in (("float32", 1), ("int8", 1), ("int8", 4)):
@@ -364,38 +246,38 @@ def main(argv=None):
     print(md)
 
 
+class Phases:
+    """Seconds per decoding phase, through the Translator's `phase` hook."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+
 def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     """Where the time of the best configuration goes: phases, then ops."""
     import torch
-    from . import model as M
-    from .translator import Translator
     tr = Translator(model_dir, threads=threads, **{**best, "max_tokens": max_tokens, "pipeline": False})
     tr.translate(lines[:8])
-    phases = {"encode": 0.0, "decode steps": 0.0, "batch shrink": 0.0}
-
-    def timed(f, key):
-        def g(*args, **kw):
-            t = time.perf_counter()
-            r = f(*args, **kw)
-            phases[key] += time.perf_counter() - t
-            return r
-        return g
-    orig = (M.Model.encode, M.IncrementalState.step, M.IncrementalState.keep)
-    M.Model.encode = timed(orig[0], "encode")
-    M.IncrementalState.step = timed(orig[1], "decode steps")
-    M.IncrementalState.keep = timed(orig[2], "batch shrink")
-    try:
-        t = time.perf_counter()
-        tr.translate(lines)
-        total = time.perf_counter() - t
-    finally:
-        M.Model.encode, M.IncrementalState.step, M.IncrementalState.keep = orig
+    phases = Phases()
+    tr.phase = phases.phase
+    t = time.perf_counter()
+    tr.translate(lines)
+    total = time.perf_counter() - t
+    tr.phase = Translator.phase
     with torch.profiler.profile() as prof:
         tr.translate(lines)
     out = [f"best configuration ({best['precision']} greedy), {len(lines)} lines, {threads} threads: {total:.3f} s"]
-    for k, v in phases.items():
+    for k, v in phases.seconds.items():
         out.append(f"  {k:14s} {v:7.3f} s  {100 * v / total:5.1f}%")
-    out.append(f"  {'rest':14s} {total - sum(phases.values()):7.3f} s  (search bookkeeping, text, batching)")
+    out.append(f"  {'rest':14s} {total - sum(phases.seconds.values()):7.3f} s  (search bookkeeping, text, batching)")
     out.append("")
     out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     return "\n".join(out) + "\n"

@@ -1,4 +1,4 @@
-"""python -m decoder.bench_gpu --model DIR [--src F --ref F] [--lines N] [--passes K] [--out PREFIX]
+"""python -m tools.bench_gpu --model DIR [--src F --ref F] [--lines N] [--passes K] [--out PREFIX]
 
 The GPU rows of the ablation: fp32 and fp16 eager, fp16 with CUDA graphs, each
 fused CUDA kernel alone and all of them (eager, and captured in the graphs
@@ -20,7 +20,15 @@ import re
 import sys
 import time
 
-from .bench_fused import PLAIN
+import torch
+
+from decoder.optimisations import group, kernels_off
+from decoder.translator import Translator
+
+from .bench import DEFAULT_DATA, read, scores
+from .machine import cpu_info
+
+PLAIN = kernels_off()
 
 # By name, so the table lists the names for the reader to check: half-precision
 # cuBLAS/CUTLASS kernels (f16/bf16 in the name, Volta..Ampere mma shapes, Hopper
@@ -29,37 +37,32 @@ from .bench_fused import PLAIN
 TENSOR_CORE = re.compile(r"f16|s16816|h16816|1688|884|hmma|wgmma|tensorop|nvjet_[hb]|tf32", re.I)
 GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|matmul|mma|addmm|aten::mm$|aten::linear$", re.I)
 
-# fused_argmax is left out: fused_project_argmax replaces it wherever it applies
-FUSED = dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True, fused_project_argmax=True)
 
 
 def configurations(cuda: bool) -> list[tuple[str, dict]]:
+    """Generated from decoder/optimisations.py: every row starts from all fused
+    switches off (PLAIN), whatever the decoder's defaults, and adds its own."""
     half = "fp16" if cuda else "fp32"
-    # every row starts from all fused switches off (PLAIN), whatever the decoder's defaults
     eager = dict(PLAIN, precision=half, cuda_graphs=False)
     graphs = dict(PLAIN, precision=half, cuda_graphs=True)
-    return [("fp32, eager (first row)", dict(PLAIN, precision="fp32", cuda_graphs=False)),
-            (f"{half}, eager", eager),
-            (f"{half} + CUDA graphs", graphs),
-            (f"{half}, eager + fused bias+residual+LayerNorm", {**eager, "fused_norm": True}),
-            (f"{half}, eager + fused bias+relu", {**eager, "fused_relu": True}),
-            (f"{half}, eager + fused decode-step attention", {**eager, "fused_attention": True}),
-            (f"{half}, eager + fused q/k/v split into the cache", {**eager, "fused_cache": True}),
-            (f"{half}, eager + fused argmax", {**eager, "fused_argmax": True}),
-            (f"{half}, eager + fused projection+argmax", {**eager, "fused_project_argmax": True}),
-            (f"{half}, eager + all fused kernels", {**eager, **FUSED}),
-            (f"{half} + CUDA graphs + fused norm, relu, argmax", {**graphs, "fused_norm": True,
-                                                                  "fused_relu": True, "fused_argmax": True}),
-            (f"{half} + CUDA graphs, beam 4", {**graphs, "beam": 4}),
-            (f"{half}, eager, beam 4", {**eager, "beam": 4}),
-            (f"{half}, eager, beam 4 + fused add+top-k", {**eager, "beam": 4, "fused_topk": True}),
-            (f"{half}, eager, beam 4 + fused log-softmax+top-k", {**eager, "beam": 4, "fused_topk": True,
-                                                                  "fused_log_softmax": True})]
+    # fused_argmax is left out of "all": fused_project_argmax replaces it wherever it applies
+    every = {o.name: True for o in group("step") + group("greedy") if o.name != "fused_argmax"}
+    in_graph = {o.name: True for o in group("step") if o.name in ("fused_norm", "fused_relu")}  # the static step
+    rows = [("fp32, eager (first row)", dict(PLAIN, precision="fp32", cuda_graphs=False)),
+            (f"{half}, eager", eager), (f"{half} + CUDA graphs", graphs)]
+    rows += [(f"{half}, eager + {o.label}", {**eager, o.name: True}) for o in group("step") + group("greedy")]
+    rows += [(f"{half}, eager + all fused kernels", {**eager, **every}),
+             (f"{half} + CUDA graphs + {', '.join(in_graph)}", {**graphs, **in_graph}),
+             (f"{half} + CUDA graphs, beam 4", {**graphs, "beam": 4}), (f"{half}, eager, beam 4", {**eager, "beam": 4})]
+    cur = {**eager, "beam": 4}
+    for o in group("beam"):
+        cur = {**cur, o.name: True}
+        rows.append((f"{half}, eager, beam 4 + {o.label}", dict(cur)))
+    return rows
 
 
 def gemm_profile(tr, lines: list[str]) -> list[dict]:
     """GEMM kernels of translating `lines` once, by GPU time (CPU: the matmul ops)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     cuda = tr.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -77,8 +80,7 @@ def gemm_profile(tr, lines: list[str]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from .bench import DEFAULT_DATA, cpu_info, read, scores
-    p = argparse.ArgumentParser(prog="python -m decoder.bench_gpu", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1])
     p.add_argument("--model", required=True)
     p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"))
     p.add_argument("--ref", default=None, help="default: --src with .es for .en")
@@ -86,9 +88,6 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     a = p.parse_args(argv)
-    import torch
-
-    from .translator import Translator
     cuda = torch.cuda.is_available()
     if not cuda:
         print("warning: CUDA is not available; the same rows run on CPU (fp32, no graphs)", file=sys.stderr)

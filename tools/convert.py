@@ -16,8 +16,8 @@ import shutil
 import numpy as np
 import torch
 
-from . import modeldir
-from .model import sinusoidal_table
+from decoder import modeldir
+from decoder.model import sinusoidal_table
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""python -m decoder.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K]
+"""python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K]
 
 The fused kernels and the lexical shortlist against the plain fp32 decoder, each
 switch alone: all configurations of a group are built first, then timed in
@@ -12,25 +12,36 @@ import argparse
 import os
 import time
 
-# every fused switch off, whatever the decoder's defaults: each row adds its own
-PLAIN = dict(fused_norm=False, fused_relu=False, fused_attention=False, fused_cache=False, fused_argmax=False,
-             fused_project_argmax=False, fused_topk=False, fused_log_softmax=False)
-FOUR = dict(fused_norm=True, fused_relu=True, fused_attention=True, fused_cache=True)
-GREEDY = {"plain (best fp32 greedy)": {}, "+ fused bias+residual+LayerNorm": dict(fused_norm=True),
-          "+ fused bias+relu": dict(fused_relu=True), "+ fused decode-step attention": dict(fused_attention=True),
-          "+ fused q/k/v split into the cache": dict(fused_cache=True), "+ all four": FOUR,
-          "+ fused argmax": dict(fused_argmax=True), "+ fused projection+argmax": dict(fused_project_argmax=True),
-          "+ all four + projection+argmax": dict(FOUR, fused_project_argmax=True),
-          "+ norm, relu and projection+argmax": dict(fused_norm=True, fused_relu=True, fused_project_argmax=True),
-          "+ lexical shortlist (no fused kernels)": dict(shortlist=True)}
-BEAM = {"beam 4 (plain)": dict(beam=4), "beam 4 + fused add+top-k": dict(beam=4, fused_topk=True),
-        "beam 4 + fused log-softmax+top-k": dict(beam=4, fused_topk=True, fused_log_softmax=True),
-        "beam 4 + lexical shortlist": dict(beam=4, shortlist=True)}
+import torch
+
+from decoder.optimisations import group, kernels_off
+from decoder.translator import Translator
+
+from .bench import DEFAULT_DATA, read, scores
+from .machine import cpu_info
+
+PLAIN = kernels_off()  # every fused switch off, whatever the decoder's defaults: each row adds its own
+
+
+def rows() -> tuple[dict, dict]:
+    """(greedy rows, beam rows): name -> switches, generated from decoder/optimisations.py."""
+    step, greedy = group("step"), group("greedy")
+    all_step = {o.name: True for o in step}
+    g = {"plain (best fp32 greedy)": {}}
+    g.update({f"+ {o.label}": {o.name: True} for o in step + greedy})
+    g[f"+ all of {', '.join(o.name for o in step)}"] = all_step
+    g.update({f"+ all of those + {o.label}": {**all_step, o.name: True} for o in greedy})
+    g.update({f"+ {o.label} (no fused kernels)": {o.name: True} for o in group("shortlist")})
+    b, cur = {"beam 4 (plain)": dict(beam=4)}, dict(beam=4)
+    for o in group("beam"):
+        cur = {**cur, o.name: True}
+        b[f"beam 4 + {o.label}"] = dict(cur)
+    b.update({f"beam 4 + {o.label}": dict(beam=4, **{o.name: True}) for o in group("shortlist")})
+    return g, b
 
 
 def main(argv=None):
-    from .bench import DEFAULT_DATA, cpu_info, read, scores
-    p = argparse.ArgumentParser(prog="python -m decoder.bench_fused", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1])
     p.add_argument("--model", required=True)
     p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"))
     p.add_argument("--ref", default=None, help="default: --src with .es for .en")
@@ -38,9 +49,6 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=3)
     a = p.parse_args(argv)
-    import torch
-
-    from .translator import Translator
     torch.set_num_threads(a.threads)
     src = read(a.src)
     ref = read(a.ref or a.src[:-3] + ".es")
@@ -48,9 +56,9 @@ def main(argv=None):
         src, ref = src[:a.lines], ref[:a.lines]
     words = sum(len(s.split()) for s in src)
     shortlist = os.path.exists(os.path.join(a.model, "shortlist.safetensors"))
-    rows = []
-    for group in (GREEDY, BEAM):
-        trs = {k: Translator(a.model, precision="fp32", **{**PLAIN, **kw}) for k, kw in group.items()
+    table = []
+    for configs in rows():
+        trs = {k: Translator(a.model, precision="fp32", **{**PLAIN, **kw}) for k, kw in configs.items()
                if shortlist or not kw.get("shortlist")}
         for tr in trs.values():
             tr.translate(src[:8])  # warm-up
@@ -61,13 +69,13 @@ def main(argv=None):
                 outs[k] = tr.translate(src)
                 best[k] = min(best[k], time.perf_counter() - t)
         base = next(iter(trs))
-        rows += [(k, words / best[k], best[base] / best[k], scores(outs[k], ref)[0], outs[k] == outs[base])
+        table += [(k, words / best[k], best[base] / best[k], scores(outs[k], ref)[0], outs[k] == outs[base])
                  for k in trs]
     m = cpu_info()
     print(f"Machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; torch {torch.__version__}, "
           f"{a.threads} threads. {len(src)} lines ({words} words), fastest of {a.passes} interleaved passes.\n")
     print("| configuration | words/s | x plain | BLEU | same output as plain |\n|---|---:|---:|---:|---|")
-    for k, w, x, b, same in rows:
+    for k, w, x, b, same in table:
         print(f"| {k} | {w:,.0f} | {x:.3f} | {b:.2f} | {'yes' if same else 'no'} |")
 
 

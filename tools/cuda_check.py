@@ -1,4 +1,4 @@
-"""python -m decoder.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR]
+"""python -m tools.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR]
 
 Compiles the CUDA kernels (decoder/csrc/fused_cuda.cu) with nvcc against a CUDA
 build of torch and checks that every fused op then has a CUDA kernel
@@ -104,7 +104,7 @@ def check(arch: str, build_dir: str | None, verbose: bool) -> int:
         return 2
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch)
-    from . import ops
+    from decoder import ops
     if not ops.available():
         print("error: the CPU library (op schemas) did not build", file=sys.stderr)
         return 1
@@ -136,7 +136,7 @@ def check(arch: str, build_dir: str | None, verbose: bool) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decoder.cuda_check", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.cuda_check", description=__doc__.split("\n\n")[1])
     p.add_argument("--venv", help="when this torch has no CUDA: make/use this venv with the CUDA build and nvcc")
     p.add_argument("--arch", default="8.0;9.0",
                    help="targets without a GPU (TORCH_CUDA_ARCH_LIST wins when set; default: %(default)s)")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         rest = ["--arch", a.arch] + (["--build-dir", a.build_dir] if a.build_dir else []) + \
             (["--verbose"] if a.verbose else [])
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run([py, "-m", "decoder.cuda_check"] + rest, cwd=root).returncode
+        return subprocess.run([py, "-m", "tools.cuda_check"] + rest, cwd=root).returncode
     return check(a.arch, a.build_dir, a.verbose)
 
 

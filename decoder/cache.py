@@ -1,0 +1,216 @@
+"""Decoding states: one `DecoderState`, three caches.
+
+A state is what the searches (decoder/search.py) drive: `step(tokens, t)`,
+`reorder(rows)`, `keep(sentences, rows)` and `can_shrink`. Every state runs the
+same decoder layers (decoder/model.py `stack`); they differ only in the cache
+the layers attend through:
+
+- `IncrementalCache`: self-attention K/V in one preallocated buffer
+  (layers, 2, rows, heads, max_len, head_dim) written at position t (gpt-fast);
+  cross-attention K/V computed once per sentence and shared by its beams: the
+  beams of a sentence are the query positions of one attention call (FastSeq),
+  so nothing is copied per beam. Beam reorder is an in-place gather.
+- `StaticCache`: the same with shapes that never change from step to step: the
+  position arrives in a device tensor, K/V are written with index_copy_, every
+  step attends over the whole buffer with a mask for the positions not written
+  yet, and rows are fixed (finished sentences stay, fed <pad>). One captured
+  CUDA graph then replays every step of a batch; on CPU it runs eagerly, which
+  is how the tests check it against the incremental cache.
+- `RecomputeCache`: the naive reference: the whole prefix again every step,
+  encoder output copied per beam, cross K/V recomputed every time.
+
+With a lexical shortlist the state's output projection `out` covers only the
+batch's candidate ids (Model.output_rows), and the searches map their picks back.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .model import Model, heads, merge
+
+
+_UNTIMED = contextlib.nullcontext()
+
+
+class IncrementalCache:
+    can_shrink = True
+
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+        self.m, self.plan, self.beam, self.mask = model, model.plan, beam, mask
+        B, S, _ = enc.shape
+        h, hd = model.n_heads, model.d // model.n_heads
+        # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd)
+        self.cross = [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
+        self.kv = torch.empty(len(model.dec_layers), 2, B * beam, h, max_len, hd,
+                              dtype=model.dtype, device=enc.device)  # (L, 2, rows, h, T, hd)
+        self.t = 0
+
+    def run(self, tokens, t: int):
+        """tokens (rows,) at position t -> decoder output (rows, d)."""
+        self.t = t + 1
+        return self.m.decode(self.m.embed(tokens[:, None], start=t), self)[:, 0]
+
+    def self_attend(self, i: int, attn, y):
+        kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
+        q = self.plan.write_kv(attn, y, kc, vc, self.t - 1)
+        return merge(self.plan.attend(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t]))
+
+    def cross_attend(self, i: int, attn, y):
+        # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)
+        N = y.shape[0]
+        q = attn.q(y).view(N // self.beam, self.beam, -1)
+        ck, cv = self.cross[i]
+        return merge(self.plan.attend(heads(q, self.m.n_heads), ck, cv, self.mask)).view(N, 1, -1)
+
+    def reorder(self, rows):
+        """Row r takes the history of row rows[r] (beam reorder), in place."""
+        live = self.kv[:, :, :, :, :self.t]
+        live.copy_(live.index_select(2, rows))
+
+    def keep(self, sents, rows):
+        """Shrink to the sentences `sents` whose rows (already reordered) are `rows`."""
+        # copy only the positions written so far: the rest of the buffer is garbage
+        L, two, _, h, T, hd = self.kv.shape
+        kv = self.kv.new_empty(L, two, rows.numel(), h, T, hd)
+        torch.index_select(self.kv[:, :, :, :, :self.t], 2, rows, out=kv[:, :, :, :, :self.t])
+        self.kv = kv
+        self.cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
+        self.mask = self.mask.index_select(0, sents)
+
+
+class StaticCache(IncrementalCache):
+    can_shrink = False  # the graph's shapes are fixed: finished rows stay
+
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, graphs: bool = True):
+        super().__init__(model, enc, mask, beam, max_len)
+        self.kv.zero_()  # masked positions still pass through softmax(.) @ V: keep them finite
+        N, dev = self.kv.shape[2], enc.device
+        self.tokens = torch.zeros(N, dtype=torch.long, device=dev)  # (rows,) static input
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)      # (1,) static input
+        self.positions = torch.arange(max_len, device=dev)           # (T,)
+        self.use_graph = graphs and dev.type == "cuda"
+        self.graph = self.y = self.bias = None
+
+    def _run(self):
+        m = self.m
+        p = self.pos + (m.cfg.pad_id + 1)
+        x = (m.emb[self.tokens] * m.embed_scale + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
+        # (1, 1, 1, T): 0 up to the current position, -inf after it
+        self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            self.positions > self.pos, float("-inf"))[None, None, None]
+        return m.decode(x, self)[:, 0]
+
+    def run(self, tokens, t: int):
+        self.tokens.copy_(tokens)
+        self.pos.fill_(t)
+        self.t = t + 1
+        if not self.use_graph:
+            return self._run()
+        if self.graph is None:
+            # warm up on a side stream (allocator, cuBLAS handles), then capture;
+            # the warm-up writes the same K/V the real step writes, so it is harmless
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self._run()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.y = self._run()
+        self.graph.replay()
+        return self.y.clone()  # the graph overwrites its output buffer next step
+
+    def self_attend(self, i: int, attn, y):
+        q, k, v = attn.project_qkv(y)
+        kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
+        N, h = kc.shape[:2]
+        kc.index_copy_(2, self.pos, k.view(N, h, 1, -1))
+        vc.index_copy_(2, self.pos, v.view(N, h, 1, -1))
+        return merge(F.scaled_dot_product_attention(heads(q, h), kc, vc, attn_mask=self.bias))
+
+    def cross_attend(self, i: int, attn, y):
+        N = y.shape[0]
+        q = attn.q(y).view(N // self.beam, self.beam, -1)
+        ck, cv = self.cross[i]
+        o = F.scaled_dot_product_attention(heads(q, self.m.n_heads), ck, cv, attn_mask=self.mask)
+        return merge(o).view(N, 1, -1)
+
+    def keep(self, sents, rows):
+        raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
+
+
+class RecomputeCache:
+    """No cache: the whole prefix again every step, encoder output per beam row."""
+    can_shrink = True
+
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+        self.m = model
+        self.enc = enc.repeat_interleave(beam, 0)  # (B*beam, S, d)
+        self.mask = mask.repeat_interleave(beam, 0)  # (B*beam, 1, 1, S)
+        self.prefix = None  # (rows, t) tokens fed so far
+        self.causal = None
+
+    def run(self, tokens, t: int):
+        ys = tokens[:, None] if self.prefix is None else torch.cat([self.prefix, tokens[:, None]], 1)
+        self.prefix = ys  # (N, t+1)
+        T = ys.shape[1]
+        self.causal = torch.ones(T, T, dtype=torch.bool, device=ys.device).tril()
+        return self.m.decode(self.m.embed(ys), self)[:, -1]
+
+    def self_attend(self, i: int, attn, y):
+        h = self.m.n_heads
+        q, k, v = (heads(t, h) for t in attn.project_qkv(y))
+        return merge(F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal))
+
+    def cross_attend(self, i: int, attn, y):
+        h = self.m.n_heads
+        k, v = attn.project_kv(self.enc)
+        o = F.scaled_dot_product_attention(heads(attn.q(y), h), heads(k, h), heads(v, h), attn_mask=self.mask)
+        return merge(o)
+
+    def reorder(self, rows):
+        self.prefix = self.prefix.index_select(0, rows)
+
+    def keep(self, sents, rows):
+        self.prefix = self.prefix.index_select(0, rows)
+        self.enc = self.enc.index_select(0, rows)
+        self.mask = self.mask.index_select(0, rows)
+
+
+class DecoderState:
+    """What the searches drive: one decode step over `cache`, then the output layer.
+    `phase(name)` is the context each step and shrink runs in (Translator.phase)."""
+
+    def __init__(self, model: Model, cache, out=None, phase=lambda name: _UNTIMED):
+        self.m, self.cache, self.out, self.phase = model, cache, out, phase
+
+    @property
+    def can_shrink(self) -> bool:
+        return self.cache.can_shrink
+
+    def step(self, tokens, t: int, best: bool = False):
+        """tokens (rows,) at position t -> logits (rows, V), or (rows, C) through a
+        shortlist's `out`; with `best` each row's argmax column (rows,) instead,
+        the logits never written (Model.project_argmax)."""
+        with self.phase("decode steps"):
+            y = self.cache.run(tokens, t)  # (rows, d)
+            return self.m.project_argmax(y, self.out) if best else self.m.project(y, self.out)
+
+    def reorder(self, rows):
+        self.cache.reorder(rows)
+
+    def keep(self, sents, rows):
+        with self.phase("batch shrink"):
+            self.cache.keep(sents, rows)
+
+
+CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static": StaticCache}
+
+
+def new_state(model: Model, kind: str, enc, mask, beam: int, max_len: int, out=None,
+              phase=lambda name: _UNTIMED, **kw) -> DecoderState:
+    return DecoderState(model, CACHES[kind](model, enc, mask, beam, max_len, **kw), out, phase)

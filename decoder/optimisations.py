@@ -1,0 +1,237 @@
+"""Every decoder optimisation, once: name, default, what it does, what it replaces.
+
+`resolve` turns the switches into a `Plan` once, at load time: each slot of the
+plan holds the function (or layout choice) that the decode step calls, so the
+step never tests a switch by name (sockeye picks its top-k implementation in
+`__init__`; gpt-fast swaps `decode_one_token` once in `main`). The reference a
+switch replaces is the slot's value when the switch is off. The benchmarks
+(tools/), the CLI's --help and decoder/README.md's table are generated from
+`OPTIMISATIONS`, so adding an optimisation is one entry here plus its kernel
+(decoder/fused.py, decoder/csrc) and its test.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import fused
+
+
+# -- the plain pieces and their optimised replacements ------------------------------------------
+
+def add_norm_plain(x, lin, inp, norm):
+    """The pre-norm residual step: x + lin(inp), and the next LayerNorm of it."""
+    x = x + lin(inp)
+    return x, norm(x)
+
+
+def add_norm_fused(x, lin, inp, norm):
+    return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
+
+
+def hidden_plain(ffn, y):
+    """act(fc1(y)): the input of fc2; int8 adds bias + relu in its own epilogue."""
+    return ffn.fc1(y, relu=True) if ffn.relu else F.gelu(ffn.fc1(y))
+
+
+def hidden_fused(ffn, y):
+    if ffn.relu and ffn.fc1.dense:
+        return fused.add_bias_relu(ffn.fc1.mm(y), ffn.fc1.b)
+    return hidden_plain(ffn, y)
+
+
+def attend_sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def write_kv_plain(attn, y, kc, vc, t: int):
+    """q of y (N, 1, d); k, v written into the cache kc, vc (N, h, T, hd) at position t."""
+    q, k, v = attn.project_qkv(y)
+    N, h = kc.shape[:2]
+    kc[:, :, t] = k.view(N, h, -1)
+    vc[:, :, t] = v.view(N, h, -1)
+    return q
+
+
+def write_kv_fused(attn, y, kc, vc, t: int):
+    if attn.qkv is None:  # the C++ split needs the one q|k|v product
+        return write_kv_plain(attn, y, kc, vc, t)
+    return fused.qkv_to_cache_(kc, vc, attn.qkv(y), t)
+
+
+def normalise_greedy(logits):
+    return torch.log_softmax(logits.float(), -1)  # same argmax: the naive baseline pays for it
+
+
+def identity(x):
+    return x
+
+
+def argmax_torch(logits):
+    return logits.argmax(-1)
+
+
+def topk_split(logits, scores, K: int, n: int):
+    """ATen's log-softmax, then one C++ pass for + score and the top n: the plain picks bit for bit."""
+    lp = torch.log_softmax(logits.float(), -1)  # (rows, V)
+    return fused.log_softmax_topk(lp, scores, K, n, normalized=True)
+
+
+def topk_one_pass(logits, scores, K: int, n: int):
+    return fused.log_softmax_topk(logits, scores, K, n)
+
+
+# -- the registry --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Optimisation:
+    name: str
+    default: bool
+    label: str                # what it does, short: the benchmark row, --help
+    slot: str                 # the piece of the Plan it sets
+    on: Any                   # the slot's value when switched on
+    off: Any                  # ... when off: the reference it replaces (first entry of a slot only)
+    replaces: str             # that reference, in words
+    bench: str                # where the benchmarks measure it: "ladder" (one cumulative row each, naive
+    #                           first), "step" / "greedy" / "beam" (alone against the plain row), "int8",
+    #                           "ngram", "cuda", "shortlist" (rows only where that applies)
+    row: dict = field(default_factory=dict)  # other settings its ladder row changes with it
+    needs: Callable[[Any], bool] = lambda opts: True  # other settings it only works with
+    detail: str = ""          # more for decoder/README.md
+
+
+OPTIMISATIONS: tuple[Optimisation, ...] = (
+    Optimisation("cache", True, "K/V cache, cross K/V once per sentence", "state", "incremental", "recompute",
+                 "the whole prefix re-run every step, encoder output copied per beam", "ladder",
+                 detail="self-attention K/V in one preallocated buffer written at position t (gpt-fast); the "
+                 "beams of a sentence are the query positions of one cross-attention call (FastSeq)"),
+    Optimisation("sort", True, "length-sorted batches", "sort", True, False, "batches in input order", "ladder"),
+    Optimisation("softmax_free", True, "greedy without softmax", "normalise", identity, normalise_greedy,
+                 "log-softmax before the argmax", "ladder", row={"beam": 1}),
+    Optimisation("early_stop", True, "early stop (finished sentences leave)", "early_stop", True, False,
+                 "every row decoded to the longest limit", "ladder",
+                 detail="finished rows leave in groups of `shrink_ratio` (0.25) of the rows: each shrink "
+                 "copies the live cache, so shrinking per sentence costs more"),
+    Optimisation("fused_qkv", True, "fused QKV", "fused_qkv", True, False,
+                 "three products for q, k, v (cross: two for k, v)", "ladder",
+                 detail="one product for q|k|v (cross-attention: k|v), concatenated at load time"),
+    Optimisation("pipeline", True, "async text pipeline", "pipeline", True, False,
+                 "read, encode, translate, decode one after another", "ladder",
+                 detail="normalisation + SentencePiece of the next chunk and detokenisation in threads"),
+    Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
+                 "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
+                 detail="process-wide and irreversible (decoder/runtime.py)"),
+    Optimisation("fused_ops", True, "int8 linear as one C++ call", "int8_fused", True, False,
+                 "`Int8Linear.reference`: the same math as ~8 tensor ops", "int8",
+                 detail="quantise rows, `_int_mm`, rescale, bias and relu in decoder/csrc/int8_linear.cpp"),
+    Optimisation("fused_norm", False, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
+                 add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
+    Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
+                 "`hidden_plain`: addmm with bias, relu", "step",
+                 detail="fp32/bf16 fc1 as a bias-free product, then one C++ pass (int8 has it in its epilogue)"),
+    Optimisation("fused_attention", False, "fused decode-step attention (C++)", "attend", fused.decode_attention,
+                 attend_sdpa, "`scaled_dot_product_attention`", "step",
+                 detail="the cached step's attention for its few queries, reading the cache slice in place"),
+    Optimisation("fused_cache", False, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
+                 write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
+                 detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
+    Optimisation("fused_argmax", False, "fused argmax (C++)", "argmax", fused.argmax_rows, argmax_torch,
+                 "`Tensor.argmax`", "greedy",
+                 detail="where fused_project_argmax does not apply; torch.argmax's rule for ties and NaN"),
+    Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
+                 False, "`F.linear`, then the argmax", "greedy",
+                 needs=lambda o: o.softmax_free and not o.no_repeat_ngram,
+                 detail="greedy, fp32/bf16 output layer, no n-gram blocking: the projection 1024 vocabulary "
+                 "rows at a time with a running best per row; the logits are never written (below 8 rows: one "
+                 "product and the C++ argmax)"),
+    Optimisation("fused_topk", True, "fused add+top-k (C++)", "topk", topk_split, None,
+                 "log-softmax, add, `Tensor.topk`", "beam",
+                 detail="after ATen's log-softmax one C++ pass adds the beam scores and finds the top 2k without "
+                 "writing the sums: the plain path's picks bit for bit (steps forcing </s> take the plain path)"),
+    Optimisation("fused_log_softmax", False, "fused log-softmax+top-k (C++)", "topk", topk_one_pass, None,
+                 "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
+                 detail="the log-probabilities are never written, but they round differently from ATen's: "
+                 "near ties may flip (one line in 300 on an AVX-512 EPYC)"),
+    Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", fused.ngram_block_,
+                 fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
+                 detail="with --no-repeat-ngram N"),
+    Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
+                 detail="CUDA: fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
+    Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
+                 "shortlist", detail="the output layer over the batch's candidates from the model dir's "
+                 "shortlist.safetensors (python -m student.shortlist)"),
+)
+BY_NAME = {o.name: o for o in OPTIMISATIONS}
+
+def group(bench: str) -> list[Optimisation]:
+    return [o for o in OPTIMISATIONS if o.bench == bench]
+
+Switches = dataclasses.make_dataclass(
+    "Switches", [(o.name, bool, field(default=o.default)) for o in OPTIMISATIONS], frozen=True)
+Switches.__doc__ = "One bool per entry of OPTIMISATIONS (decoder/optimisations.py)."
+
+
+def all_off() -> dict:
+    """Every switch off: the naive configuration the benchmarks start from."""
+    return {o.name: False for o in OPTIMISATIONS}
+
+
+def kernels_off() -> dict:
+    """Every fused C++ kernel of the search and the step off, whatever the defaults:
+    the benchmarks' plain rows."""
+    return {o.name: False for b in ("step", "greedy", "beam") for o in group(b)}
+
+
+def describe(kw: dict) -> str:
+    """Short name of a configuration: its precision and the kernels switched on."""
+    parts = [kw.get("precision", "fp32")]
+    parts += [o.label.replace(" (C++)", "") for b in ("step", "greedy") for o in group(b) if kw.get(o.name)]
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the decoder runs, resolved once from the switches."""
+    state: str                  # "incremental" | "recompute" (the static state is chosen per device)
+    sort: bool
+    normalise: Callable         # greedy: logits -> what the argmax runs on
+    early_stop: bool
+    fused_qkv: bool
+    pipeline: bool
+    retain_memory: bool
+    int8_fused: bool
+    add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
+    hidden: Callable            # (ffn, y) -> act(fc1(y))
+    attend: Callable            # decode-step attention (q, k, v, mask=None)
+    write_kv: Callable          # (attn, y, kc, vc, t) -> q; k, v written at t
+    argmax: Callable            # greedy: (rows, C) -> (rows,)
+    argmax_in_step: bool        # greedy: the state returns argmax columns itself
+    topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
+    block: Callable             # n-gram blocking, in place
+    cuda_graphs: bool
+    shortlist: bool
+
+
+def resolve(switches, **settings) -> Plan:
+    """The Plan for `switches` (a Switches); `settings` (e.g. no_repeat_ngram)
+    decide, with the other switches, each entry's `needs`."""
+    view = SimpleNamespace(**dataclasses.asdict(switches), **settings)
+    slots: dict = {}
+    for o in OPTIMISATIONS:
+        slots.setdefault(o.slot, o.off)
+        if getattr(switches, o.name) and o.needs(view):
+            slots[o.slot] = o.on
+    return Plan(**slots)
+
+
+def table_markdown() -> str:
+    """decoder/README.md's switch table."""
+    rows = ["| switch | default | what it does | replaces |", "|---|---|---|---|"]
+    rows += [f"| `{o.name}` | {'on' if o.default else 'off'} | {o.label}{': ' + o.detail if o.detail else ''} "
+             f"| {o.replaces} |" for o in OPTIMISATIONS]
+    return "\n".join(rows)
