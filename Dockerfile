@@ -18,9 +18,11 @@ RUN python3 -m venv /opt/venv \
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --system --no-create-home --shell /usr/sbin/nologin wmt
+# the runtime and the payload only: .dockerignore lists them (submission/image.py keys the image on it)
 COPY decoder /app/decoder
-COPY submission /app/submission
-COPY submission/run.sh /run.sh
+COPY submission/__init__.py /app/submission/__init__.py
+COPY submission/container /app/submission/container
+COPY submission/container/run.sh /run.sh
 # decoder/csrc compiled by `make image` on the host (no compiler in here); may be empty
 COPY build/image/ops /app/ops
 # bytecode now, since `wmt` cannot write it later; and a checkout under a

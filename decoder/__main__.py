@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .optimisations import OPTIMISATIONS
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0])
@@ -29,9 +31,11 @@ def parse_args(argv=None):
     p.add_argument("--max-len-b", type=int, default=10)
     p.add_argument("--no-repeat-ngram", type=int, default=0,
                    help="no n-gram of this size twice in one output (0 = off)")
-    p.add_argument("--shortlist", action="store_true",
-                   help="restrict the output layer to the model dir's lexical shortlist "
-                        "(shortlist.safetensors, built by python -m student.shortlist)")
+    g = p.add_argument_group("optimisations", "each on or off (decoder/optimisations.py; the defaults are the "
+                             "measured best, docs/bench)")
+    for o in OPTIMISATIONS:
+        g.add_argument("--" + o.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=o.default,
+                       help=f"{o.label}; off: {o.replaces} (default: {'on' if o.default else 'off'})")
     return p.parse_args(argv)
 
 
@@ -48,8 +52,8 @@ def main(argv=None) -> int:
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
                         beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
                         chunk_lines=a.chunk_lines, workers=a.workers, length_penalty=a.length_penalty,
-                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, shortlist=a.shortlist,
-                        no_repeat_ngram=a.no_repeat_ngram)
+                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, no_repeat_ngram=a.no_repeat_ngram,
+                        **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -161,7 +161,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
     Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
-                 detail="CUDA: fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
+                 detail="fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
     Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist", detail="the output layer over the batch's candidates from the model dir's "
                  "shortlist.safetensors (python -m student.shortlist)"),

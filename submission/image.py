@@ -32,7 +32,6 @@ PUBLIC_BASE, LOCAL_BASE = "python:3.11-slim-bookworm", "localbase:bookworm"
 RUNTIME = ["torch", "sentencepiece", "sacremoses", "safetensors", "numpy"]
 IMAGE_PY = "3.11"  # both bases ship CPython 3.11
 MODEL_FILES = ("config.json", "model.safetensors", "spm.model")
-NOT_IN_IMAGE = {"submission/evaluate"}  # also in .dockerignore
 
 
 def log(msg: str) -> None:
@@ -191,15 +190,22 @@ def stage_model(model_dir: str) -> None:
         os.chmod(os.path.join(MODEL, f), 0o644)  # the image runs as a non-root user
 
 
+def image_paths() -> list[str]:
+    """The paths the image is built from: the `!` lines of .dockerignore, the one list."""
+    with open(os.path.join(ROOT, ".dockerignore")) as fh:
+        return [ln.strip()[1:] for ln in fh if ln.strip().startswith("!")]
+
+
 def sources() -> list[str]:
-    """Every build-context file the image depends on (mirrors .dockerignore)."""
-    files = ["Dockerfile"]
-    for top in ("decoder", "submission", "build/image"):
-        for d, dirs, names in os.walk(os.path.join(ROOT, top)):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__"
-                             and os.path.relpath(os.path.join(d, x), ROOT) not in NOT_IN_IMAGE)
-            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in sorted(names)
-                      if not n.endswith(".pyc")]
+    """Every build-context file the image depends on."""
+    files = []
+    for top in image_paths():
+        path = os.path.join(ROOT, top)
+        if os.path.isfile(path):
+            files.append(top)
+        for d, dirs, names in os.walk(path):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in sorted(names) if not n.endswith(".pyc")]
     return files
 
 

@@ -86,6 +86,14 @@ def test_image_is_small_non_root_and_without_compilers(image):
     assert rest == ["config.json", "model.safetensors", "spm.model"]  # no compiler paths
 
 
+def test_image_holds_the_runtime_and_the_payload_only(image):
+    from submission.image import sources
+    r = run(image, ["sh", "-c", "cd /app && find . -name '*.py' | sort"])
+    in_image = {p[2:] for p in r.stdout.decode().split()}
+    assert in_image == {f for f in sources() if f.endswith(".py")}
+    assert not any(f.startswith(("tools/", "submission/evaluate/", "tests/")) for f in in_image)
+
+
 # the decoder settings of each /run.sh mode (serve.py): CPU-ALL throughput runs
 # one pinned 1-thread worker process per core, CPU-ALL latency one thread per core
 ONE = ["--threads", "1"]

@@ -2,7 +2,7 @@
 # WMT efficiency task interface: /run.sh HARDWARE TASK < input > output
 #   HARDWARE  GPU | CPU-1 | CPU-ALL   (none: GPU when CUDA is visible, else CPU-ALL)
 #   TASK      latency | throughput    (none: throughput)
-# All logic lives in submission/serve.py; this file only fixes the environment
+# All logic lives in submission/container/serve.py; this file only fixes the environment
 # that must be set before Python starts.
 set -eu
 hardware=${1:-auto}
@@ -18,4 +18,4 @@ case "$task" in
   latency|throughput) ;;
   *) echo "usage: /run.sh GPU|CPU-1|CPU-ALL latency|throughput (got task '$task')" >&2; exit 2 ;;
 esac
-exec python3 -m submission.serve --hardware "$hardware" --task "$task" --model "${MODEL_DIR:-/model}"
+exec python3 -m submission.container.serve --hardware "$hardware" --task "$task" --model "${MODEL_DIR:-/model}"

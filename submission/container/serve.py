@@ -1,6 +1,6 @@
 """What /run.sh runs: the WMT modes on top of decoder.Translator.
 
-    python -m submission.serve --hardware GPU|CPU-1|CPU-ALL|auto --task latency|throughput
+    python -m submission.container.serve --hardware GPU|CPU-1|CPU-ALL|auto --task latency|throughput
 
 Input is read exactly as `python -m decoder` reads it (its read_lines: split
 on b"\n" only, CRLF accepted, invalid UTF-8 replaced), so the container's

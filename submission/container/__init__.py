@@ -1,0 +1,1 @@
+"""The container payload: what /run.sh runs inside the submission image."""

@@ -1,0 +1,74 @@
+"""The registry of optimisations (decoder/optimisations.py): one entry per switch,
+resolved once into the Plan the decode step calls; everything that lists the
+switches (CLI, README, benchmarks) is generated from it."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from decoder import optimisations as opt
+from decoder.translator import Options
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_plan_slot_is_filled_by_a_registry_entry():
+    slots = {o.slot for o in opt.OPTIMISATIONS}
+    assert slots == {f.name for f in dataclasses.fields(opt.Plan)}
+
+
+NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True}}
+
+
+def test_each_switch_alone_changes_only_its_own_slot():
+    for o in opt.OPTIMISATIONS:
+        off = {**opt.all_off(), **NEEDS.get(o.name, {})}
+        base = opt.resolve(opt.Switches(**off), no_repeat_ngram=0)
+        plan = opt.resolve(opt.Switches(**{**off, o.name: True}), no_repeat_ngram=0)
+        changed = {f.name for f in dataclasses.fields(plan) if getattr(plan, f.name) != getattr(base, f.name)}
+        assert changed == {o.slot}, o.name
+        assert getattr(plan, o.slot) is o.on
+
+
+def test_a_switch_whose_needs_fail_keeps_the_reference():
+    on = opt.Switches(fused_project_argmax=True)
+    assert opt.resolve(on, no_repeat_ngram=0).argmax_in_step
+    assert not opt.resolve(on, no_repeat_ngram=2).argmax_in_step  # n-gram blocking needs the logits
+    assert opt.resolve(opt.Switches(fused_topk=False, fused_log_softmax=True), no_repeat_ngram=0).topk is None
+
+
+def test_switches_default_to_the_registry_and_refuse_unknown_names():
+    assert dataclasses.asdict(Options().switches) == {o.name: o.default for o in opt.OPTIMISATIONS}
+    o = Options.make(beam=4, fused_norm=True)
+    assert o.beam == 4 and o.switches.fused_norm and Options.make(**o.flat()) == o
+    with pytest.raises(TypeError):
+        Options.make(fused_everything=True)
+
+
+def test_decoder_readme_switch_table_is_the_registrys():
+    readme = open(os.path.join(ROOT, "decoder", "README.md")).read()
+    table = readme.split("<!-- switches:begin -->\n")[1].split("\n<!-- switches:end -->")[0]
+    assert table == opt.table_markdown()
+
+
+def test_cli_has_one_flag_per_switch_and_passes_it_on():
+    r = subprocess.run([sys.executable, "-m", "decoder", "--help"], capture_output=True, text=True, cwd=ROOT)
+    for o in opt.OPTIMISATIONS:
+        flag = "--" + o.name.replace("_", "-")
+        assert f"{flag}, --no-{flag[2:]}" in r.stdout, flag
+    from decoder.__main__ import parse_args
+    a = parse_args(["--model", "m", "--no-cache", "--fused-norm"])
+    assert a.cache is False and a.fused_norm is True and a.sort is True
+
+
+def test_benchmark_rows_cover_every_measurable_switch():
+    from tools.bench import ablation, beam_rows
+    from tools.bench_fused import rows
+    cumulative, variants = ablation()
+    named = {k for _, kw in cumulative + variants + beam_rows({"precision": "fp32"}) for k, v in kw.items() if v is True}
+    greedy, beam = rows()
+    named |= {k for kw in list(greedy.values()) + list(beam.values()) for k, v in kw.items() if v is True}
+    measurable = {o.name for o in opt.OPTIMISATIONS if o.bench not in ("ngram", "cuda")}
+    assert measurable <= named
