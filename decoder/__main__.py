@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .modeldir import ModelDirError
 from .optimisations import OPTIMISATIONS
+from .translator import Translator
 
 
 def parse_args(argv=None):
@@ -46,9 +48,7 @@ def read_lines(stream):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from .modeldir import ModelDirError
     try:
-        from .translator import Translator
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
                         beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
                         chunk_lines=a.chunk_lines, workers=a.workers, length_penalty=a.length_penalty,

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from conftest import ROOT

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from . import container, local, report
+from .hardware import describe
 from .scoring import percentiles, score, source_words, spread, target_pieces
 from .systems import EvalError, System
 from .testsets import TestSet
@@ -77,7 +78,6 @@ def evaluate(systems: list[System], ts: TestSet, out_dir: str, *, repeats: int =
              latency_lines: int = 200, max_tokens: int = 4096, mem_limit: str = "2g",
              timeout: float | None = None, log=None) -> list[dict]:
     """Measure every system on ts; write the outputs; return the summary records."""
-    from .hardware import describe
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if repeats < 1:
         raise EvalError("repeats must be at least 1")

@@ -15,6 +15,9 @@ import statistics
 import tarfile
 import time
 
+from submission.image import client as image_client
+from submission.dockerrun import Session, run
+
 from .systems import EvalError, System
 
 MARK = "evaluate: memory peak "
@@ -39,10 +42,9 @@ def split_stderr(stderr: bytes) -> tuple[int | None, str]:
 
 
 def client():
-    from submission import image
     try:
-        return image.client()
-    except SystemExit as e:  # image.client() is the CLI's: it exits with one error line
+        return image_client()
+    except SystemExit as e:  # image_client() is the CLI's: it exits with one error line
         raise EvalError(str(e).removeprefix("error: ")) from None
 
 
@@ -76,7 +78,6 @@ def _limits(system: System, mem_limit: str) -> dict:
 
 
 def _run(system: System, stdin: bytes, mem_limit: str) -> tuple[float, list[str], int | None]:
-    from submission.dockerrun import run
     t = time.perf_counter()
     r = run(system.image, command(system.hardware, "throughput"), stdin, **_limits(system, mem_limit))
     wall = time.perf_counter() - t
@@ -122,7 +123,6 @@ def measure(system: System, lines: list[str], repeats: int, warmup_lines: int, m
 
 
 def _measure_latency(system: System, lines, repeats, warmup_lines, mem_limit) -> dict:
-    from submission.dockerrun import Session
     t0 = time.perf_counter()
     s = Session(system.image, command(system.hardware, "latency"), **_limits(system, mem_limit))
     try:

@@ -6,6 +6,10 @@ import os
 import platform
 from importlib import metadata
 
+import torch
+
+from tools.machine import cpu_info, ct2_isa
+
 
 def _mem_total_gb() -> float | None:
     try:
@@ -25,9 +29,6 @@ def _version(pkg: str) -> str | None:
 
 
 def describe(docker_client=None) -> dict:
-    import torch
-
-    from tools.machine import cpu_info, ct2_isa
     hw = cpu_info()
     hw.update(ct2_isa=ct2_isa(hw["flags"]), memory_gb=_mem_total_gb(), kernel=platform.release(),
               python=platform.python_version(), torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),

@@ -6,6 +6,8 @@ import glob
 import os
 from dataclasses import asdict, dataclass, field
 
+from decoder.translator import resolve_device_precision
+
 ENGINES = ("decoder", "ct2", "hf")
 CT2_COMPUTE = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}
 HARDWARE = ("CPU-1", "CPU-ALL", "GPU")
@@ -74,7 +76,6 @@ def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str
          threads: list[int], modes: list[str], device: str = "cpu") -> list[System]:
     """Every combination. HF runs fp32 only (it has no int8 path on our weights), once per
     beam/threads; precisions a device cannot run are left out rather than failing the run."""
-    from decoder.translator import resolve_device_precision
     out = []
     for engine in engines:
         if engine not in ENGINES:
