@@ -10,6 +10,7 @@ import torch
 
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, lean_translator
+from student.train.evaluate import score
 
 
 def machine() -> str:
@@ -28,8 +29,6 @@ def machine() -> str:
 
 def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dict:
     """Translate the test split with each system; writes report.md/report.json into out_dir."""
-    from student.train.evaluate import score
-
     src, ref = prep.read("test")
     if cfg.test_limit:
         src, ref = src[:cfg.test_limit], ref[:cfg.test_limit]
@@ -39,8 +38,7 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
         if isinstance(system, str):  # a student model dir: decoded the way a submission would
             system = ModelTeacher([system], beam=cfg.student_beam, engine=cfg.engine,
                                   precision=cfg.precision)
-        if hasattr(system, "_load"):
-            system._load()  # loading is not translation speed
+        system.load()  # loading is not translation speed
         log(f"[report] translating {len(src)} test sentences with the {name}: {system.name}")
         t0 = time.perf_counter()
         hyps = system.translate(src, where=f"the test split ({name})")
@@ -48,9 +46,7 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
         with open(os.path.join(out_dir, f"test.{name}.hyp"), "w", encoding="utf-8") as fh:
             fh.writelines(h + "\n" for h in hyps)
         m = score(hyps, ref)
-        impl = getattr(system, "_impl", None)
-        engine = system.engine + (f" {impl.precision}" if hasattr(impl, "precision") else "")
-        rows.append({"system": name, "description": system.name, "engine": engine,
+        rows.append({"system": name, "description": system.name, "engine": system.engine_label(),
                      "beam": getattr(system, "beam", None), "bleu": m["bleu"], "chrf": m["chrf"],
                      "words_per_second": round(n_words / secs, 1), "seconds": round(secs, 2),
                      **{f"size_{k}": v for k, v in system.size().items()},
