@@ -143,12 +143,11 @@ def train_config(cfg: DistillConfig, role: str, preset: str, train_src: str, tra
     """What the teacher (role "teacher") or a student ("student") trains with: the role's recipe
     (cfg.<role>_set, _steps, _minutes, _lr, _warmup), the options they share and the run's data.
     out_dir is the stage dir's, set when the stage runs (it is no part of the key)."""
-    def mine(k):
-        return getattr(cfg, f"{role}_{k}")
-    return TrainConfig(out_dir="", preset=preset, model_overrides=mine("set"), **data_args(cfg),
-                       train_src=train_src, train_tgt=train_tgt, max_tokens=cfg.max_tokens, lr=mine("lr"),
-                       warmup=mine("warmup"), amp=cfg.amp, seed=cfg.seed, max_steps=mine("steps"),
-                       max_minutes=mine("minutes"), patience=cfg.patience, eval_every=cfg.eval_every,
+    r = {k: getattr(cfg, f"{role}_{k}") for k in ("set", "steps", "minutes", "lr", "warmup")}
+    return TrainConfig(out_dir="", preset=preset, model_overrides=r["set"], **data_args(cfg),
+                       train_src=train_src, train_tgt=train_tgt, max_tokens=cfg.max_tokens, lr=r["lr"],
+                       warmup=r["warmup"], amp=cfg.amp, seed=cfg.seed, max_steps=r["steps"],
+                       max_minutes=r["minutes"], patience=cfg.patience, eval_every=cfg.eval_every,
                        dev_max=cfg.dev_max, save_every=cfg.save_every,
                        keep_last=max(cfg.average_last, 2) if role == "teacher" else 2, test_at_end=False)
 
