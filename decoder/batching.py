@@ -8,6 +8,14 @@ def make_batches(lengths: list[int], max_tokens: int, max_sentences: int,
     within max_tokens and rows within max_sentences. Sorting by length (longest
     first, so the biggest batch meets memory limits at once) wastes little padding."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if sort else list(range(len(lengths)))
+    return pack(order, lengths, max_tokens, max_sentences)
+
+
+def pack(order, lengths, max_tokens: int, max_sentences: int) -> list[list[int]]:
+    """Cut `order` (indices into lengths) into consecutive batches: each grows while
+    rows x longest stays within max_tokens and rows within max_sentences; an item
+    over the budget alone is a batch of its own. The one packing rule of the kit:
+    training and the reference searches choose only the order."""
     batches, cur, longest = [], [], 0
     for i in order:
         n = lengths[i]

@@ -20,19 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from . import fused, modeldir
+from .modeldir import sinusoidal_table
 from .optimisations import Plan
 from .quant import DTYPES, Linear, make_linear
-
-
-def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> torch.Tensor:
-    half = dim // 2
-    w = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / (half - 1)))
-    ang = torch.arange(n_positions, dtype=torch.float)[:, None] * w[None]  # (n, half)
-    table = torch.cat([torch.sin(ang), torch.cos(ang)], dim=1)
-    if dim % 2:
-        table = torch.cat([table, torch.zeros(n_positions, 1)], dim=1)
-    table[pad_id] = 0
-    return table  # (n_positions, dim)
 
 
 def heads(x, h):

@@ -286,3 +286,31 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
         json.dump(d, fh, indent=2, ensure_ascii=False)
     os.replace(tmp, cpath)
     return path
+
+
+# config.json "normaliser" {"type": "moses-punct", ...}: these keys are the keyword
+# arguments of sacremoses.MosesPunctNormalizer; training and decoding both build it
+# from here, so a key a config leaves out takes sacremoses' default on both sides
+MOSES_KWARGS = ("penn", "norm_quote_commas", "norm_numbers", "pre_replace_unicode_punct",
+                "post_remove_control_chars")
+
+
+def moses_options(normaliser: dict) -> dict:
+    """The MosesPunctNormalizer keyword arguments (lang aside) a normaliser entry gives."""
+    return {k: bool(normaliser[k]) for k in MOSES_KWARGS if k in normaliser}
+
+
+def sinusoidal_table(n_positions: int, dim: int, pad_id: int) -> "torch.Tensor":
+    """fairseq positions as the contract's "sinusoidal-fairseq" fixes them: sin half then
+    cos half, row pad_id zero; position p of a sentence is row pad_id + 1 + p."""
+    import math
+
+    import torch
+    half = dim // 2
+    w = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / (half - 1)))
+    ang = torch.arange(n_positions, dtype=torch.float)[:, None] * w[None]  # (n, half)
+    table = torch.cat([torch.sin(ang), torch.cos(ang)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(n_positions, 1)], dim=1)
+    table[pad_id] = 0
+    return table  # (n_positions, dim)

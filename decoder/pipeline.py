@@ -13,12 +13,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
-from .modeldir import CONFIG, ModelConfig, ModelDirError
+from .modeldir import CONFIG, ModelConfig, ModelDirError, moses_options
 
 # anything a line-based reader could split on must not leave the decoder
 _LINE_BREAKS = re.compile("[\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
-_MOSES_KWARGS = ("penn", "norm_quote_commas", "norm_numbers", "pre_replace_unicode_punct",
-                 "post_remove_control_chars")
 
 
 def make_normaliser(cfg: ModelConfig) -> Callable[[str], str] | None:
@@ -29,7 +27,7 @@ def make_normaliser(cfg: ModelConfig) -> Callable[[str], str] | None:
         raise ModelDirError(f"{CONFIG}: unknown normaliser type {n.get('type')!r}")
     from sacremoses import MosesPunctNormalizer
     mpn = MosesPunctNormalizer(lang=n.get("src_lang", cfg.src_lang),
-                               **{k: bool(n[k]) for k in _MOSES_KWARGS if k in n})
+                               **moses_options(n))
     return mpn.normalize
 
 

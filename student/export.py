@@ -9,6 +9,7 @@ it into place, so a half-written model dir never exists under OUT_DIR.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -32,7 +33,6 @@ def model_config(args: ModelArgs, meta: dict, provenance: dict | None = None) ->
 
 def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
                     provenance: dict | None = None) -> str:
-    import json
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)

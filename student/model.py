@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # one definition for training and decoding: the model-dir contract fixes the table
-from decoder.model import sinusoidal_table
+from decoder.modeldir import sinusoidal_table
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from decoder import modeldir
-from decoder.model import sinusoidal_table
+from decoder.modeldir import sinusoidal_table
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

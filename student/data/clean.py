@@ -4,16 +4,13 @@ from __future__ import annotations
 import functools
 import re
 
+from decoder.modeldir import moses_options
+
 # C0 controls except tab, DEL, and C1 controls: left in, they become odd pieces or
 # break line-based tools downstream
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 RULES = ("empty", "control_chars", "too_long", "ratio", "duplicate")
-
-# the keyword arguments of sacremoses.MosesPunctNormalizer, recorded verbatim in
-# config.json so the decoder can rebuild the same normaliser without importing us
-_MOSES_KWARGS = ("penn", "norm_quote_commas", "norm_numbers",
-                 "pre_replace_unicode_punct", "post_remove_control_chars")
 
 
 def clean_pairs(pairs, max_words: int = 200, min_ratio: float = 0.3, max_ratio: float = 2.0):
@@ -47,7 +44,8 @@ def clean_pairs(pairs, max_words: int = 200, min_ratio: float = 0.3, max_ratio: 
 
 
 def normaliser_settings(src_lang: str, tgt_lang: str) -> dict:
-    """The normaliser as plain data: MosesPunctNormalizer(lang=<side>_lang, **the other keys but type)."""
+    """The normaliser as plain data, recorded verbatim in config.json so the decoder rebuilds
+    MosesPunctNormalizer(lang=<side>_lang, **modeldir.moses_options(settings)) without importing us."""
     return {"type": "moses-punct", "src_lang": src_lang, "tgt_lang": tgt_lang,
             "penn": True, "norm_quote_commas": True, "norm_numbers": True,
             "pre_replace_unicode_punct": True, "post_remove_control_chars": True}
@@ -56,11 +54,11 @@ def normaliser_settings(src_lang: str, tgt_lang: str) -> dict:
 def normalise(text: str, lang: str, settings: dict) -> str:
     if settings.get("type") != "moses-punct":
         raise ValueError(f"unknown normaliser type {settings.get('type')!r}")
-    return _moses(lang, tuple(bool(settings[k]) for k in _MOSES_KWARGS)).normalize(text)
+    return _moses(lang, tuple(moses_options(settings).items())).normalize(text)
 
 
 @functools.lru_cache(maxsize=None)
-def _moses(lang: str, flags: tuple):
+def _moses(lang: str, options: tuple):
     # building a normaliser compiles dozens of regexes; the trainer calls us per line
     from sacremoses import MosesPunctNormalizer
-    return MosesPunctNormalizer(lang=lang, **dict(zip(_MOSES_KWARGS, flags)))
+    return MosesPunctNormalizer(lang=lang, **dict(options))

@@ -81,7 +81,7 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     options = dict(format=FORMAT, langs=[s_lang, t_lang], max_words=max_words, min_ratio=min_ratio,
                    max_ratio=max_ratio, seed=seed, normaliser=norm, spm=spm_options(vocab_size))
     key = hashlib.sha256(json.dumps(
-        [options, {role: _file_digest(p) for role, p in files.items()}], sort_keys=True).encode())
+        [options, {role: file_digest(p) for role, p in files.items()}], sort_keys=True).encode())
     out = os.path.join(data_dir, "prepared", f"{name}-{key.hexdigest()[:12]}")
 
     if not os.path.isfile(os.path.join(out, "prepared.json")):
@@ -145,12 +145,10 @@ def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose):
     return corpus, m[1], m[2], files
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
+def file_digest(path: str) -> str:
+    """sha256 of a file's bytes (hex), read in blocks: corpora and models are large."""
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _logger(verbose: bool):

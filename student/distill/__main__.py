@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from student.distill.pipeline import PRESETS, DistillConfig
+from decoder.modeldir import ModelDirError
+from student.data import DataError
+from student.distill.pipeline import PRESETS, DistillConfig, run
+from student.distill.teachers import TeacherError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,10 +122,6 @@ def main(argv=None) -> int:
     for k in ("teacher_set", "student_set"):
         if k in opts:
             opts[k] = _kv(opts[k])
-    from decoder.modeldir import ModelDirError
-    from student.data import DataError
-    from student.distill.pipeline import run
-    from student.distill.teachers import TeacherError
     try:
         cfg = DistillConfig.from_preset(a.preset, **opts)
         rep = run(cfg)
@@ -129,7 +129,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if rep is not None:  # rank 0
-        import os
         with open(os.path.join(cfg.runs_dir, cfg.name, "report.md"), encoding="utf-8") as fh:
             print(fh.read(), end="")
     return 0

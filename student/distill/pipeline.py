@@ -19,12 +19,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
+from decoder import modeldir
+from student.data import prepare, read_lines
+from student.data.corpus import write_lines
+from student.data.pipeline import file_digest
 from student.distill import report as report_mod
 from student.distill.filter import clean_distilled, one_line
 from student.distill.shards import assemble, translate_shards
 from student.distill.stages import Run, barrier
-from student.distill.teachers import TeacherError, dir_digest, make_teacher
+from student.distill.teachers import TeacherError, make_teacher
+from student.export import export_checkpoint
+from student.shortlist import add_to_model_dir
+from student.train import TrainConfig, train
+from student.train.average import average, last_checkpoints
 
 
 @dataclass
@@ -112,18 +121,52 @@ def _dist_setup() -> tuple[int, int]:
     return 0, 1
 
 
-def _log(rank):
-    return (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+# TrainConfig fields left out of a training stage's key, as they cannot change the model it
+# trains: where it writes, and input paths whose content the upstream stages' keys fix
+# (the data stage keys the prepared corpus by content; teacher/corpus stages their files)
+NOT_IN_STAGE_KEY = ("out_dir", "train_src", "train_tgt", "src", "tgt")
+
+
+def train_stage_options(tc: TrainConfig, **extra) -> dict:
+    """A training stage's key options: every TrainConfig field but NOT_IN_STAGE_KEY, so any
+    training option a later version adds is keyed without being listed here."""
+    opts = {k: v for k, v in dataclasses.asdict(tc).items() if k not in NOT_IN_STAGE_KEY}
+    return {"train": opts, **extra}
+
+
+def data_args(cfg: DistillConfig) -> dict:
+    return dict(corpus=cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
+                vocab_size=cfg.vocab_size)
+
+
+def train_config(cfg: DistillConfig, role: str, preset: str, train_src: str, train_tgt: str) -> TrainConfig:
+    """What the teacher (role "teacher") or a student ("student") trains with: the role's recipe
+    (cfg.<role>_set, _steps, _minutes, _lr, _warmup), the options they share and the run's data.
+    out_dir is the stage dir's, set when the stage runs (it is no part of the key)."""
+    r = {k: getattr(cfg, f"{role}_{k}") for k in ("set", "steps", "minutes", "lr", "warmup")}
+    return TrainConfig(out_dir="", preset=preset, model_overrides=r["set"], **data_args(cfg),
+                       train_src=train_src, train_tgt=train_tgt, max_tokens=cfg.max_tokens, lr=r["lr"],
+                       warmup=r["warmup"], amp=cfg.amp, seed=cfg.seed, max_steps=r["steps"],
+                       max_minutes=r["minutes"], patience=cfg.patience, eval_every=cfg.eval_every,
+                       dev_max=cfg.dev_max, save_every=cfg.save_every,
+                       keep_last=max(cfg.average_last, 2) if role == "teacher" else 2, test_at_end=False)
+
+
+def _log(rank, verbose):
+    if rank == 0 and verbose:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    return lambda msg: None
 
 
 def _read(path):
-    from student.data import read_lines
     return read_lines(path)[0]
 
 
-def _write(path, lines):
-    from student.data.corpus import write_lines
-    write_lines(path, lines)
+def _training_result(d: str, **more) -> dict:
+    with open(f"{d}/train/metrics.json") as fh:
+        m = json.load(fh)
+    return {"model_dir": f"{d}/model", **more,
+            **{k: m[k] for k in ("stop_reason", "step", "train_minutes", "best_dev_bleu")}}
 
 
 def check(cfg: DistillConfig) -> None:
@@ -144,71 +187,90 @@ def check(cfg: DistillConfig) -> None:
 
 def run(cfg: DistillConfig, verbose: bool = True) -> dict:
     """Run or resume the pipeline; returns the report (as written to runs/<name>/report.json)."""
-    from student.data import prepare
-    from student.export import export_checkpoint
-    from student.train import TrainConfig, train
-    from student.train.average import average, last_checkpoints
-
-    check(cfg)
-    rank, world = _dist_setup()
-    log = _log(rank) if verbose else (lambda msg: None)
-    runner = Run(os.path.join(cfg.runs_dir, cfg.name), dataclasses.asdict(cfg), rank, log)
-    on_gpu = torch.cuda.is_available()
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
-    teacher = None
-    if cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model:  # a plugged-in teacher fails before any work
-        teacher = make_teacher(cmd=cfg.teacher_cmd, hf_dir=cfg.teacher_hf, model_dirs=cfg.teacher_model,
-                               beam=cfg.teacher_beam, engine=cfg.engine, device=device)
-    data_args = dict(corpus=cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
-                     vocab_size=cfg.vocab_size)
-
-    # data: the prepared corpus is cached by student.data; the stage fixes the training slice
-    if rank == 0:
-        prep = prepare(**data_args, verbose=verbose)
-    barrier()
-    if rank != 0:
-        prep = prepare(**data_args, verbose=False)
-    if rank == 0:
-        with open(os.path.join(prep.dir, "prepared.json"), encoding="utf-8") as fh:
-            inputs = json.load(fh)["inputs"]
-        runner.manifest["inputs"] = {"prepared": os.path.basename(prep.dir),
-                                     **{role: _digest(p) for role, p in inputs.items()}}
-
-    def data_work(d):
-        if rank == 0:
-            src, tgt = prep.read("train")
-            n = cfg.train_limit or len(src)
-            _write(f"{d}/train.src", (one_line(x) for x in src[:n]))
-            _write(f"{d}/train.tgt", (one_line(x) for x in tgt[:n]))
-        return None
-
-    data_key, data_dir, _ = runner.stage(
-        "data", {"prepared": os.path.basename(prep.dir), "train_limit": cfg.train_limit}, [], data_work,
-        finish=lambda d: {"train_pairs": len(_read(f"{d}/train.src")), "prepared": prep.dir,
-                          "langs": [prep.src_lang, prep.tgt_lang]})
-    train_src, train_tgt = f"{data_dir}/train.src", f"{data_dir}/train.tgt"
-
-    def train_cfg(out, preset, overrides, steps, minutes, lr, warmup, tsrc, ttgt, keep_last):
-        return TrainConfig(out_dir=out, preset=preset, model_overrides=overrides, **data_args,
-                           train_src=tsrc, train_tgt=ttgt, max_tokens=cfg.max_tokens, lr=lr, warmup=warmup,
-                           amp=cfg.amp, seed=cfg.seed, max_steps=steps, max_minutes=minutes,
-                           patience=cfg.patience, eval_every=cfg.eval_every, dev_max=cfg.dev_max,
-                           save_every=cfg.save_every, keep_last=keep_last, test_at_end=False)
-
-    # teacher
+    p = Pipeline(cfg, verbose)
+    data_key, train_src, train_tgt = p.data()
     upstream_teacher = []
-    teacher_dirs = []
-    if teacher is None:
-        preset = cfg.teacher_preset if cfg.teacher_preset != "auto" else ("teacher-big" if on_gpu else "teacher-tiny")
-        opts = {"preset": preset, "set": cfg.teacher_set, "steps": cfg.teacher_steps,
-                "minutes": cfg.teacher_minutes, "lr": cfg.teacher_lr, "warmup": cfg.teacher_warmup,
-                "average_last": cfg.average_last, **_train_shared(cfg)}
+    if p.teacher is None:
+        tkey, teacher_dir = p.own_teacher(data_key, train_src, train_tgt)
+        p.teacher = make_teacher(model_dirs=[teacher_dir], beam=cfg.teacher_beam, engine=cfg.engine,
+                                 device=p.device)
+        upstream_teacher = [tkey]
+    p.record_teacher()
+    src_lines = _read(train_src)
+    dkey, ddir = p.distill(src_lines, [data_key] + upstream_teacher)
+    ckey, cdir = p.corpus(src_lines, train_tgt, dkey, ddir)
+    # students: the KD student, and with baseline_student the same recipe on the original pairs
+    skey, student_dir = p.student("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])
+    systems = [("teacher", p.teacher, upstream_teacher or [dkey]), ("student", student_dir, [skey])]
+    if cfg.shortlist_k:
+        p.shortlist("shortlist", student_dir, f"{cdir}/train.src", f"{cdir}/train.tgt", [skey, ckey])
+    if cfg.baseline_student:
+        bkey, bdir = p.student("baseline", train_src, train_tgt, [data_key])
+        systems.append(("baseline", bdir, [bkey]))
+        if cfg.shortlist_k:
+            p.shortlist("shortlist-baseline", bdir, train_src, train_tgt, [bkey, data_key])
+    return p.report(systems)
 
-        def teacher_work(d):
-            train(train_cfg(f"{d}/train", preset, cfg.teacher_set, cfg.teacher_steps, cfg.teacher_minutes,
-                            cfg.teacher_lr, cfg.teacher_warmup, train_src, train_tgt, max(cfg.average_last, 2)))
 
-        def teacher_finish(d):
+class Pipeline:
+    """One run's steps (each a keyed stage, stages.py) and what they share: the config, this
+    process's rank, the stage runner, the prepared corpus and the teacher."""
+
+    def __init__(self, cfg: DistillConfig, verbose: bool):
+        check(cfg)
+        self.cfg, self.verbose = cfg, verbose
+        self.rank, self.world = _dist_setup()
+        self.log = _log(self.rank, verbose)
+        self.runner = Run(os.path.join(cfg.runs_dir, cfg.name), dataclasses.asdict(cfg), self.rank, self.log)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.on_gpu else "cpu"
+        self.teacher = None
+        if cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model:  # a plugged-in teacher fails before any work
+            self.teacher = make_teacher(cmd=cfg.teacher_cmd, hf_dir=cfg.teacher_hf, model_dirs=cfg.teacher_model,
+                                        beam=cfg.teacher_beam, engine=cfg.engine, device=self.device)
+        self.prep = self._prepare()
+
+    def _prepare(self):
+        """The prepared corpus (cached by student.data; rank 0 builds it); its inputs go to the manifest."""
+        if self.rank == 0:
+            prep = prepare(**data_args(self.cfg), verbose=self.verbose)
+        barrier()
+        if self.rank != 0:
+            prep = prepare(**data_args(self.cfg), verbose=False)
+        if self.rank == 0:
+            with open(os.path.join(prep.dir, "prepared.json"), encoding="utf-8") as fh:
+                inputs = json.load(fh)["inputs"]
+            self.runner.manifest["inputs"] = {"prepared": os.path.basename(prep.dir),
+                                              **{role: _digest(p) for role, p in inputs.items()}}
+        return prep
+
+    def data(self) -> tuple[str, str, str]:
+        """The training slice of the prepared corpus: (key, train.src, train.tgt)."""
+        prep, limit = self.prep, self.cfg.train_limit
+
+        def work(d):
+            if self.rank == 0:
+                src, tgt = prep.read("train")
+                n = limit or len(src)
+                write_lines(f"{d}/train.src", (one_line(x) for x in src[:n]))
+                write_lines(f"{d}/train.tgt", (one_line(x) for x in tgt[:n]))
+
+        def finish(d):
+            return {"train_pairs": len(_read(f"{d}/train.src")), "prepared": prep.dir,
+                    "langs": [prep.src_lang, prep.tgt_lang]}
+
+        key, d, _ = self.runner.stage("data", {"prepared": os.path.basename(prep.dir), "train_limit": limit},
+                                      [], work, finish)
+        return key, f"{d}/train.src", f"{d}/train.tgt"
+
+    def own_teacher(self, data_key: str, train_src: str, train_tgt: str) -> tuple[str, str]:
+        """Train, average and export our own teacher: (key, model dir)."""
+        cfg = self.cfg
+        preset = cfg.teacher_preset if cfg.teacher_preset != "auto" else \
+            ("teacher-big" if self.on_gpu else "teacher-tiny")
+        tc = train_config(cfg, "teacher", preset, train_src, train_tgt)
+
+        def finish(d):
             ck, averaged = f"{d}/train/best.pt", []
             if cfg.average_last > 1:
                 try:
@@ -216,130 +278,122 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
                     ck = average(paths, f"{d}/averaged.pt")
                     averaged = [os.path.basename(p) for p in paths]
                 except FileNotFoundError:
-                    log("[teacher] no step checkpoints to average (no evaluation ran); exporting best.pt")
+                    self.log("[teacher] no step checkpoints to average (no evaluation ran); exporting best.pt")
             export_checkpoint(ck, f"{d}/model")
-            with open(f"{d}/train/metrics.json") as fh:
-                m = json.load(fh)
-            return {"model_dir": f"{d}/model", "averaged_from": averaged, "preset": preset,
-                    **{k: m[k] for k in ("stop_reason", "step", "train_minutes", "best_dev_bleu")}}
+            return _training_result(d, averaged_from=averaged, preset=preset)
 
-        tkey, tdir, _ = runner.stage("teacher", opts, [data_key], teacher_work, teacher_finish)
-        upstream_teacher, teacher_dirs = [tkey], [f"{tdir}/model"]
-        runner.link("teacher-model", f"{tdir}/model")
+        key, d = self._train_stage("teacher", tc, [data_key], finish, average_last=cfg.average_last)
+        self.runner.link("teacher-model", f"{d}/model")
+        return key, f"{d}/model"
 
-    if teacher is None:
-        teacher = make_teacher(model_dirs=teacher_dirs, beam=cfg.teacher_beam, engine=cfg.engine, device=device)
-    if rank == 0 and (cfg.teacher_model or cfg.teacher_hf):
-        runner.manifest["inputs"]["teacher"] = teacher.identity
-
-    # distill: each rank its own shards; rank 0 assembles once all are through
-    src_lines = _read(train_src)
-
-    def distill_work(d):
-        return translate_shards(teacher, src_lines, f"{d}/shards", cfg.shard_size, rank, world,
-                                verbose=verbose and rank == 0)
-
-    def distill_finish(d):
-        hyp = assemble(f"{d}/shards", len(src_lines), cfg.shard_size)
-        _write(f"{d}/distilled.txt", hyp)
-        return {"sentences": len(hyp), "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
-                "world": world}
-
-    dkey, ddir, _ = runner.stage("distill", {"teacher": teacher.identity, "shard_size": cfg.shard_size},
-                                 [data_key] + upstream_teacher, distill_work, distill_finish)
-
-    # corpus: clean the teacher's output, optionally add the original pairs
-    def corpus_finish(d):
-        s, h, counts = clean_distilled(src_lines, _read(f"{ddir}/distilled.txt"), cfg.min_ratio,
-                                       cfg.max_ratio, cfg.max_repeat)
-        if not s:
-            raise TeacherError(f"nothing left of the distilled corpus after cleaning ({counts}); "
-                               f"look at {ddir}/distilled.txt")
-        if cfg.mix_original:
-            s = s + src_lines
-            h = h + [one_line(x) for x in _read(train_tgt)]
-        _write(f"{d}/train.src", s)
-        _write(f"{d}/train.tgt", h)
-        return {"removed": {k: v for k, v in counts.items() if k != "kept"}, "distilled_kept": counts["kept"],
-                "pairs": len(s), "mixed_original": cfg.mix_original}
-
-    ckey, cdir, _ = runner.stage("corpus", {"min_ratio": cfg.min_ratio, "max_ratio": cfg.max_ratio,
-                                            "max_repeat": cfg.max_repeat, "mix_original": cfg.mix_original},
-                                 [dkey], lambda d: None, corpus_finish)
-
-    # students: the KD student, and with baseline_student the same recipe on the original pairs
-    sopts = {"preset": cfg.student_preset, "set": cfg.student_set, "steps": cfg.student_steps,
-             "minutes": cfg.student_minutes, "lr": cfg.student_lr, "warmup": cfg.student_warmup,
-             **_train_shared(cfg)}
-
-    def student_stage(name, tsrc, ttgt, upstream):
+    def _train_stage(self, name: str, tc: TrainConfig, upstream: list[str], finish, **extra) -> tuple[str, str]:
+        """A stage that trains exactly `tc` (in its dir's train/), keyed by train_stage_options(tc)."""
         def work(d):
-            train(train_cfg(f"{d}/train", cfg.student_preset, cfg.student_set, cfg.student_steps,
-                            cfg.student_minutes, cfg.student_lr, cfg.student_warmup, tsrc, ttgt, 2))
+            train(dataclasses.replace(tc, out_dir=f"{d}/train"))
+
+        key, d, _ = self.runner.stage(name, train_stage_options(tc, **extra), upstream, work, finish)
+        return key, d
+
+    def record_teacher(self):
+        if self.rank == 0 and (self.cfg.teacher_model or self.cfg.teacher_hf):
+            self.runner.manifest["inputs"]["teacher"] = self.teacher.identity
+
+    def distill(self, src_lines: list[str], upstream: list[str]) -> tuple[str, str]:
+        """The teacher's translation of the training source: each rank its own shards,
+        rank 0 assembles once all are through. (key, dir holding distilled.txt)"""
+        cfg, teacher = self.cfg, self.teacher
+
+        def work(d):
+            return translate_shards(teacher, src_lines, f"{d}/shards", cfg.shard_size, self.rank, self.world,
+                                    verbose=self.verbose and self.rank == 0)
+
+        def finish(d):
+            hyp = assemble(f"{d}/shards", len(src_lines), cfg.shard_size)
+            write_lines(f"{d}/distilled.txt", hyp)
+            return {"sentences": len(hyp), "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
+                    "world": self.world}
+
+        key, d, _ = self.runner.stage("distill", {"teacher": teacher.identity, "shard_size": cfg.shard_size},
+                                      upstream, work, finish)
+        return key, d
+
+    def corpus(self, src_lines: list[str], train_tgt: str, dkey: str, ddir: str) -> tuple[str, str]:
+        """The teacher's output cleaned, optionally with the original pairs added: (key, dir)."""
+        cfg = self.cfg
+        opts = {"min_ratio": cfg.min_ratio, "max_ratio": cfg.max_ratio, "max_repeat": cfg.max_repeat,
+                "mix_original": cfg.mix_original}
+
+        def finish(d):
+            s, h, counts = clean_distilled(src_lines, _read(f"{ddir}/distilled.txt"), cfg.min_ratio,
+                                           cfg.max_ratio, cfg.max_repeat)
+            if not s:
+                raise TeacherError(f"nothing left of the distilled corpus after cleaning ({counts}); "
+                                   f"look at {ddir}/distilled.txt")
+            if cfg.mix_original:
+                s = s + src_lines
+                h = h + [one_line(x) for x in _read(train_tgt)]
+            write_lines(f"{d}/train.src", s)
+            write_lines(f"{d}/train.tgt", h)
+            return {"removed": {k: v for k, v in counts.items() if k != "kept"}, "distilled_kept": counts["kept"],
+                    "pairs": len(s), "mixed_original": cfg.mix_original}
+
+        key, d, _ = self.runner.stage("corpus", opts, [dkey], _no_work, finish)
+        return key, d
+
+    def student(self, name: str, train_src: str, train_tgt: str, upstream: list[str]) -> tuple[str, str]:
+        """Train and export a student: (key, model dir)."""
+        tc = train_config(self.cfg, "student", self.cfg.student_preset, train_src, train_tgt)
 
         def finish(d):
             export_checkpoint(f"{d}/train/best.pt", f"{d}/model")
-            with open(f"{d}/train/metrics.json") as fh:
-                m = json.load(fh)
-            return {"model_dir": f"{d}/model", **{k: m[k] for k in ("stop_reason", "step", "train_minutes",
-                                                                    "best_dev_bleu")}}
+            return _training_result(d)
 
-        key, d, _ = runner.stage(name, sopts, upstream, work, finish)
-        runner.link(f"{name}-model", f"{d}/model")
+        key, d = self._train_stage(name, tc, upstream, finish)
+        self.runner.link(f"{name}-model", f"{d}/model")
         return key, f"{d}/model"
 
-    def shortlist_stage(stage, model_dir, tsrc, ttgt, upstream):
-        from student.shortlist import add_to_model_dir
-        opts = {"k": cfg.shortlist_k, "frequent": cfg.shortlist_frequent}
+    def shortlist(self, stage: str, model_dir: str, train_src: str, train_tgt: str, upstream: list[str]):
+        """The lexical shortlist of a student's training corpus, into its model dir."""
+        opts = {"k": self.cfg.shortlist_k, "frequent": self.cfg.shortlist_frequent}
 
         def build(d):
-            return add_to_model_dir(model_dir, tsrc, ttgt, k=cfg.shortlist_k, n_frequent=cfg.shortlist_frequent)
+            return add_to_model_dir(model_dir, train_src, train_tgt, k=opts["k"], n_frequent=opts["frequent"])
 
-        runner.stage(stage, opts, upstream, lambda d: None, build)
+        self.runner.stage(stage, opts, upstream, _no_work, build)
         # the file lives in the student's model dir, which every shortlist key shares:
         # a reused stage may find another key's file there, so rebuild that one
-        if rank == 0 and _shortlist_options(model_dir) != opts:
-            log(f"[{stage}] {model_dir} holds another shortlist; rebuilding")
+        if self.rank == 0 and _shortlist_options(model_dir) != opts:
+            self.log(f"[{stage}] {model_dir} holds another shortlist; rebuilding")
             build(None)
         barrier()
 
-    skey, student_dir = student_stage("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])
-    systems = [("teacher", teacher, upstream_teacher or [dkey]), ("student", student_dir, [skey])]
-    if cfg.shortlist_k:
-        shortlist_stage("shortlist", student_dir, f"{cdir}/train.src", f"{cdir}/train.tgt", [skey, ckey])
-    if cfg.baseline_student:
-        bkey, bdir = student_stage("baseline", train_src, train_tgt, [data_key])
-        systems.append(("baseline", bdir, [bkey]))
-        if cfg.shortlist_k:
-            shortlist_stage("shortlist-baseline", bdir, train_src, train_tgt, [bkey, data_key])
+    def report(self, systems: list) -> dict | None:
+        """Score every system on the test split; the report is copied to the run dir and returned (rank 0)."""
+        cfg = self.cfg
+        opts = {"test_limit": cfg.test_limit, "teacher_beam": cfg.teacher_beam, "student_beam": cfg.student_beam,
+                "engine": cfg.engine, "precision": cfg.precision, "teacher": self.teacher.identity}
 
-    # report
-    ropts = {"test_limit": cfg.test_limit, "teacher_beam": cfg.teacher_beam, "student_beam": cfg.student_beam,
-             "engine": cfg.engine, "precision": cfg.precision, "teacher": teacher.identity}
-    upstream = [k for _, _, keys in systems for k in keys]
-    rkey, rdir, _ = runner.stage(
-        "report", ropts, upstream, lambda d: None,
-        lambda d: report_mod.evaluate(d, prep, systems, cfg, runner.manifest, log))
-    result = None
-    if rank == 0:
-        for f in ("report.md", "report.json"):
-            shutil.copyfile(f"{rdir}/{f}", os.path.join(runner.dir, f))
-        with open(f"{rdir}/report.json", encoding="utf-8") as fh:
-            result = json.load(fh)
-    barrier()
-    return result
+        def finish(d):
+            return report_mod.evaluate(d, self.prep, systems, cfg, self.runner.manifest, self.log)
+
+        upstream = [k for _, _, keys in systems for k in keys]
+        _, d, _ = self.runner.stage("report", opts, upstream, _no_work, finish)
+        result = None
+        if self.rank == 0:
+            for f in ("report.md", "report.json"):
+                shutil.copyfile(f"{d}/{f}", os.path.join(self.runner.dir, f))
+            with open(f"{d}/report.json", encoding="utf-8") as fh:
+                result = json.load(fh)
+        barrier()
+        return result
 
 
-def _train_shared(cfg):
-    return {k: getattr(cfg, k) for k in ("max_tokens", "eval_every", "save_every", "dev_max", "patience",
-                                         "amp", "seed", "vocab_size")}
+def _no_work(d):
+    """Stages whose work is all in finish (rank 0 alone)."""
 
 
 def _shortlist_options(model_dir) -> dict | None:
     """{"k", "frequent"} the model dir's shortlist was built with (its safetensors metadata)."""
-    from safetensors import SafetensorError, safe_open
-
-    from decoder import modeldir
     try:
         cfg = modeldir.read_config(model_dir)
         with safe_open(os.path.join(model_dir, cfg.shortlist or modeldir.SHORTLIST), "pt") as fh:
@@ -350,5 +404,4 @@ def _shortlist_options(model_dir) -> dict | None:
 
 
 def _digest(path):
-    from student.distill.teachers import dir_digest_file
-    return dir_digest_file(path) if os.path.isfile(path) else None
+    return file_digest(path) if os.path.isfile(path) else None

@@ -10,6 +10,7 @@ import torch
 
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, lean_translator
+from student.train.evaluate import score
 
 
 def machine() -> str:
@@ -28,8 +29,6 @@ def machine() -> str:
 
 def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dict:
     """Translate the test split with each system; writes report.md/report.json into out_dir."""
-    from student.train.evaluate import score
-
     src, ref = prep.read("test")
     if cfg.test_limit:
         src, ref = src[:cfg.test_limit], ref[:cfg.test_limit]
@@ -39,32 +38,9 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
         if isinstance(system, str):  # a student model dir: decoded the way a submission would
             system = ModelTeacher([system], beam=cfg.student_beam, engine=cfg.engine,
                                   precision=cfg.precision)
-        if hasattr(system, "_load"):
-            system._load()  # loading is not translation speed
-        log(f"[report] translating {len(src)} test sentences with the {name}: {system.name}")
-        t0 = time.perf_counter()
-        hyps = system.translate(src, where=f"the test split ({name})")
-        secs = time.perf_counter() - t0
-        with open(os.path.join(out_dir, f"test.{name}.hyp"), "w", encoding="utf-8") as fh:
-            fh.writelines(h + "\n" for h in hyps)
-        m = score(hyps, ref)
-        impl = getattr(system, "_impl", None)
-        engine = system.engine + (f" {impl.precision}" if hasattr(impl, "precision") else "")
-        rows.append({"system": name, "description": system.name, "engine": engine,
-                     "beam": getattr(system, "beam", None), "bleu": m["bleu"], "chrf": m["chrf"],
-                     "words_per_second": round(n_words / secs, 1), "seconds": round(secs, 2),
-                     **{f"size_{k}": v for k, v in system.size().items()},
-                     "bleu_signature": m["bleu_signature"], "chrf_signature": m["chrf_signature"]})
+        rows.append(measure(name, system, src, ref, out_dir, log))
     stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
-    training = {}
-    for name, system, _ in systems:  # the students' training facts, for the verdict
-        metrics = os.path.join(os.path.dirname(str(system)), "train", "metrics.json")
-        if isinstance(system, str) and os.path.exists(metrics):
-            with open(metrics, encoding="utf-8") as fh:
-                m = json.load(fh)
-            training[name] = {"steps": m["step"], "minutes": m["train_minutes"], "stop_reason": m["stop_reason"],
-                              "dev_bleu": [h["dev_bleu"] for h in m["history"]],
-                              "dev_steps": [h["step"] for h in m["history"]]}
+    training = training_facts(systems)
     rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
                                      "prepared": prep.dir},
            "machine": machine(), "lean_decoder": lean_translator() is not None,
@@ -73,6 +49,40 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(rep))
     return {"systems": [{k: r[k] for k in ("system", "bleu", "chrf", "words_per_second")} for r in rows]}
+
+
+def measure(name: str, system, src: list[str], ref: list[str], out_dir: str, log=print) -> dict:
+    """One system's row: scores, words/s (loading excluded), engine and size; writes test.<name>.hyp."""
+    system.load()  # loading is not translation speed
+    log(f"[report] translating {len(src)} test sentences with the {name}: {system.name}")
+    t0 = time.perf_counter()
+    hyps = system.translate(src, where=f"the test split ({name})")
+    secs = time.perf_counter() - t0
+    with open(os.path.join(out_dir, f"test.{name}.hyp"), "w", encoding="utf-8") as fh:
+        fh.writelines(h + "\n" for h in hyps)
+    m = score(hyps, ref)
+    n_words = sum(len(x.split()) for x in src)
+    return {"system": name, "description": system.name, "engine": system.engine_label(),
+            "beam": getattr(system, "beam", None), "bleu": m["bleu"], "chrf": m["chrf"],
+            "words_per_second": round(n_words / secs, 1), "seconds": round(secs, 2),
+            **{f"size_{k}": v for k, v in system.size().items()},
+            "bleu_signature": m["bleu_signature"], "chrf_signature": m["chrf_signature"]}
+
+
+def training_facts(systems) -> dict:
+    """The students' training facts (their stage's train/metrics.json), for the verdict."""
+    out = {}
+    for name, system, _ in systems:
+        if not isinstance(system, str):  # a teacher object, not a student's model dir
+            continue
+        metrics = os.path.join(os.path.dirname(system), "train", "metrics.json")
+        if os.path.exists(metrics):
+            with open(metrics, encoding="utf-8") as fh:
+                m = json.load(fh)
+            out[name] = {"steps": m["step"], "minutes": m["train_minutes"], "stop_reason": m["stop_reason"],
+                         "dev_bleu": [h["dev_bleu"] for h in m["history"]],
+                         "dev_steps": [h["step"] for h in m["history"]]}
+    return out
 
 
 def verdict(rows: list[dict], training: dict) -> list[str]:

@@ -4,7 +4,10 @@
     ModelTeacher([model_dir, ...], beam=4)        our model dirs; several = ensemble
     HFTeacher(marian_dir, beam=4)                 a local Hugging Face Marian dir
 
-`identity` is what the distilled corpus depends on (stage keys hash it).
+`identity` is what the distilled corpus depends on (stage keys hash it). Every
+teacher also has `name`, `engine`, `load()` (the one-time setup, apart so that
+timing `translate` measures translation only), `engine_label()` (the engine as
+a report names it, after load) and `size()`.
 """
 from __future__ import annotations
 
@@ -12,7 +15,16 @@ import hashlib
 import os
 import subprocess
 
+import sentencepiece as spm
 import torch
+
+from decoder import modeldir
+from decoder.batching import pack
+from student.data import normalise
+from student.data.pipeline import file_digest
+from student.distill.beam import EnsembleSearch
+from student.export import load_model_dir
+from student.train.batching import collate
 
 
 class TeacherError(Exception):
@@ -28,8 +40,7 @@ def dir_digest(path: str) -> str:
             p = os.path.join(root, f)
             h.update(os.path.relpath(p, path).encode() + b"\0")
             with open(p, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
+                hashlib.file_digest(fh, lambda: h)  # feeds the file into h
     return h.hexdigest()
 
 
@@ -69,14 +80,20 @@ class CommandTeacher:
             out[i] = " ".join(y.split())  # tools collapse or double spaces; the student should not learn that
         return out
 
+    def load(self):
+        pass
+
+    def engine_label(self) -> str:
+        return self.engine
+
     def size(self) -> dict:
         return {}
 
 
 def lean_translator():
     """decoder.Translator when the lean decoder provides it, else None."""
-    try:
-        from decoder import Translator  # noqa: F401
+    try:  # a probe, not an import: teachers and the report work on a tree without the lean decoder
+        from decoder import Translator
     except ImportError:
         return None
     return Translator
@@ -97,7 +114,6 @@ class ModelTeacher:
         if not model_dirs:
             raise TeacherError("no teacher model dir given")
         self.dirs, self.beam = [os.path.abspath(d) for d in model_dirs], beam
-        from decoder import modeldir
         for d in self.dirs:  # fail before any work, not at the first shard
             try:
                 modeldir.read_config(d)
@@ -120,76 +136,62 @@ class ModelTeacher:
             (f", {precision})" if engine == "decoder" else ")")
         self.identity = {"type": "model", "dirs": [dir_digest(d) for d in self.dirs], "beam": beam,
                          "engine": engine, **({"precision": precision} if engine == "decoder" else {})}
-        self._impl = None
         self._Translator = Translator
+        self._translator = None  # engine "decoder": the lean decoder, once loaded
+        self._search = None      # engine "reference": (EnsembleSearch, spm, model config), once loaded
 
-    def _load(self):
-        if self._impl is not None:
+    def load(self):
+        if self._translator is not None or self._search is not None:
             return
-        from decoder import modeldir
         try:
             if self.engine == "decoder":
-                self._impl = self._Translator(self.dirs[0], beam=self.beam, device=str(self.device),
-                                              precision=self.precision)
+                self._translator = self._Translator(self.dirs[0], beam=self.beam, device=str(self.device),
+                                                    precision=self.precision)
                 return
-            import sentencepiece as spm
-            from student.distill.beam import EnsembleSearch
-            from student.export import load_model_dir
             loaded = [load_model_dir(d) for d in self.dirs]
         except modeldir.ModelDirError as e:
             raise TeacherError(str(e)) from None
-        spms = {dir_digest_file(os.path.join(d, modeldir.SPM)) for d in self.dirs}
-        if len(spms) > 1:
+        if len({file_digest(os.path.join(d, modeldir.SPM)) for d in self.dirs}) > 1:
             raise TeacherError("ensemble members must share one spm.model: " + ", ".join(self.dirs))
-        self.cfg = loaded[0][1]
-        self.sp = spm.SentencePieceProcessor(model_file=os.path.join(self.dirs[0], modeldir.SPM))
-        self.search = EnsembleSearch([m.to(self.device) for m, _ in loaded], beam=self.beam)
-        self._impl = "reference"
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(self.dirs[0], modeldir.SPM))
+        self._search = (EnsembleSearch([m.to(self.device) for m, _ in loaded], beam=self.beam), sp, loaded[0][1])
+
+    def engine_label(self) -> str:
+        """"decoder <precision it resolved to>" or "reference"."""
+        self.load()
+        return self.engine + (f" {self._translator.precision}" if self._translator is not None else "")
 
     def translate(self, lines: list[str], where: str = "") -> list[str]:
-        self._load()
+        self.load()
         if self.engine == "decoder":
-            out = self._impl.translate(list(lines))
+            out = self._translator.translate(list(lines))
             if len(out) != len(lines):
                 raise TeacherError(f"decoder.Translator returned {len(out)} lines for {len(lines)}"
                                    + (f" on {where}" if where else ""))
             return out
-        from student.data import normalise
-        from student.train.batching import collate
-        a = self.search.models[0].args
+        search, sp, cfg = self._search
+        a = search.models[0].args
         src = []
         for x in lines:
-            ids = self.sp.encode(normalise(x, self.cfg.src_lang, self.cfg.normaliser)) if x.strip() else []
+            ids = sp.encode(normalise(x, cfg.src_lang, cfg.normaliser)) if x.strip() else []
             src.append(ids[: a.max_positions // 2 - 1] + [a.eos_id])
-        order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lambda i: len(src[i]))
+        lens = [len(x) for x in src]
+        order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lens.__getitem__)
         out = [""] * len(lines)
-        i = 0
-        budget = max(self.max_tokens // self.beam, 1)
-        while i < len(order):
-            j = i + 1  # ascending lengths: the newest sentence is the longest
-            while j < len(order) and j - i < self.max_sentences and (j - i + 1) * len(src[order[j]]) <= budget:
-                j += 1
-            idx, i = order[i:j], j
+        for idx in pack(order, lens, max(self.max_tokens // self.beam, 1), self.max_sentences):
             s, _, _ = collate(src, None, idx, a.pad_id, a.decoder_start_id, a.eos_id)
-            for k, h in zip(idx, self.search(s.to(self.device))):
-                out[k] = self.sp.decode(h)
+            for k, h in zip(idx, search(s.to(self.device))):
+                out[k] = sp.decode(h)
         return out
 
     def size(self) -> dict:
-        from decoder import modeldir
         return model_dir_size(self.dirs[0]) if len(self.dirs) == 1 else {
             "params": sum(model_dir_size(d)["params"] for d in self.dirs),
             "bytes": sum(model_dir_size(d)["bytes"] for d in self.dirs), "members": len(self.dirs),
             "file": modeldir.WEIGHTS}
 
 
-def dir_digest_file(path: str) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
-
 def model_dir_size(model_dir: str) -> dict:
-    from decoder import modeldir
     cfg = modeldir.read_config(model_dir)
     params = sum(_numel(s) for s in modeldir.tensor_shapes(cfg.arch).values())
     return {"params": params, "bytes": os.path.getsize(os.path.join(model_dir, modeldir.WEIGHTS))}
@@ -216,7 +218,7 @@ class HFTeacher:
         self.engine = "transformers"
         self._model = None
 
-    def _load(self):
+    def load(self):
         if self._model is not None:
             return
         try:
@@ -233,9 +235,12 @@ class HFTeacher:
         if limit:
             self.max_new_tokens = min(self.max_new_tokens, limit - 2)
 
+    def engine_label(self) -> str:
+        return self.engine
+
     @torch.no_grad()
     def translate(self, lines: list[str], where: str = "") -> list[str]:
-        self._load()
+        self.load()
         order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lambda i: len(lines[i]))
         out = [""] * len(lines)
         for b in range(0, len(order), self.batch_size):
@@ -247,7 +252,7 @@ class HFTeacher:
         return out
 
     def size(self) -> dict:
-        self._load()
+        self.load()
         params = sum(p.numel() for p in self._model.parameters())
         files = [f for f in os.listdir(self.dir) if f.endswith((".safetensors", ".bin"))]
         return {"params": params, "bytes": sum(os.path.getsize(os.path.join(self.dir, f)) for f in files)}

@@ -5,6 +5,10 @@ import argparse
 import json
 import sys
 
+from decoder.modeldir import ModelDirError
+from student.data import DataError
+from student.shortlist import add_to_model_dir
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
@@ -26,9 +30,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from decoder.modeldir import ModelDirError
-    from student.data import DataError
-    from student.shortlist import add_to_model_dir
     try:
         info = add_to_model_dir(a.model, a.src, a.tgt, k=a.k, n_frequent=a.frequent, identity=a.identity,
                                 max_lines=a.max_lines)

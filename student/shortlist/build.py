@@ -34,7 +34,11 @@ import time
 from typing import NamedTuple
 
 import numpy as np
+import sentencepiece as spm
 import torch
+
+from decoder import modeldir
+from student.data import DataError, normalise, read_lines
 
 MAX_PAIRS = 1 << 24  # (source, target) pairs per index_add_: ~400 MB of temporaries
 
@@ -138,11 +142,6 @@ def build(src: list[list[int]], tgt: list[list[int]], vocab_size: int, *, k: int
 def encode_corpus(model_dir: str, src_lines: list[str], tgt_lines: list[str]):
     """(config, source ids, target ids) as training saw them: the model dir's
     normaliser per side, then its SentencePiece model (no </s>)."""
-    import sentencepiece as spm
-
-    from decoder import modeldir
-    from student.data import normalise
-
     cfg = modeldir.read_config(model_dir)
     spath = os.path.join(model_dir, modeldir.SPM)
     if not os.path.isfile(spath):
@@ -162,9 +161,6 @@ def add_to_model_dir(model_dir: str, src_path: str, tgt_path: str, *, k: int = 1
                      identity: bool = True, max_lines: int = 0) -> dict:
     """Build the shortlist of a parallel corpus (plain or .gz files) into a model dir
     (shortlist.safetensors, listed in config.json); returns a summary."""
-    from decoder import modeldir
-    from student.data import DataError, read_lines
-
     t0 = time.time()
     src, tgt = read_lines(src_path)[0], read_lines(tgt_path)[0]
     if len(src) != len(tgt):

@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 
+from student.data import DataError
 from student.model import PRESETS
+from student.train.average import average, last_checkpoints
 from student.train.trainer import TrainConfig, train
 
 
@@ -68,7 +70,6 @@ def _value(v: str):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
-        from student.train.average import average, last_checkpoints
         p = argparse.ArgumentParser(prog="python -m student.train average",
                                     description="Average the weights of the last N step checkpoints of a run.")
         p.add_argument("--run", required=True); p.add_argument("--last", type=int, default=4)
@@ -95,7 +96,6 @@ def main(argv=None):
                       max_minutes=a.max_minutes, patience=a.patience, eval_every=a.eval_every,
                       dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
                       test_at_end=not a.no_test)
-    from student.data import DataError
     try:
         train(cfg)
     except (DataError, FileNotFoundError) as e:

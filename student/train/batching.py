@@ -8,26 +8,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from decoder.batching import pack
+
 
 def make_batches(src_lens, tgt_lens, max_tokens: int, max_sentences: int, seed: int, epoch: int,
                  shuffle: bool = True) -> list[np.ndarray]:
     """Index arrays; each batch's padded size max(len) * n stays under max_tokens."""
-    src_lens, tgt_lens = np.asarray(src_lens), np.asarray(tgt_lens)
     rng = np.random.default_rng([seed, epoch])
-    lens = np.maximum(src_lens, tgt_lens)
-    # random tie-break so equal-length sentences mix differently each epoch
+    lens = np.maximum(np.asarray(src_lens), np.asarray(tgt_lens))
+    # ascending lengths, random tie-break so equal-length sentences mix differently each epoch
     order = np.lexsort((rng.random(len(lens)) if shuffle else np.arange(len(lens)), lens))
-    batches, start = [], 0
-    while start < len(order):
-        end, longest = start, 0
-        while end < len(order):
-            longest_next = max(longest, lens[order[end]])
-            n = end - start + 1
-            if n > max_sentences or (longest_next * n > max_tokens and n > 1):
-                break
-            longest, end = longest_next, end + 1
-        batches.append(order[start:end])
-        start = end
+    batches = [np.asarray(b, dtype=np.int64) for b in pack(order.tolist(), lens.tolist(), max_tokens, max_sentences)]
     if shuffle:
         perm = rng.permutation(len(batches))
         batches = [batches[i] for i in perm]

@@ -13,6 +13,9 @@ import os
 import sacrebleu
 import torch
 
+from decoder import Translator
+from decoder.batching import pack
+from student.export import write_model_dir
 from student.train.batching import collate
 
 
@@ -31,14 +34,9 @@ def translate(model, sp, lines: list[str], norm, max_tokens: int = 6000, max_sen
     was_training = model.training
     model.eval()
     src = encode_source(sp, lines, norm, a.eos_id, a.max_positions // 2)
-    order = sorted(range(len(src)), key=lambda i: len(src[i]))
+    lens = [len(x) for x in src]
     out: list[str] = [""] * len(lines)
-    i = 0
-    while i < len(order):
-        j = i + 1  # ascending lengths: the newest sentence is the longest
-        while j < len(order) and j - i < max_sentences and (j - i + 1) * len(src[order[j]]) <= max_tokens:
-            j += 1
-        idx, i = order[i:j], j
+    for idx in pack(sorted(range(len(src)), key=lens.__getitem__), lens, max_tokens, max_sentences):
         s, _, _ = collate(src, None, idx, a.pad_id, a.decoder_start_id, a.eos_id)
         with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
             hyps = model.greedy(s.to(next(model.parameters()).device))
@@ -50,8 +48,6 @@ def translate(model, sp, lines: list[str], norm, max_tokens: int = 6000, max_sen
 
 @torch.no_grad()
 def translate_lean(model, meta: dict, lines: list[str], work_dir: str) -> list[str]:
-    from decoder import Translator
-    from student.export import write_model_dir
     d = write_model_dir(model, meta["spm_model"], os.path.join(work_dir, "dev-model"), meta)
     device = next(model.parameters()).device
     # fp32 and no process-wide allocator setting: this runs inside the trainer

@@ -4,6 +4,7 @@ exact resume, and DDP when launched by torchrun.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -13,12 +14,13 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+import sentencepiece as spm
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from student.model import ModelArgs, Transformer, preset
+from student.data import normalise, prepare
+from student.model import Transformer, preset
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
 from student.train.loss import label_smoothed_nll
@@ -128,9 +130,6 @@ class Corpus:
     """Normalised, SentencePiece-encoded splits, cached under the run dir."""
 
     def __init__(self, cfg: TrainConfig, verbose: bool):
-        from student.data import normalise, prepare
-        import sentencepiece as spm
-
         self.prep = prepare(cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang,
                             tgt_lang=cfg.tgt_lang, vocab_size=cfg.vocab_size, verbose=verbose)
         self.sp = spm.SentencePieceProcessor(model_file=self.prep.spm_model)
@@ -186,233 +185,292 @@ def _jsonable(d: dict) -> dict:
 
 def train(cfg: TrainConfig) -> dict:
     """Train (or resume) into cfg.out_dir; returns the final metrics."""
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if ddp and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    rank, world = dist_info()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    verbose = rank == 0
+    ddp, device = init_distributed()
     os.makedirs(cfg.out_dir, exist_ok=True)
-
-    if rank == 0:
-        corpus = Corpus(cfg, verbose)  # rank 0 builds the caches, the others read them
-    if ddp:
-        dist.barrier()
-    if rank != 0:
-        corpus = Corpus(cfg, False)
-    sp = corpus.sp
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    model = build_model(cfg, sp.get_piece_size()).to(device)
-    a = model.args
-    meta = {"spm_model": os.path.abspath(corpus.prep.spm_model), "src_lang": corpus.prep.src_lang,
-            "tgt_lang": corpus.prep.tgt_lang, "normaliser": corpus.prep.normaliser,
-            "preset": cfg.preset, "bos_id": sp.bos_id(), "unk_id": sp.unk_id(),
-            "data_dir": corpus.prep.dir}
-
-    amp_dtype, scaler = None, None
-    if device.type == "cpu" and (cfg.amp == "bf16" or (cfg.amp == "auto" and cpu_has_bf16())):
-        amp_dtype = torch.bfloat16
-    elif device.type == "cuda" and cfg.amp in ("auto", "fp16"):
-        amp_dtype, scaler = torch.float16, torch.amp.GradScaler("cuda")
-    elif device.type == "cuda" and cfg.amp == "bf16":
-        amp_dtype = torch.bfloat16
-
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8,
-                           weight_decay=cfg.weight_decay)
-    state = {"step": 0, "epoch": 0, "batch_idx": 0, "best_bleu": -1.0, "bad_evals": 0,
-             "train_seconds": 0.0, "tokens": 0, "history": [], "losses": []}
-
-    last_path = os.path.join(cfg.out_dir, "last.pt")
-    best_path = os.path.join(cfg.out_dir, "best.pt")
-    if rank == 0:
-        for f in remove_stale_tmp(cfg.out_dir):
-            print(f"removed {f}: a save cut short by an earlier run", flush=True)
-    if os.path.exists(last_path):
-        ck = torch.load(last_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        if scaler is not None and ck.get("scaler"):
-            scaler.load_state_dict(ck["scaler"])
-        torch.set_rng_state(ck["rng_torch"])
-        random.setstate(_to_tuple(ck["rng_python"]))
-        for k in state:
-            state[k] = ck[k]
-        if verbose:
-            print(f"resuming from {last_path} at step {state['step']} (epoch {state['epoch']}, "
-                  f"batch {state['batch_idx']})", flush=True)
-
-    net = model
-    if ddp:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    src_ids, tgt_ids = corpus.train["src"], corpus.train["tgt"]
-    src_lens = [len(x) for x in src_ids]
-    tgt_lens = [len(x) + 1 for x in tgt_ids]
-
-    def stop_reason():
-        if cfg.max_steps and state["step"] >= cfg.max_steps:
-            return "max_steps"
-        if cfg.max_epochs and state["epoch"] >= cfg.max_epochs:
-            return "max_epochs"
-        if cfg.max_minutes and state["train_seconds"] >= cfg.max_minutes * 60:
-            return "max_minutes"
-        if cfg.patience and state["bad_evals"] >= cfg.patience:
-            return "patience"
-        return None
-
-    def save(path_list):
-        if rank != 0:
-            return
-        ck = checkpoint_state(model, opt, scaler, state, cfg, meta)
-        for p in path_list:
-            atomic_save(ck, p)
-
-    def evaluate():
-        model.eval()
-        with torch.no_grad():
-            loss_sum, ntok = 0.0, 0
-            for idx in make_batches([len(x) for x in corpus.dev["src"]], [len(x) + 1 for x in corpus.dev["tgt"]],
-                                    cfg.max_tokens, cfg.max_sentences, 0, 0, shuffle=False):
-                s, ti, to = (t.to(device) for t in collate(corpus.dev["src"], corpus.dev["tgt"], idx,
-                                                            a.pad_id, a.decoder_start_id, a.eos_id))
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    logits = model(s, ti)
-                _, nll, n = label_smoothed_nll(logits, to, 0.0, a.pad_id)
-                loss_sum, ntok = loss_sum + nll.item(), ntok + n
-        n_dev = cfg.dev_max or len(corpus.dev_src)
-        if cfg.dev_decoder == "lean":
-            hyps = translate_lean(model, meta, corpus.dev_src[:n_dev], cfg.out_dir)
-        else:
-            hyps = translate(model, sp, corpus.dev_src[:n_dev], corpus.norm_src, amp_dtype=amp_dtype)
-        m = score(hyps, corpus.dev_ref[:n_dev])
-        model.train()
-        return {"dev_loss": round(loss_sum / max(ntok, 1), 4), "dev_bleu": m["bleu"], "dev_chrf": m["chrf"]}
-
-    model.train()
-    bar = tqdm(total=cfg.max_steps or None, initial=state["step"], disable=not verbose,
-               dynamic_ncols=True, desc=f"train {cfg.preset}")
-    reason = stop_reason()
-    t_last, tok_window, t_window = time.time(), 0, time.time()
-    while reason is None:
-        batches = shard(make_batches(src_lens, tgt_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed,
-                                     state["epoch"]), rank, world)
-        while state["batch_idx"] < len(batches) and reason is None:
-            group = batches[state["batch_idx"]: state["batch_idx"] + cfg.accum]
-            micro = [collate(src_ids, tgt_ids, idx, a.pad_id, a.decoder_start_id, a.eos_id) for idx in group]
-            ntok = sum(int((to != a.pad_id).sum()) for _, _, to in micro)
-            lr = inv_sqrt_lr(state["step"] + 1, cfg.lr, cfg.warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            loss_total = 0.0
-            for k, (s, ti, to) in enumerate(micro):
-                s, ti, to = s.to(device), ti.to(device), to.to(device)
-                sync = k == len(micro) - 1
-                ctx = net.no_sync() if (ddp and not sync) else _nullctx()
-                with ctx:
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        logits = net(s, ti)
-                    loss, _, _ = label_smoothed_nll(logits, to, cfg.label_smoothing, a.pad_id)
-                    loss = loss / ntok
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_total += loss.item()
-            if scaler:
-                scaler.unscale_(opt)
-            if cfg.clip_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-
-            now = time.time()
-            state["train_seconds"] += now - t_last
-            t_last = now
-            state["step"] += 1
-            state["batch_idx"] += len(group)
-            state["tokens"] += ntok * world
-            state["losses"].append(round(loss_total, 4))
-            tok_window += ntok * world
-            bar.update(1)
-            if now - t_window > 2:
-                bar.set_postfix(loss=f"{loss_total:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_window / (now - t_window):.0f}",
-                                ep=state["epoch"])
-                tok_window, t_window = 0, now
-            epoch_done = state["batch_idx"] >= len(batches)
-            if epoch_done:
-                state["epoch"] += 1
-                state["batch_idx"] = 0
-            if cfg.eval_every and state["step"] % cfg.eval_every == 0:
-                m = evaluate() if rank == 0 else {}
-                m["step"], m["epoch"] = state["step"], state["epoch"]
-                m["minutes"] = round(state["train_seconds"] / 60, 2)
-                if rank == 0:
-                    improved = m["dev_bleu"] > state["best_bleu"]
-                    if improved:
-                        state["best_bleu"], state["bad_evals"] = m["dev_bleu"], 0
-                    else:
-                        state["bad_evals"] += 1
-                    state["history"].append(m)
-                    tqdm.write(f"step {m['step']}  dev loss {m['dev_loss']:.3f}  BLEU {m['dev_bleu']:.2f}  "
-                               f"chrF {m['dev_chrf']:.2f}  ({m['minutes']} min){'  *best*' if improved else ''}")
-                    save([best_path] if improved else [])
-                    step_ck = os.path.join(cfg.out_dir, f"ckpt-{state['step']:07d}.pt")
-                    save([step_ck])
-                    _prune_step_checkpoints(cfg.out_dir, cfg.keep_last)
-                if ddp:
-                    obj = [state["bad_evals"], state["best_bleu"]]
-                    dist.broadcast_object_list(obj, src=0)
-                    state["bad_evals"], state["best_bleu"] = obj
-                release_memory()
-                t_last = time.time()  # evaluation is not training time
-            if cfg.save_every and state["step"] % cfg.save_every == 0:
-                save([last_path])
-            if state["step"] % 50 == 0:
-                release_memory()
-            reason = stop_reason()
-            if epoch_done:
-                break  # the next epoch has its own batches
-    bar.close()
-    save([last_path])
-    if not os.path.exists(best_path):
-        save([best_path])
-
-    result = {"stop_reason": reason, "step": state["step"], "epoch": state["epoch"],
-              "train_minutes": round(state["train_seconds"] / 60, 2), "best_dev_bleu": state["best_bleu"],
-              "history": state["history"], "train_loss": state["losses"]}
+    t = Trainer(cfg, load_corpus(cfg, ddp), device, ddp)
+    reason = t.fit()
+    t.save([t.last_path])
+    if not os.path.exists(t.best_path):
+        t.save([t.best_path])
+    result = t.summary(reason)
     dump = os.environ.get("KIT_DUMP_PARAMS_DIR")
     if dump:  # lets tests compare the replicas of a DDP run
         os.makedirs(dump, exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
-                   os.path.join(dump, f"rank{rank}.pt"))
-    if rank == 0 and cfg.test_at_end:
-        ck = torch.load(best_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(ck["model"])
-        tsrc, tref = corpus.prep.read("test")
-        t0 = time.time()
-        if cfg.dev_decoder == "lean":
-            hyps = translate_lean(model, meta, tsrc, cfg.out_dir)
-        else:
-            hyps = translate(model, sp, tsrc, corpus.norm_src, amp_dtype=amp_dtype)
-        m = score(hyps, tref)
-        result.update({"test_" + k: v for k, v in m.items()})
-        result["test_translate_seconds"] = round(time.time() - t0, 1)
-        result["best_step"] = ck["step"]
-        with open(os.path.join(cfg.out_dir, "test.hyp"), "w", encoding="utf-8") as fh:
-            fh.write("\n".join(hyps) + "\n")
-        print(f"test ({corpus.prep.src_lang}->{corpus.prep.tgt_lang}, best step {ck['step']}): "
-              f"BLEU {m['bleu']:.2f}  chrF {m['chrf']:.2f}", flush=True)
-    if rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in t.model.state_dict().items()},
+                   os.path.join(dump, f"rank{t.rank}.pt"))
+    if t.rank == 0 and cfg.test_at_end:
+        result.update(t.test())  # loads best.pt into the model
+    if t.rank == 0:
         with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
             json.dump(result, fh, indent=2)
     if ddp:
         dist.barrier()
     return result
+
+
+def init_distributed() -> tuple[bool, torch.device]:
+    """(DDP or not, this rank's device); joins the process group when torchrun launched us."""
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if ddp and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return ddp, device
+
+
+def load_corpus(cfg: TrainConfig, ddp: bool) -> Corpus:
+    rank = dist_info()[0]
+    corpus = Corpus(cfg, True) if rank == 0 else None  # rank 0 builds the caches, the others read them
+    if ddp:
+        dist.barrier()
+    return corpus or Corpus(cfg, False)
+
+
+def autocast_setup(amp: str, device: torch.device):
+    """(autocast dtype or None, GradScaler or None) for cfg.amp on this device."""
+    if device.type == "cpu" and (amp == "bf16" or (amp == "auto" and cpu_has_bf16())):
+        return torch.bfloat16, None
+    if device.type == "cuda" and amp in ("auto", "fp16"):
+        return torch.float16, torch.amp.GradScaler("cuda")
+    if device.type == "cuda" and amp == "bf16":
+        return torch.bfloat16, None
+    return None, None
+
+
+class Trainer:
+    """One run's model, optimizer and progress (`state`, all of it in each checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig, corpus: Corpus, device: torch.device, ddp: bool):
+        self.cfg, self.corpus, self.device, self.ddp = cfg, corpus, device, ddp
+        self.rank, self.world = dist_info()
+        self.verbose = self.rank == 0
+        self.train_lens = ([len(x) for x in corpus.train["src"]], [len(x) + 1 for x in corpus.train["tgt"]])
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        sp, prep = corpus.sp, corpus.prep
+        self.model = build_model(cfg, sp.get_piece_size()).to(device)
+        self.meta = {"spm_model": os.path.abspath(prep.spm_model), "src_lang": prep.src_lang,
+                     "tgt_lang": prep.tgt_lang, "normaliser": prep.normaliser, "preset": cfg.preset,
+                     "bos_id": sp.bos_id(), "unk_id": sp.unk_id(), "data_dir": prep.dir}
+        self.amp_dtype, self.scaler = autocast_setup(cfg.amp, device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8,
+                                    weight_decay=cfg.weight_decay)
+        self.state = {"step": 0, "epoch": 0, "batch_idx": 0, "best_bleu": -1.0, "bad_evals": 0,
+                      "train_seconds": 0.0, "tokens": 0, "history": [], "losses": []}
+        self.last_path = os.path.join(cfg.out_dir, "last.pt")
+        self.best_path = os.path.join(cfg.out_dir, "best.pt")
+        if self.rank == 0:
+            for f in remove_stale_tmp(cfg.out_dir):
+                print(f"removed {f}: a save cut short by an earlier run", flush=True)
+        if os.path.exists(self.last_path):
+            self.resume()
+        self.net = self.model
+        if ddp:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def resume(self):
+        ck = torch.load(self.last_path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["optimizer"])
+        if self.scaler is not None and ck.get("scaler"):
+            self.scaler.load_state_dict(ck["scaler"])
+        torch.set_rng_state(ck["rng_torch"])
+        random.setstate(_to_tuple(ck["rng_python"]))
+        for k in self.state:
+            self.state[k] = ck[k]
+        if self.verbose:
+            st = self.state
+            print(f"resuming from {self.last_path} at step {st['step']} (epoch {st['epoch']}, "
+                  f"batch {st['batch_idx']})", flush=True)
+
+    def save(self, paths: list[str]):
+        if self.rank != 0:
+            return
+        ck = checkpoint_state(self.model, self.opt, self.scaler, self.state, self.cfg, self.meta)
+        for p in paths:
+            atomic_save(ck, p)
+
+    def stop_reason(self) -> str | None:
+        cfg, st = self.cfg, self.state
+        if cfg.max_steps and st["step"] >= cfg.max_steps:
+            return "max_steps"
+        if cfg.max_epochs and st["epoch"] >= cfg.max_epochs:
+            return "max_epochs"
+        if cfg.max_minutes and st["train_seconds"] >= cfg.max_minutes * 60:
+            return "max_minutes"
+        if cfg.patience and st["bad_evals"] >= cfg.patience:
+            return "patience"
+        return None
+
+    def fit(self) -> str:
+        """Train until a stop condition holds; returns its name."""
+        self.model.train()
+        self.bar = tqdm(total=self.cfg.max_steps or None, initial=self.state["step"], disable=not self.verbose,
+                        dynamic_ncols=True, desc=f"train {self.cfg.preset}")
+        reason = self.stop_reason()
+        self.t_last, self.tok_window, self.t_window = time.time(), 0, time.time()
+        while reason is None:
+            reason = self.epoch()
+        self.bar.close()
+        return reason
+
+    def epoch(self) -> str | None:
+        """The rest of the current epoch, or less if a stop condition comes first."""
+        cfg, st = self.cfg, self.state
+        batches = shard(make_batches(*self.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, st["epoch"]),
+                        self.rank, self.world)
+        reason = None
+        while st["batch_idx"] < len(batches) and reason is None:
+            group = batches[st["batch_idx"]: st["batch_idx"] + cfg.accum]
+            ntok, loss, lr = self.step(group)
+            self.account(len(group), ntok, loss, lr)
+            epoch_done = st["batch_idx"] >= len(batches)
+            if epoch_done:
+                st["epoch"] += 1
+                st["batch_idx"] = 0
+            if cfg.eval_every and st["step"] % cfg.eval_every == 0:
+                self.evaluate()
+            if cfg.save_every and st["step"] % cfg.save_every == 0:
+                self.save([self.last_path])
+            if st["step"] % 50 == 0:
+                release_memory()
+            reason = self.stop_reason()
+            if epoch_done:
+                break  # the next epoch has its own batches
+        return reason
+
+    def step(self, group: list) -> tuple[int, float, float]:
+        """One optimizer step over the micro-batches in `group`; (target tokens, loss, lr)."""
+        a, cfg, opt, scaler = self.model.args, self.cfg, self.opt, self.scaler
+        src_ids, tgt_ids = self.corpus.train["src"], self.corpus.train["tgt"]
+        micro = [collate(src_ids, tgt_ids, idx, a.pad_id, a.decoder_start_id, a.eos_id) for idx in group]
+        ntok = sum(int((to != a.pad_id).sum()) for _, _, to in micro)
+        lr = inv_sqrt_lr(self.state["step"] + 1, cfg.lr, cfg.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_total = 0.0
+        for k, batch in enumerate(micro):
+            s, ti, to = (t.to(self.device) for t in batch)
+            sync = k == len(micro) - 1
+            with self.net.no_sync() if (self.ddp and not sync) else contextlib.nullcontext():
+                with self.autocast():
+                    logits = self.net(s, ti)
+                loss, _, _ = label_smoothed_nll(logits, to, cfg.label_smoothing, a.pad_id)
+                loss = loss / ntok
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_total += loss.item()
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg.clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return ntok, loss_total, lr
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def account(self, n_batches: int, ntok: int, loss: float, lr: float):
+        """Progress after a step: the state's counters, the training clock, the progress bar."""
+        st, now = self.state, time.time()
+        st["train_seconds"] += now - self.t_last
+        self.t_last = now
+        st["step"] += 1
+        st["batch_idx"] += n_batches
+        st["tokens"] += ntok * self.world
+        st["losses"].append(round(loss, 4))
+        self.tok_window += ntok * self.world
+        self.bar.update(1)
+        if now - self.t_window > 2:
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}",
+                                 tok_s=f"{self.tok_window / (now - self.t_window):.0f}", ep=st["epoch"])
+            self.tok_window, self.t_window = 0, now
+
+    def evaluate(self):
+        """Dev metrics into the history, patience, best.pt and a step checkpoint (rank 0);
+        the ranks then agree on patience."""
+        st = self.state
+        m = self.dev_metrics() if self.rank == 0 else {}
+        m["step"], m["epoch"] = st["step"], st["epoch"]
+        m["minutes"] = round(st["train_seconds"] / 60, 2)
+        if self.rank == 0:
+            improved = m["dev_bleu"] > st["best_bleu"]
+            if improved:
+                st["best_bleu"], st["bad_evals"] = m["dev_bleu"], 0
+            else:
+                st["bad_evals"] += 1
+            st["history"].append(m)
+            tqdm.write(f"step {m['step']}  dev loss {m['dev_loss']:.3f}  BLEU {m['dev_bleu']:.2f}  "
+                       f"chrF {m['dev_chrf']:.2f}  ({m['minutes']} min){'  *best*' if improved else ''}")
+            self.save([self.best_path] if improved else [])
+            self.save([os.path.join(self.cfg.out_dir, f"ckpt-{st['step']:07d}.pt")])
+            _prune_step_checkpoints(self.cfg.out_dir, self.cfg.keep_last)
+        if self.ddp:
+            obj = [st["bad_evals"], st["best_bleu"]]
+            dist.broadcast_object_list(obj, src=0)
+            st["bad_evals"], st["best_bleu"] = obj
+        release_memory()
+        self.t_last = time.time()  # evaluation is not training time
+
+    def dev_metrics(self) -> dict:
+        c = self.corpus
+        self.model.eval()
+        loss = self.dev_loss()
+        n_dev = self.cfg.dev_max or len(c.dev_src)
+        m = score(self.decode(c.dev_src[:n_dev]), c.dev_ref[:n_dev])
+        self.model.train()
+        return {"dev_loss": loss, "dev_bleu": m["bleu"], "dev_chrf": m["chrf"]}
+
+    @torch.no_grad()
+    def dev_loss(self) -> float:
+        """Per-token dev cross-entropy (no label smoothing)."""
+        a, dev = self.model.args, self.corpus.dev
+        loss_sum, ntok = 0.0, 0
+        for idx in make_batches([len(x) for x in dev["src"]], [len(x) + 1 for x in dev["tgt"]],
+                                self.cfg.max_tokens, self.cfg.max_sentences, 0, 0, shuffle=False):
+            s, ti, to = (t.to(self.device) for t in collate(dev["src"], dev["tgt"], idx, a.pad_id,
+                                                            a.decoder_start_id, a.eos_id))
+            with self.autocast():
+                logits = self.model(s, ti)
+            _, nll, n = label_smoothed_nll(logits, to, 0.0, a.pad_id)
+            loss_sum, ntok = loss_sum + nll.item(), ntok + n
+        return round(loss_sum / max(ntok, 1), 4)
+
+    def decode(self, lines: list[str]) -> list[str]:
+        """Greedy translations for dev and test BLEU, with the decoder cfg.dev_decoder names."""
+        if self.cfg.dev_decoder == "lean":
+            return translate_lean(self.model, self.meta, lines, self.cfg.out_dir)
+        return translate(self.model, self.corpus.sp, lines, self.corpus.norm_src, amp_dtype=self.amp_dtype)
+
+    def summary(self, reason: str) -> dict:
+        st = self.state
+        return {"stop_reason": reason, "step": st["step"], "epoch": st["epoch"],
+                "train_minutes": round(st["train_seconds"] / 60, 2), "best_dev_bleu": st["best_bleu"],
+                "history": st["history"], "train_loss": st["losses"]}
+
+    def test(self) -> dict:
+        """The best checkpoint on the test split; writes test.hyp."""
+        ck = torch.load(self.best_path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(ck["model"])
+        prep = self.corpus.prep
+        tsrc, tref = prep.read("test")
+        t0 = time.time()
+        hyps = self.decode(tsrc)
+        m = score(hyps, tref)
+        out = {"test_" + k: v for k, v in m.items()}
+        out["test_translate_seconds"] = round(time.time() - t0, 1)
+        out["best_step"] = ck["step"]
+        with open(os.path.join(self.cfg.out_dir, "test.hyp"), "w", encoding="utf-8") as fh:
+            fh.write("\n".join(hyps) + "\n")
+        print(f"test ({prep.src_lang}->{prep.tgt_lang}, best step {ck['step']}): "
+              f"BLEU {m['bleu']:.2f}  chrF {m['chrf']:.2f}", flush=True)
+        return out
 
 
 def _prune_step_checkpoints(out_dir: str, keep: int):
@@ -423,11 +481,3 @@ def _prune_step_checkpoints(out_dir: str, keep: int):
 
 def _to_tuple(x):
     return tuple(_to_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
