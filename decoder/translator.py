@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable, Iterator
 
 import torch
@@ -98,7 +99,8 @@ class Translator:
                 modeldir.read_shortlist(model_dir, cfg)  # a bad file fails here, once, not in each worker
             # the model lives in the workers only; they get the precision already resolved
             switches = {k: v for k, v in vars(self.opts).items() if k not in ("workers", "pipeline")}
-            self.pool = WorkerPool(model_dir, self.opts.workers, self.precision, switches)
+            self.pool = WorkerPool(partial(Translator, model_dir, device="cpu", precision=self.precision,
+                                           threads=1, **switches), self.opts.workers)
             return
         self.model = Model(cfg, weights, precision=self.precision, device=self.device,
                            fused_qkv=self.opts.fused_qkv, fused_ops=self.opts.fused_ops,
