@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from decoder import durable
 from student.distill import report as report_mod
 from student.distill.filter import clean_distilled, one_line
 from student.distill.shards import assemble, translate_shards
@@ -122,8 +123,7 @@ def _read(path):
 
 
 def _write(path, lines):
-    from student.data.corpus import write_lines
-    write_lines(path, lines)
+    durable.write_lines(path, lines)
 
 
 def check(cfg: DistillConfig) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from decoder import durable
 from student.model import ModelArgs, Transformer, preset
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
@@ -82,11 +83,7 @@ def dist_info() -> tuple[int, int]:
 
 
 def atomic_save(obj, path: str):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    durable.atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def remove_stale_tmp(out_dir: str) -> list[str]:
@@ -403,13 +400,11 @@ def train(cfg: TrainConfig) -> dict:
         result.update({"test_" + k: v for k, v in m.items()})
         result["test_translate_seconds"] = round(time.time() - t0, 1)
         result["best_step"] = ck["step"]
-        with open(os.path.join(cfg.out_dir, "test.hyp"), "w", encoding="utf-8") as fh:
-            fh.write("\n".join(hyps) + "\n")
+        durable.write_lines(os.path.join(cfg.out_dir, "test.hyp"), hyps)
         print(f"test ({corpus.prep.src_lang}->{corpus.prep.tgt_lang}, best step {ck['step']}): "
               f"BLEU {m['bleu']:.2f}  chrF {m['chrf']:.2f}", flush=True)
     if rank == 0:
-        with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
-            json.dump(result, fh, indent=2)
+        durable.write_json(os.path.join(cfg.out_dir, "metrics.json"), result)  # last: the run's result
     if ddp:
         dist.barrier()
     return result
