@@ -32,6 +32,11 @@ def _init(factory: Callable, cores) -> None:
     core = cores.get()
     if core is not None:
         os.sched_setaffinity(0, {core})
+    try:  # out of memory, the kernel kills a worker (the parent recovers from that), not the parent
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("500")  # raising one's own score needs no privilege
+    except OSError:
+        pass
     global _translator
     _translator = factory()
 

@@ -4,6 +4,7 @@ one warning per death, no line lost and the output of a one-thread run."""
 import ast
 import os
 import signal
+import time
 from functools import partial
 
 import pytest
@@ -81,3 +82,17 @@ def test_workers_module_does_not_import_the_translator():
     imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in imported if "translator" in m], imported
+
+
+def test_workers_are_the_oom_killers_first_choice(model_dir):
+    if not os.path.exists("/proc/self/oom_score_adj"):
+        pytest.skip("no /proc/self/oom_score_adj")
+    pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
+    try:
+        scores = lambda: [int(open(f"/proc/{p}/oom_score_adj").read()) for p in pool.pids()]  # noqa: E731
+        deadline = time.time() + 120  # each worker sets it when it starts
+        while scores() != [500, 500] and time.time() < deadline:
+            time.sleep(0.1)
+        assert scores() == [500, 500] and int(open("/proc/self/oom_score_adj").read()) < 500
+    finally:
+        pool.close()
