@@ -17,6 +17,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from . import durable
+
 FORMAT_VERSION = 1
 CONFIG, WEIGHTS, SPM = "config.json", "model.safetensors", "spm.model"
 SHORTLIST = "shortlist.safetensors"
@@ -276,15 +278,13 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
     check_shortlist(tensors, cfg.arch.vocab_size, path)  # before anything is written
     # int32: half the bytes, and vocabularies stay far below 2**31
     tensors = {n: x.to(torch.int32).contiguous() for n, x in tensors.items()}
-    save_file(tensors, path, metadata={k: str(v) for k, v in (metadata or {}).items()})
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    durable.atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     cpath = os.path.join(model_dir, CONFIG)
     with open(cpath, encoding="utf-8") as fh:
         d = json.load(fh)
     d.setdefault("files", {})["shortlist"] = SHORTLIST
-    tmp = f"{cpath}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(d, fh, indent=2, ensure_ascii=False)
-    os.replace(tmp, cpath)
+    durable.write_json(cpath, d)
     return path
 
 

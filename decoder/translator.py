@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Iterable, Iterator
 
 import torch
@@ -107,7 +108,8 @@ class Translator:
                 modeldir.read_shortlist(model_dir, cfg)  # a bad file fails here, once, not in each worker
             # the model lives in the workers only; they get the precision already resolved
             kw = {k: v for k, v in o.flat().items() if k not in ("workers", "pipeline")}
-            self.pool = WorkerPool(model_dir, o.workers, self.precision, kw)
+            self.pool = WorkerPool(partial(Translator, model_dir, device="cpu", precision=self.precision,
+                                           threads=1, **kw), o.workers)
             return
         self.model = Model(cfg, weights, self.plan, precision=self.precision, device=self.device)
         if self.plan.shortlist:

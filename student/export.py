@@ -18,7 +18,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from decoder import modeldir
+from decoder import durable, modeldir
 from student.model import ModelArgs, Transformer
 
 
@@ -46,14 +46,7 @@ def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
         save_file(sd, os.path.join(tmp, modeldir.WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         modeldir.load(tmp)  # refuse to publish a dir the decoder cannot read
-        if os.path.isdir(out_dir):
-            old = out_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        durable.publish_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

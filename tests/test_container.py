@@ -185,6 +185,17 @@ def test_million_lines_stream_through_2g(image):
     assert lines(r.stdout).count(b"") >= 999_900  # empty lines stayed empty
 
 
+def test_cpu_all_throughput_under_512m_translates_every_line(image, model_dir):
+    """A parent and a worker per core peak at about 600 MiB; under 512m the
+    workers were OOM-killed (exit 1, no output). The memory limit now bounds the
+    worker count (submission/cgroup.py): one process, every line, same output."""
+    text = ("\n".join(synthetic_corpus(3000, seed=5)) + "\n").encode()
+    r = run(image, ["/run.sh", "CPU-ALL", "throughput"], text, mem_limit="512m", memswap_limit="512m")
+    assert r.exit_code == 0 and not r.oom_killed, r.stderr[-500:]
+    assert r.stdout == reference(model_dir, text, ONE)
+    assert r.stderr == b""
+
+
 @pytest.mark.parametrize("damage", ["missing", "empty", "corrupt-weights", "bad-config"])
 def test_missing_or_corrupt_model_exits_nonzero_with_one_error(image, model_dir, tmp_path, damage):
     bad = tmp_path / "model"

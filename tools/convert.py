@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import torch
 
-from decoder import modeldir
+from decoder import durable, modeldir
 from decoder.modeldir import sinusoidal_table
 
 
@@ -93,8 +93,7 @@ def to_ctranslate2(model_dir: str, out_dir: str, quantization: str | None = None
     os.makedirs(tmp)
     spec.save(tmp)
     shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+    durable.publish_dir(tmp, out_dir)
     assert ctranslate2.__version__  # imported for its spec; keeps linters honest
     return out_dir
 

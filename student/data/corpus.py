@@ -10,6 +10,8 @@ import tempfile
 
 from tqdm import tqdm
 
+from decoder import durable
+
 SWORD_PATH = os.environ.get("SWORD_PATH", "/usr/share/sword")
 SWORD_PACKAGES = ["sword-text-web", "sword-text-sparv"]
 APT_COMMAND = "apt-get install -y --no-install-recommends " + " ".join(SWORD_PACKAGES)
@@ -129,8 +131,4 @@ def extract_bible(out_dir: str, verbose: bool = True) -> str:
 def _publish(tmp: str, final: str) -> None:
     """Rename a finished temp dir into place; a concurrent run that got there first wins."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isdir(final):
-            raise
+    durable.publish_dir(tmp, final, replace=False)

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from decoder import modeldir
+from decoder import durable, modeldir
 from student.data import prepare, read_lines
-from student.data.corpus import write_lines
 from student.data.pipeline import file_digest
 from student.distill import report as report_mod
 from student.distill.filter import clean_distilled, one_line
@@ -252,8 +251,8 @@ class Pipeline:
             if self.rank == 0:
                 src, tgt = prep.read("train")
                 n = limit or len(src)
-                write_lines(f"{d}/train.src", (one_line(x) for x in src[:n]))
-                write_lines(f"{d}/train.tgt", (one_line(x) for x in tgt[:n]))
+                durable.write_lines(f"{d}/train.src", (one_line(x) for x in src[:n]))
+                durable.write_lines(f"{d}/train.tgt", (one_line(x) for x in tgt[:n]))
 
         def finish(d):
             return {"train_pairs": len(_read(f"{d}/train.src")), "prepared": prep.dir,
@@ -309,7 +308,7 @@ class Pipeline:
 
         def finish(d):
             hyp = assemble(f"{d}/shards", len(src_lines), cfg.shard_size)
-            write_lines(f"{d}/distilled.txt", hyp)
+            durable.write_lines(f"{d}/distilled.txt", hyp)
             return {"sentences": len(hyp), "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
                     "world": self.world}
 
@@ -332,8 +331,8 @@ class Pipeline:
             if cfg.mix_original:
                 s = s + src_lines
                 h = h + [one_line(x) for x in _read(train_tgt)]
-            write_lines(f"{d}/train.src", s)
-            write_lines(f"{d}/train.tgt", h)
+            durable.write_lines(f"{d}/train.src", s)
+            durable.write_lines(f"{d}/train.tgt", h)
             return {"removed": {k: v for k, v in counts.items() if k != "kept"}, "distilled_kept": counts["kept"],
                     "pairs": len(s), "mixed_original": cfg.mix_original}
 

@@ -12,6 +12,8 @@ import time
 
 from tqdm import tqdm
 
+from decoder import durable
+
 
 def shard_path(shard_dir: str, i: int) -> str:
     return os.path.join(shard_dir, f"shard-{i:05d}.txt")
@@ -22,12 +24,7 @@ def n_shards(n_lines: int, size: int) -> int:
 
 
 def write_atomic(path: str, lines: list[str]) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
-        fh.writelines(x + "\n" for x in lines)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    durable.write_lines(path, lines)
 
 
 def read_shard(path: str) -> list[str]:

@@ -19,6 +19,8 @@ import time
 
 import torch.distributed as dist
 
+from decoder import durable
+
 PACKAGES = ("torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy", "safetensors", "transformers",
             "ctranslate2")
 
@@ -29,10 +31,7 @@ def stage_key(name: str, options: dict, upstream: list[str]) -> str:
 
 
 def write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, ensure_ascii=False, default=str)
-    os.replace(tmp, path)
+    durable.write_json(path, obj, default=str)
 
 
 def barrier():
@@ -103,6 +102,7 @@ class Run:
             if self.rank == 0:
                 if finish is not None:
                     result = finish(d)
+                durable.fsync_tree(d)  # done.json vouches for the outputs: they reach the disk first
                 write_json(done, {"key": key, "result": result, "seconds": round(time.time() - t0, 1),
                                   "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
             barrier()
@@ -119,9 +119,7 @@ class Run:
         if self.rank != 0:
             return
         path = os.path.join(self.dir, name)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        os.symlink(os.path.relpath(target, self.dir), tmp)
-        os.replace(tmp, path)
+        durable.atomic_write(path, lambda tmp: os.symlink(os.path.relpath(target, self.dir), tmp))
 
 
 def _show(path: str) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from decoder import durable
 from student.data import normalise, prepare
 from student.model import Transformer, preset
 from student.train.batching import collate, make_batches, shard
@@ -84,11 +85,7 @@ def dist_info() -> tuple[int, int]:
 
 
 def atomic_save(obj, path: str):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    durable.atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def remove_stale_tmp(out_dir: str) -> list[str]:
@@ -201,8 +198,7 @@ def train(cfg: TrainConfig) -> dict:
     if t.rank == 0 and cfg.test_at_end:
         result.update(t.test())  # loads best.pt into the model
     if t.rank == 0:
-        with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
-            json.dump(result, fh, indent=2)
+        durable.write_json(os.path.join(cfg.out_dir, "metrics.json"), result)  # last: the run's result
     if ddp:
         dist.barrier()
     return result
@@ -466,8 +462,7 @@ class Trainer:
         out = {"test_" + k: v for k, v in m.items()}
         out["test_translate_seconds"] = round(time.time() - t0, 1)
         out["best_step"] = ck["step"]
-        with open(os.path.join(self.cfg.out_dir, "test.hyp"), "w", encoding="utf-8") as fh:
-            fh.write("\n".join(hyps) + "\n")
+        durable.write_lines(os.path.join(self.cfg.out_dir, "test.hyp"), hyps)
         print(f"test ({prep.src_lang}->{prep.tgt_lang}, best step {ck['step']}): "
               f"BLEU {m['bleu']:.2f}  chrF {m['chrf']:.2f}", flush=True)
         return out

@@ -9,31 +9,13 @@ output equals the CLI's and has one line per input line whatever the bytes.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
-
-def usable_cores() -> int:
-    """Cores this process may really use: the affinity mask, capped by a CFS
-    quota (`docker run --cpus N` sets only the quota, which nproc and torch's
-    default thread count ignore, so they would oversubscribe)."""
-    n = len(os.sched_getaffinity(0))
-    quota = None
-    try:
-        q, p = open("/sys/fs/cgroup/cpu.max").read().split()  # cgroup v2
-        quota = None if q == "max" else int(q) / int(p)
-    except (OSError, ValueError):
-        try:
-            q = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
-            p = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
-            quota = q / p if q > 0 else None
-        except (OSError, ValueError):
-            pass
-    return max(1, min(n, math.ceil(quota))) if quota else n
+from submission import cgroup
 
 
-def settings(hardware: str) -> dict:
+def settings(hardware: str, model_dir: str) -> dict:
     import torch
     if hardware == "auto":
         hardware = "GPU" if torch.cuda.is_available() else "CPU-ALL"
@@ -47,10 +29,14 @@ def settings(hardware: str) -> dict:
     # fp32, else fp32 (measured at start, decoder/README.md "Precision").
     # CPU-ALL throughput: one pinned single-thread worker process per core, fed
     # whole batches (decoder/workers.py); 1.2-1.4x faster than one process with
-    # a thread per core on 2 cores (docs/container.md). Latency has one
-    # sentence at a time, nothing to spread over processes: threads.
-    cores = 1 if hardware == "CPU-1" else usable_cores()
-    return dict(device="cpu", precision="auto", threads=cores, workers=cores if cores > 1 else 0)
+    # a thread per core on 2 cores (docs/container.md), as long as the cgroup's
+    # memory holds a model copy per worker (submission/cgroup.py). Latency has
+    # one sentence at a time, nothing to spread over processes: threads.
+    if hardware == "CPU-1":
+        return dict(device="cpu", precision="auto", threads=1, workers=0)
+    cores = cgroup.usable_cores()
+    workers = cgroup.workers_that_fit(cores, cgroup.memory_limit(), cgroup.model_bytes(model_dir))
+    return dict(device="cpu", precision="auto", threads=cores, workers=workers)
 
 
 def main(argv=None) -> int:
@@ -63,7 +49,7 @@ def main(argv=None) -> int:
     from decoder.__main__ import read_lines  # the CLI's reader: same lines, same bytes
     from decoder.modeldir import ModelDirError
     from decoder.translator import Translator
-    s = settings(a.hardware)
+    s = settings(a.hardware, a.model)
     try:
         # latency: one line at a time, nothing to overlap with worker threads
         tr = Translator(a.model, device=s["device"], precision=s["precision"], threads=s["threads"],

@@ -1,0 +1,115 @@
+"""Files and dirs that are, after a crash or a power loss, either the previous
+version or the whole new one, never a part.
+
+One pattern for every output the kit publishes: write a temp file (or dir)
+next to the target, fsync its contents, rename it over the target, then fsync
+the parent directory. The rename is an entry in the directory, so without the
+last fsync a power loss can undo it, or keep it while the file's data, never
+flushed, reads back empty. A completion marker (a stage's done.json) is
+written this way only after `fsync_tree` of everything it vouches for.
+
+Temp names are `TARGET.tmp.PID`: a later run can tell a dead writer's leftover
+from a live one's (student/train/trainer.py:remove_stale_tmp).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Iterable
+
+
+def tmp_name(path: str) -> str:
+    return f"{path}.tmp.{os.getpid()}"
+
+
+def fsync_path(path: str) -> None:
+    """Flush one file's or one directory's contents to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync a file, or every file and dir under a dir (children before parents)."""
+    if os.path.islink(path):
+        return  # the link's name lives in its dir; fsync of the dir covers it
+    if not os.path.isdir(path):
+        fsync_path(path)
+        return
+    for root, dirs, files in os.walk(path, topdown=False):
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                fsync_path(p)
+        fsync_path(root)
+
+
+def _parent(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
+
+
+def publish(tmp: str, path: str) -> None:
+    """Rename a finished temp file (or symlink) over `path`, durably."""
+    fsync_tree(tmp)
+    os.replace(tmp, path)
+    fsync_path(_parent(path))
+
+
+def atomic_write(path: str, write: Callable[[str], object]) -> None:
+    """`write(tmp)` creates the temp file; then it replaces `path`. On an
+    exception the temp file goes and `path` keeps its previous contents."""
+    tmp = tmp_name(path)
+    try:
+        write(tmp)
+        publish(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_text(path: str, text: str) -> None:
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+    atomic_write(path, write)
+
+
+def write_lines(path: str, lines: Iterable[str]) -> None:
+    """One line per item, each ending in "\\n"."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+            fh.writelines(x + "\n" for x in lines)
+    atomic_write(path, write)
+
+
+def write_json(path: str, obj, **kw) -> None:
+    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw))
+
+
+def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
+    """Rename a finished temp dir to `path`, durably. An existing dir `path`
+    is swapped out (`replace`), or else kept: another writer got there first
+    with the same contents, and the caller removes `tmp`."""
+    fsync_tree(tmp)
+    parent = _parent(path)
+    if os.path.isdir(path) and not os.path.islink(path):
+        if not replace:
+            return
+        old = tmp_name(path.rstrip("/") + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)  # a dir cannot be renamed over a non-empty one
+        os.rename(tmp, path)
+        fsync_path(parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if replace or not os.path.isdir(path):
+            raise
+        return  # a concurrent writer published it between the check and the rename
+    fsync_path(parent)

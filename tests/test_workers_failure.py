@@ -1,0 +1,98 @@
+"""CPU-ALL worker processes that die mid-run (the OOM killer's SIGKILL): the
+parent finishes the input with fewer workers, then in its own process, with
+one warning per death, no line lost and the output of a one-thread run."""
+import ast
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from conftest import ROOT
+from decoder import Translator
+from decoder.workers import WorkerPool
+from fixture_model import make_model_dir, synthetic_corpus
+
+OPTS = dict(chunk_lines=10, max_sentences=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1, enc=1, dec=1)
+
+
+@pytest.fixture(scope="module")
+def lines():
+    return synthetic_corpus(100, seed=11)
+
+
+@pytest.fixture(scope="module")
+def want(model_dir, lines):
+    return Translator(model_dir, threads=1, **OPTS).translate(lines)
+
+
+def killing(lines, pool, at):
+    """The lines, SIGKILLing one worker of `pool` when the reader reaches each index in `at`:
+    the kill lands while the pool still has lines to translate."""
+    for i, line in enumerate(lines):
+        if i in at:
+            os.kill(pool.pids()[0], signal.SIGKILL)
+        yield line
+
+
+def test_killed_worker_mid_run_loses_no_line_and_warns_once(model_dir, lines, want, capfd):
+    with Translator(model_dir, workers=2, **OPTS) as tr:
+        capfd.readouterr()
+        assert tr.translate(killing(lines, tr.pool, at={40})) == want
+        assert tr.pool.n == 1 and len(tr.pool.pids()) == 1
+    err = capfd.readouterr().err
+    assert err.count("warning:") == 1 and "finishing the input with 1 worker process" in err, err
+    assert "Traceback" not in err
+
+
+def test_last_worker_killed_parent_finishes_in_process(model_dir, lines, want, capfd):
+    with Translator(model_dir, workers=2, **OPTS) as tr:
+        capfd.readouterr()
+        assert tr.translate(killing(lines, tr.pool, at={30, 70})) == want
+        assert tr.pool.n == 0 and tr.pool.pids() == []
+        assert tr.translate(lines[:7]) == want[:7]  # the parent keeps serving
+    err = capfd.readouterr().err
+    assert err.count("warning:") == 2 and "finishing the input with this process" in err, err
+
+
+def test_batches_queued_on_a_killed_worker_are_resubmitted(model_dir, lines, want):
+    one = Translator(model_dir, threads=1)
+    batches = [one.text.encode(lines[i:i + 5]) for i in range(0, len(lines), 5)]
+    pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
+    try:
+        assert [pool.submit(b).result() for b in batches[:1]] == [one.translate_ids(batches[0])]
+        jobs = [pool.submit(b) for b in batches]  # all queued before any comes back
+        os.kill(pool.pids()[1], signal.SIGKILL)
+        assert [j.result() for j in jobs] == [one.translate_ids(b) for b in batches]
+        assert pool.n == 1
+    finally:
+        pool.close()
+
+
+def test_workers_module_does_not_import_the_translator():
+    tree = ast.parse(open(os.path.join(ROOT, "decoder", "workers.py")).read())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if "translator" in m], imported
+
+
+def test_workers_are_the_oom_killers_first_choice(model_dir):
+    if not os.path.exists("/proc/self/oom_score_adj"):
+        pytest.skip("no /proc/self/oom_score_adj")
+    pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
+    try:
+        scores = lambda: [int(open(f"/proc/{p}/oom_score_adj").read()) for p in pool.pids()]  # noqa: E731
+        deadline = time.time() + 120  # each worker sets it when it starts
+        while scores() != [500, 500] and time.time() < deadline:
+            time.sleep(0.1)
+        assert scores() == [500, 500] and int(open("/proc/self/oom_score_adj").read()) < 500
+    finally:
+        pool.close()
