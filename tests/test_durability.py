@@ -95,7 +95,6 @@ def test_failed_write_keeps_the_previous_file_and_no_temp(tmp_path, monkeypatch,
 
 
 def test_stage_done_json_follows_its_outputs_onto_the_disk(tmp_path, monkeypatch):
-    from student.distill.pipeline import _write
     from student.distill.stages import Run
 
     def work(d):  # a stage output written without any care, as a teacher or tool might
@@ -104,7 +103,7 @@ def test_stage_done_json_follows_its_outputs_onto_the_disk(tmp_path, monkeypatch
             fh.write("hola\n")
 
     def finish(d):
-        _write(f"{d}/distilled.txt", ["hola"])
+        durable.write_lines(f"{d}/distilled.txt", ["hola"])
         return {"sentences": 1}
 
     run = Run(str(tmp_path / "run"), {}, log=lambda *a: None)
