@@ -140,4 +140,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from decoder.cliargs import run
+    sys.exit(run(main))  # `| head` on the report ends quietly
