@@ -121,6 +121,10 @@ def _one_of(*values) -> Field:
     return Field(type(values[0]), lambda v: v in values, names[0] if len(names) == 1 else "one of " + ", ".join(names))
 
 
+def _language(required: bool = True) -> Field:
+    return Field(str, lambda v: bool(v.strip()), "a language code", required)
+
+
 def _file_name(default: str) -> Field:
     return Field(str, lambda v: v == default, f'"{default}" (the decoder reads no other name)', required=False)
 
@@ -142,10 +146,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "scale_embedding": _one_of(True),
     },
     "special_ids": {k: _ints(0) for k in SPECIAL_IDS},  # and < vocab_size: check_config
-    "languages": {"src": Field(str, bool, "a language code"), "tgt": Field(str, bool, "a language code")},
+    "languages": {"src": _language(), "tgt": _language()},
     # {} = no normaliser; else a MosesPunctNormalizer (decoder/pipeline.py make_normaliser)
-    "normaliser": {"type": _one_of("moses-punct"), "src_lang": Field(str, bool, "a language code", False),
-                   "tgt_lang": Field(str, bool, "a language code", False),
+    "normaliser": {"type": _one_of("moses-punct"), "src_lang": _language(False), "tgt_lang": _language(False),
                    **{k: Field(bool, required=False) for k in _MOSES_FLAGS}},
     "files": {"weights": _file_name(WEIGHTS), "spm": _file_name(SPM)},  # shortlist: check_config
 }
@@ -173,27 +176,8 @@ def check_config(d: dict, where: str = CONFIG) -> None:
             if section in OPTIONAL_SECTIONS:
                 continue
             raise ModelDirError(f"{where}: missing or malformed field {section!r}")
-        sec = d[section]
-        if not isinstance(sec, dict):
-            bad(section, f"must be an object, got {json.dumps(sec)[:80]}")
-        if section == "normaliser" and not sec:
-            continue  # no normaliser
-        extra = sorted(set(sec) - set(fields)) if section != "files" else []  # files may list more
-        if extra:
-            bad(f"{section}.{extra[0]}", f"is not a key this decoder implements (known: {', '.join(fields)})")
-        for k, f in fields.items():
-            key = f"{section}.{k}"
-            if k not in sec:
-                if f.required:
-                    raise ModelDirError(f"{where}: missing or malformed field {key!r}")
-                continue
-            v = sec[k]
-            why = _type_error(v, f.kind)
-            if why is None and f.ok is not None and not f.ok(v):
-                why = f"must be {f.want}, got {json.dumps(v)}"
-            if why:
-                bad(key, why)
-    if "provenance" in d and not isinstance(d["provenance"], dict):
+        _check_section(section, d[section], fields, bad)
+    if not isinstance(d.get("provenance", {}), dict):
         bad("provenance", "must be an object")
     a, ids = d["architecture"], d["special_ids"]
     if a["d_model"] % a["n_heads"]:
@@ -206,11 +190,30 @@ def check_config(d: dict, where: str = CONFIG) -> None:
     # a bare name: the config must not point outside its own directory
     if shortlist is not None and (not isinstance(shortlist, str) or shortlist in ("", ".", "..")
                                   or "/" in shortlist or os.sep in shortlist):
-        raise ModelDirError(f"{where}: files.shortlist must be a file name in the model dir, "
-                            f"got {shortlist!r}")
+        bad("files.shortlist", f"must be a file name in the model dir, got {shortlist!r}")
     for k, v in files.items():
         if not isinstance(v, str):
             bad(f"files.{k}", f"must be a file name, got {json.dumps(v)}")
+
+
+def _check_section(section: str, sec, fields: dict[str, Field], bad) -> None:
+    if not isinstance(sec, dict):
+        bad(section, f"must be an object, got {json.dumps(sec)[:80]}")
+    if section == "normaliser" and not sec:
+        return  # no normaliser
+    extra = sorted(set(sec) - set(fields)) if section != "files" else []  # files may list more
+    if extra:
+        bad(f"{section}.{extra[0]}", f"is not a key this decoder implements (known: {', '.join(fields)})")
+    for k, f in fields.items():
+        if k not in sec:
+            if f.required:
+                bad(f"{section}.{k}", "is missing")
+            continue
+        why = _type_error(sec[k], f.kind)
+        if why is None and f.ok is not None and not f.ok(sec[k]):
+            why = f"must be {f.want}, got {json.dumps(sec[k])}"
+        if why:
+            bad(f"{section}.{k}", why)
 
 
 def tensor_shapes(a: Arch) -> dict[str, tuple[int, ...]]:
