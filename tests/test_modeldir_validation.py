@@ -167,3 +167,11 @@ def test_cli_refuses_bad_model_dir_with_one_error_line(model_dir, tmp_path, case
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 2 and r.stdout == b"", r.stderr.decode()[-2000:]
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_finiteness_check_tells_overflowing_sums_from_non_finite_values():
+    # the check sums each tensor first: huge finite weights overflow that sum, yet are finite
+    modeldir.check_weights({"huge": torch.full((4,), 3e38)}, "w.safetensors")
+    for bad in ([1.0, float("nan")], [float("inf"), float("-inf")], [3e38, 3e38, float("inf")]):
+        with pytest.raises(ModelDirError, match="w.safetensors: tensor t holds NaN or infinite values"):
+            modeldir.check_weights({"t": torch.tensor(bad)}, "w.safetensors")
