@@ -183,7 +183,8 @@ def test_debootstrap_base_is_imported_with_the_docker_sdk_without_a_shell(tmp_pa
 def test_makefile_passes_variables_as_single_arguments(target, variables, expected):
     r = subprocess.run(["make", "-n", target, *(f"{k}={v}" for k, v in variables.items())],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
-    line = next(x for x in r.stdout.splitlines() if f"-m {'submission.image' if target == 'image' else 'student.distill'}" in x)
+    module = "submission.image" if target == "image" else "student.distill"
+    line = next(x for x in r.stdout.splitlines() if f"-m {module}" in x)
     argv = shlex.split(line)
     for option, value in expected:
         assert argv[argv.index(option) + 1] == value, line

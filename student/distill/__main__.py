@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-hf", metavar="DIR", help="a local Hugging Face MarianMTModel dir (needs transformers)")
     g.add_argument("--teacher-preset", help=f"model preset of our own teacher (default {d.teacher_preset}: "
                                             "teacher-big on a GPU, teacher-tiny on CPU)")
-    g.add_argument("--teacher-minutes", type=nonneg_float, help=f"teacher training budget (default {d.teacher_minutes})")
+    g.add_argument("--teacher-minutes", type=nonneg_float,
+                   help=f"teacher training budget (default {d.teacher_minutes})")
     g.add_argument("--teacher-steps", type=nonneg_int, help="teacher step limit (0 = none)")
     g.add_argument("--teacher-set", action="append", metavar="KEY=VALUE", help="override a teacher model field")
     g.add_argument("--teacher-lr", type=positive_float, help=f"(default {d.teacher_lr})")
@@ -61,23 +62,27 @@ def parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("distilled corpus")
     g.add_argument("--shard-size", type=positive_int, help=f"source lines per shard (default {d.shard_size})")
-    g.add_argument("--min-ratio", type=nonneg_float, help=f"lowest source/target word ratio kept (default {d.min_ratio})")
-    g.add_argument("--max-ratio", type=positive_float, help=f"highest source/target word ratio kept (default {d.max_ratio})")
-    g.add_argument("--max-repeat", type=positive_int, help="drop outputs repeating a word or n-gram more than N times in "
-                                                  f"a row (default {d.max_repeat})")
+    g.add_argument("--min-ratio", type=nonneg_float,
+                   help=f"lowest source/target word ratio kept (default {d.min_ratio})")
+    g.add_argument("--max-ratio", type=positive_float,
+                   help=f"highest source/target word ratio kept (default {d.max_ratio})")
+    g.add_argument("--max-repeat", type=positive_int,
+                   help=f"drop outputs repeating a word or n-gram more than N times in a row (default {d.max_repeat})")
     g.add_argument("--mix-original", action=argparse.BooleanOptionalAction, default=None,
                    help="train the student on the distilled pairs plus the original pairs")
 
     g = p.add_argument_group("students")
     g.add_argument("--student-preset", help=f"student-tiny, student-6-1, student-12-1 (default {d.student_preset})")
-    g.add_argument("--student-minutes", type=nonneg_float, help=f"student training budget (default {d.student_minutes})")
+    g.add_argument("--student-minutes", type=nonneg_float,
+                   help=f"student training budget (default {d.student_minutes})")
     g.add_argument("--student-steps", type=nonneg_int, help="student step limit (0 = none)")
     g.add_argument("--student-set", action="append", metavar="KEY=VALUE", help="override a student model field")
     g.add_argument("--student-lr", type=positive_float, help=f"(default {d.student_lr})")
     g.add_argument("--student-warmup", type=positive_int, help=f"(default {d.student_warmup})")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help=f"lean-decoder precision for the students in the report (default {d.precision})")
-    g.add_argument("--student-beam", type=int_range(1, MAX_BEAM), help=f"students' beam in the report; 1 = greedy (default {d.student_beam})")
+    g.add_argument("--student-beam", type=int_range(1, MAX_BEAM),
+                   help=f"students' beam in the report; 1 = greedy (default {d.student_beam})")
     g.add_argument("--baseline-student", action=argparse.BooleanOptionalAction, default=None,
                    help="also train the same student on the original pairs, for comparison "
                         "(default: off; on in the wmt preset)")
@@ -90,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training (teacher and students)")
     g.add_argument("--max-tokens", type=positive_int, help=f"padded tokens per batch (default {d.max_tokens})")
-    g.add_argument("--eval-every", type=nonneg_int, help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
+    g.add_argument("--eval-every", type=nonneg_int,
+                   help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
     g.add_argument("--save-every", type=nonneg_int, help=f"steps between resume checkpoints (default {d.save_every})")
     g.add_argument("--dev-max", type=nonneg_int, help=f"dev sentences for BLEU, 0 = all (default {d.dev_max})")
     g.add_argument("--patience", type=nonneg_int, help="stop after N evaluations without dev BLEU gain (0 = off)")
