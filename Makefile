@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 MODEL ?=
 IMAGE ?= wmt-kit:latest
 image: setup
-	$(VPY) -m submission.image $(if $(MODEL),--model $(MODEL)) --tag $(IMAGE)
+	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --tag $(call shq,$(IMAGE))
 
 # make distill [PRESET=default|wmt] [NAME=run] [NPROC=N] [TEACHER_CMD="apertium -u eng-spa" |
 #   TEACHER_MODEL="dir [dir ...]" | TEACHER_HF=dir] [SRC=f.en TGT=f.es [SRC_LANG=.. TGT_LANG=..]]
@@ -55,7 +55,7 @@ DISTILL_OPTS = --preset $(PRESET) $(if $(NAME),--name $(call shq,$(NAME))) \
   $(foreach m,$(TEACHER_MODEL),--teacher-model $(call shq,$(m))) \
   $(if $(TEACHER_HF),--teacher-hf $(call shq,$(TEACHER_HF))) \
   $(if $(SRC),--src $(call shq,$(SRC))) $(if $(TGT),--tgt $(call shq,$(TGT))) \
-  $(if $(SRC_LANG),--src-lang $(SRC_LANG)) $(if $(TGT_LANG),--tgt-lang $(TGT_LANG)) \
+  $(if $(SRC_LANG),--src-lang $(call shq,$(SRC_LANG))) $(if $(TGT_LANG),--tgt-lang $(call shq,$(TGT_LANG))) \
   $(if $(filter 1 yes true,$(BASELINE)),--baseline-student) $(if $(filter 0 no false,$(BASELINE)),--no-baseline-student) \
   $(if $(filter 1 yes true,$(MIX)),--mix-original)
 

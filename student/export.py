@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import shutil
 import sys
 import tempfile
+import warnings
 
 import torch
 from safetensors.torch import save_file
@@ -66,11 +68,32 @@ def load_model_dir(model_dir: str) -> tuple[Transformer, modeldir.ModelConfig]:
     return model.eval(), cfg
 
 
+class CheckpointError(ValueError):
+    """A file that is not a student.train checkpoint; str(e) is one line naming it."""
+
+
+def read_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing
+            warnings.simplefilter("ignore", UserWarning)
+            # our own checkpoints only; weights_only refuses arbitrary pickled code
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{path}: refused: not a weights-only torch checkpoint "
+                              f"(arbitrary pickles are never loaded)") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{path}: not a torch checkpoint ({why})") from None
+    missing = [k for k in ("model_args", "model", "meta") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a student.train checkpoint (no {missing[0]!r})")
+    return ckpt
+
+
 def export_checkpoint(ckpt_path: str, out_dir: str) -> str:
-    if not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"{ckpt_path}: no such checkpoint")
-    # our own checkpoints only; weights_only refuses arbitrary pickled code
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(ckpt_path)
     args = ModelArgs(**ckpt["model_args"])
     model = Transformer(args)
     model.load_state_dict(ckpt["model"])
@@ -90,10 +113,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     try:
         out = export_checkpoint(a.checkpoint, a.out_dir)
-    except (FileNotFoundError, KeyError, modeldir.ModelDirError) as e:
-        sys.exit(f"error: {e}")
+    except (CheckpointError, FileNotFoundError, KeyError, modeldir.ModelDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

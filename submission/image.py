@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from importlib import metadata
 
@@ -100,16 +101,30 @@ def debootstrap_base(c) -> None:
         subprocess.run(["debootstrap", "--variant=minbase",
                         "--include=python3,python3-venv,ca-certificates",
                         "bookworm", rootfs, apt_mirror()], check=True, stdout=subprocess.DEVNULL)
-        # apt lists and the package cache are dead weight in every layer above
-        for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            subprocess.run(["sh", "-c", f"rm -rf {rootfs}/{d}/*"], check=True)
-        tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", LOCAL_BASE], stdin=tar.stdout, check=True,
-                       stdout=subprocess.DEVNULL)
-        if tar.wait():
-            raise SystemExit("error: tar of the debootstrap rootfs failed")
+        clean_rootfs(rootfs)
+        archive = rootfs + ".tar"
+        with tarfile.open(archive, "w") as tar:  # devices, links and owners as they are
+            tar.add(rootfs, arcname=".")
+        repo, tag = LOCAL_BASE.split(":")
+        c.api.import_image(src=archive, repository=repo, tag=tag)
     finally:
         shutil.rmtree(rootfs, ignore_errors=True)
+        if os.path.exists(rootfs + ".tar"):
+            os.remove(rootfs + ".tar")
+
+
+def clean_rootfs(rootfs: str) -> None:
+    """Empty apt's package cache and lists: dead weight in every layer above.
+
+    No shell: a checkout path with a space once split `rm -rf {rootfs}/...` in two."""
+    for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        top = os.path.join(rootfs, d)
+        for name in os.listdir(top) if os.path.isdir(top) else []:
+            path = os.path.join(top, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 def pins() -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from decoder.cliargs import nonneg_float, nonneg_int, positive_float, positive_int
+
 from . import DataError, prepare
 
 
@@ -26,11 +28,11 @@ def main(argv=None) -> int:
         g.add_argument(f"--{split}-src", help=f"{split} source (default: a seeded random split of --src)")
         g.add_argument(f"--{split}-tgt", help=f"{split} target")
     c = p.add_argument_group("cleaning (train split only) and vocabulary")
-    c.add_argument("--max-words", type=int, default=200, help="drop pairs with a side longer than this")
-    c.add_argument("--min-ratio", type=float, default=0.3, help="lowest source/target word ratio kept")
-    c.add_argument("--max-ratio", type=float, default=2.0, help="highest source/target word ratio kept")
-    c.add_argument("--vocab-size", type=int, default=8000, help="joint SentencePiece vocabulary size")
-    c.add_argument("--seed", type=int, default=1, help="seed for the random dev/test split and SentencePiece")
+    c.add_argument("--max-words", type=positive_int, default=200, help="drop pairs with a side longer than this")
+    c.add_argument("--min-ratio", type=nonneg_float, default=0.3, help="lowest source/target word ratio kept")
+    c.add_argument("--max-ratio", type=positive_float, default=2.0, help="highest source/target word ratio kept")
+    c.add_argument("--vocab-size", type=positive_int, default=8000, help="joint SentencePiece vocabulary size")
+    c.add_argument("--seed", type=nonneg_int, default=1, help="seed for the random dev/test split and SentencePiece")
     p.add_argument("--data-dir", help="cache root (default: $KIT_DATA_DIR, else data/ in the repo)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the prepared dir")
     a = ap.parse_args(argv)

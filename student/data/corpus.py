@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zlib
 
 from tqdm import tqdm
 
@@ -33,10 +34,15 @@ def read_lines(path: str) -> tuple[list[str], int]:
     """
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        gz = fh.read(2) == b"\x1f\x8b"  # sniff, so a .gz without the suffix works too
-    with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
-        data = fh.read()
+    gz = False
+    try:
+        with open(path, "rb") as fh:
+            gz = fh.read(2) == b"\x1f\x8b"  # sniff, so a .gz without the suffix works too
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
+            data = fh.read()
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        what = "truncated or corrupt gzip" if gz else "unreadable"
+        raise DataError(f"{path}: {what} ({e})") from None
     if data.endswith(b"\n"):
         data = data[:-1]
     lines, bad = [], 0

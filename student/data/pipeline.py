@@ -122,6 +122,10 @@ def _user_inputs(corpus, src, tgt, src_lang, tgt_lang, dev_src, dev_tgt, test_sr
     s_lang, t_lang = src_lang or _lang_from_name(src), tgt_lang or _lang_from_name(tgt)
     if not s_lang or not t_lang or s_lang == t_lang:
         raise DataError("give distinct --src-lang and --tgt-lang (could not tell them from the file names)")
+    for k, path in files.items():
+        if path and not os.path.isfile(path):
+            what = "is a directory, not a file" if os.path.isdir(path) else "no such file"
+            raise DataError(f"--{k.replace('_', '-')} {path}: {what}")
     name = corpus if corpus and corpus != "bible-en-es" else Path(src).name.split(".")[0]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{s_lang}-{t_lang}")
     return name, s_lang, t_lang, {k: os.path.abspath(v) for k, v in files.items() if v}
@@ -147,8 +151,11 @@ def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose):
 
 def file_digest(path: str) -> str:
     """sha256 of a file's bytes (hex), read in blocks: corpora and models are large."""
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError as e:
+        raise DataError(f"{path}: unreadable ({e.strerror or e})") from None
 
 
 def _logger(verbose: bool):

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from decoder import cliargs
+from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.distill.pipeline import PRESETS, DistillConfig, run
@@ -37,9 +39,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tgt", help="your own target file, same line count")
     g.add_argument("--src-lang", help="source language (default: the file suffix)")
     g.add_argument("--tgt-lang", help="target language (default: the file suffix)")
-    g.add_argument("--vocab-size", type=int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
-    g.add_argument("--train-limit", type=int, help="use only the first N training pairs (smoke runs)")
-    g.add_argument("--test-limit", type=int, help="score only the first N test pairs in the report")
+    g.add_argument("--vocab-size", type=positive_int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
+    g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
+    g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
 
     g = p.add_argument_group("teacher (default: train our own; give at most one of the next three)")
     g.add_argument("--teacher-cmd", help="external teacher: a shell command reading source lines on stdin and "
@@ -50,55 +52,61 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-hf", metavar="DIR", help="a local Hugging Face MarianMTModel dir (needs transformers)")
     g.add_argument("--teacher-preset", help=f"model preset of our own teacher (default {d.teacher_preset}: "
                                             "teacher-big on a GPU, teacher-tiny on CPU)")
-    g.add_argument("--teacher-minutes", type=float, help=f"teacher training budget (default {d.teacher_minutes})")
-    g.add_argument("--teacher-steps", type=int, help="teacher step limit (0 = none)")
+    g.add_argument("--teacher-minutes", type=nonneg_float,
+                   help=f"teacher training budget (default {d.teacher_minutes})")
+    g.add_argument("--teacher-steps", type=nonneg_int, help="teacher step limit (0 = none)")
     g.add_argument("--teacher-set", action="append", metavar="KEY=VALUE", help="override a teacher model field")
-    g.add_argument("--teacher-lr", type=float, help=f"(default {d.teacher_lr})")
-    g.add_argument("--teacher-warmup", type=int, help=f"(default {d.teacher_warmup})")
-    g.add_argument("--average-last", type=int, help="average the teacher's last N step checkpoints; "
+    g.add_argument("--teacher-lr", type=positive_float, help=f"(default {d.teacher_lr})")
+    g.add_argument("--teacher-warmup", type=positive_int, help=f"(default {d.teacher_warmup})")
+    g.add_argument("--average-last", type=positive_int, help="average the teacher's last N step checkpoints; "
                                                     f"1 = use the best one (default {d.average_last})")
-    g.add_argument("--teacher-beam", type=int, help=f"teacher beam size (default {d.teacher_beam})")
+    g.add_argument("--teacher-beam", type=int_range(1, MAX_BEAM), help=f"teacher beam size (default {d.teacher_beam})")
     g.add_argument("--engine", choices=["auto", "decoder", "reference"],
                    help="how our model dirs are decoded: the lean decoder, the reference ensemble search in "
                         "student/distill/beam.py, or auto (decoder for one model when available)")
 
     g = p.add_argument_group("distilled corpus")
-    g.add_argument("--shard-size", type=int, help=f"source lines per shard (default {d.shard_size})")
-    g.add_argument("--min-ratio", type=float, help=f"lowest source/target word ratio kept (default {d.min_ratio})")
-    g.add_argument("--max-ratio", type=float, help=f"highest source/target word ratio kept (default {d.max_ratio})")
-    g.add_argument("--max-repeat", type=int, help="drop outputs repeating a word or n-gram more than N times in "
-                                                  f"a row (default {d.max_repeat})")
+    g.add_argument("--shard-size", type=positive_int, help=f"source lines per shard (default {d.shard_size})")
+    g.add_argument("--min-ratio", type=nonneg_float,
+                   help=f"lowest source/target word ratio kept (default {d.min_ratio})")
+    g.add_argument("--max-ratio", type=positive_float,
+                   help=f"highest source/target word ratio kept (default {d.max_ratio})")
+    g.add_argument("--max-repeat", type=positive_int,
+                   help=f"drop outputs repeating a word or n-gram more than N times in a row (default {d.max_repeat})")
     g.add_argument("--mix-original", action=argparse.BooleanOptionalAction, default=None,
                    help="train the student on the distilled pairs plus the original pairs")
 
     g = p.add_argument_group("students")
     g.add_argument("--student-preset", help=f"student-tiny, student-6-1, student-12-1 (default {d.student_preset})")
-    g.add_argument("--student-minutes", type=float, help=f"student training budget (default {d.student_minutes})")
-    g.add_argument("--student-steps", type=int, help="student step limit (0 = none)")
+    g.add_argument("--student-minutes", type=nonneg_float,
+                   help=f"student training budget (default {d.student_minutes})")
+    g.add_argument("--student-steps", type=nonneg_int, help="student step limit (0 = none)")
     g.add_argument("--student-set", action="append", metavar="KEY=VALUE", help="override a student model field")
-    g.add_argument("--student-lr", type=float, help=f"(default {d.student_lr})")
-    g.add_argument("--student-warmup", type=int, help=f"(default {d.student_warmup})")
+    g.add_argument("--student-lr", type=positive_float, help=f"(default {d.student_lr})")
+    g.add_argument("--student-warmup", type=positive_int, help=f"(default {d.student_warmup})")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help=f"lean-decoder precision for the students in the report (default {d.precision})")
-    g.add_argument("--student-beam", type=int, help=f"students' beam in the report; 1 = greedy (default {d.student_beam})")
+    g.add_argument("--student-beam", type=int_range(1, MAX_BEAM),
+                   help=f"students' beam in the report; 1 = greedy (default {d.student_beam})")
     g.add_argument("--baseline-student", action=argparse.BooleanOptionalAction, default=None,
                    help="also train the same student on the original pairs, for comparison "
                         "(default: off; on in the wmt preset)")
 
-    g.add_argument("--shortlist-k", type=int,
+    g.add_argument("--shortlist-k", type=nonneg_int,
                    help="lexical shortlist of each student (python -m student.shortlist): target tokens per "
                         f"source token; 0 = no shortlist (default {d.shortlist_k})")
-    g.add_argument("--shortlist-frequent", type=int,
+    g.add_argument("--shortlist-frequent", type=nonneg_int,
                    help=f"most frequent target tokens in every shortlist (default {d.shortlist_frequent})")
 
     g = p.add_argument_group("training (teacher and students)")
-    g.add_argument("--max-tokens", type=int, help=f"padded tokens per batch (default {d.max_tokens})")
-    g.add_argument("--eval-every", type=int, help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
-    g.add_argument("--save-every", type=int, help=f"steps between resume checkpoints (default {d.save_every})")
-    g.add_argument("--dev-max", type=int, help=f"dev sentences for BLEU, 0 = all (default {d.dev_max})")
-    g.add_argument("--patience", type=int, help="stop after N evaluations without dev BLEU gain (0 = off)")
+    g.add_argument("--max-tokens", type=positive_int, help=f"padded tokens per batch (default {d.max_tokens})")
+    g.add_argument("--eval-every", type=nonneg_int,
+                   help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
+    g.add_argument("--save-every", type=nonneg_int, help=f"steps between resume checkpoints (default {d.save_every})")
+    g.add_argument("--dev-max", type=nonneg_int, help=f"dev sentences for BLEU, 0 = all (default {d.dev_max})")
+    g.add_argument("--patience", type=nonneg_int, help="stop after N evaluations without dev BLEU gain (0 = off)")
     g.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], help=f"(default {d.amp})")
-    g.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    g.add_argument("--seed", type=nonneg_int, help=f"(default {d.seed})")
     return p
 
 
@@ -135,4 +143,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cliargs.run(main))  # `| head` on the report ends quietly

@@ -204,6 +204,10 @@ def _numel(shape) -> int:
     return n
 
 
+# MarianTokenizer's SentencePiece model, or a fast tokenizer's single file
+HF_TOKENIZER_FILES = ("source.spm", "tokenizer.json")
+
+
 class HFTeacher:
     """A local Hugging Face MarianMTModel dir (transformers is optional: imported here only)."""
 
@@ -211,6 +215,11 @@ class HFTeacher:
                  max_new_tokens: int = 256):
         if not os.path.isdir(hf_dir):
             raise TeacherError(f"{hf_dir}: Hugging Face model dir does not exist")
+        # checked here, before any work: transformers fails on a missing tokenizer with
+        # a bare TypeError, and only once the first shard is translated
+        if not any(os.path.isfile(os.path.join(hf_dir, f)) for f in HF_TOKENIZER_FILES):
+            raise TeacherError(f"{hf_dir}: no tokenizer in the Hugging Face dir (none of "
+                               f"{', '.join(HF_TOKENIZER_FILES)}); save it with tokenizer.save_pretrained(DIR)")
         self.dir, self.beam, self.batch_size, self.max_new_tokens = os.path.abspath(hf_dir), beam, batch_size, max_new_tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.name = f"hf: {self.dir} (beam {beam})"
@@ -228,7 +237,7 @@ class HFTeacher:
         try:
             self._tok = AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
             self._model = MarianMTModel.from_pretrained(self.dir, local_files_only=True).to(self.device).eval()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:
             raise TeacherError(f"{self.dir}: cannot load a Marian model and tokenizer ({str(e).splitlines()[0]})") from None
         # generating past the position table is an index error inside torch, not a translation
         limit = getattr(self._model.config, "max_position_embeddings", None)

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from decoder.cliargs import nonneg_int, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.shortlist import add_to_model_dir
@@ -19,12 +20,12 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True, help="model dir (config.json, spm.model); the file is written here")
     p.add_argument("--src", required=True, help="source side of the corpus, one sentence per line (plain or .gz)")
     p.add_argument("--tgt", required=True, help="target side, line-aligned with --src")
-    p.add_argument("--k", type=int, default=100, help="target tokens per source token, by Dice (default 100)")
-    p.add_argument("--frequent", type=int, default=100,
+    p.add_argument("--k", type=positive_int, default=100, help="target tokens per source token, by Dice (default 100)")
+    p.add_argument("--frequent", type=nonneg_int, default=100,
                    help="most frequent target tokens, allowed in every batch (default 100)")
     p.add_argument("--no-identity", dest="identity", action="store_false",
                    help="do not list each source token as its own candidate (copy-through)")
-    p.add_argument("--max-lines", type=int, default=0, help="use the first N pairs only (0 = all)")
+    p.add_argument("--max-lines", type=nonneg_int, default=0, help="use the first N pairs only (0 = all)")
     return p.parse_args(argv)
 
 

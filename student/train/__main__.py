@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from decoder.cliargs import float_range, nonneg_float, nonneg_int, positive_float, positive_int
 from student.data import DataError
 from student.model import PRESETS
 from student.train.average import average, last_checkpoints
@@ -29,33 +30,33 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--src", help="user source file (plain or .gz) instead of the embedded corpus")
     g.add_argument("--tgt", help="user target file, same line count as --src")
     g.add_argument("--src-lang"); g.add_argument("--tgt-lang")
-    g.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    g.add_argument("--vocab-size", type=positive_int, default=d.vocab_size)
     g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
                                        "(e.g. a distilled corpus); dev/test stay the corpus'")
     g.add_argument("--train-tgt")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch")
-    g.add_argument("--max-sentences", type=int, default=d.max_sentences)
-    g.add_argument("--accum", type=int, default=d.accum, help="batches per optimiser step")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    g.add_argument("--warmup", type=int, default=d.warmup)
-    g.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
-    g.add_argument("--clip-norm", type=float, default=d.clip_norm)
+    g.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, help="padded tokens per batch")
+    g.add_argument("--max-sentences", type=positive_int, default=d.max_sentences)
+    g.add_argument("--accum", type=positive_int, default=d.accum, help="batches per optimiser step")
+    g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate")
+    g.add_argument("--warmup", type=positive_int, default=d.warmup)
+    g.add_argument("--label-smoothing", type=float_range(0.0, 1.0), default=d.label_smoothing)
+    g.add_argument("--clip-norm", type=nonneg_float, default=d.clip_norm)
     g.add_argument("--amp", default=d.amp, choices=["auto", "bf16", "fp16", "off"],
                    help="auto: bf16 on CPUs with AVX512-BF16/AMX, fp16 on CUDA, else fp32")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=nonneg_int, default=d.seed)
     g = p.add_argument_group("stopping, evaluation, checkpoints")
-    g.add_argument("--max-steps", type=int, default=0)
-    g.add_argument("--max-epochs", type=int, default=0)
-    g.add_argument("--max-minutes", type=float, default=0.0, help="training-time budget (kept across resume)")
-    g.add_argument("--patience", type=int, default=0, help="stop after N evaluations without dev BLEU gain")
-    g.add_argument("--eval-every", type=int, default=d.eval_every)
-    g.add_argument("--dev-max", type=int, default=0, help="dev sentences used for BLEU (0 = all)")
+    g.add_argument("--max-steps", type=nonneg_int, default=0)
+    g.add_argument("--max-epochs", type=nonneg_int, default=0)
+    g.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="training-time budget (kept across resume)")
+    g.add_argument("--patience", type=nonneg_int, default=0, help="stop after N evaluations without dev BLEU gain")
+    g.add_argument("--eval-every", type=nonneg_int, default=d.eval_every)
+    g.add_argument("--dev-max", type=nonneg_int, default=0, help="dev sentences used for BLEU (0 = all)")
     g.add_argument("--dev-decoder", default=d.dev_decoder, choices=["lean", "reference"],
                    help="dev BLEU with the lean decoder (default; same tokens, faster) or the training model's "
                         "plain greedy")
-    g.add_argument("--save-every", type=int, default=d.save_every)
-    g.add_argument("--keep-last", type=int, default=d.keep_last)
+    g.add_argument("--save-every", type=nonneg_int, default=d.save_every)
+    g.add_argument("--keep-last", type=nonneg_int, default=d.keep_last)
     g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
     return p
 
@@ -72,7 +73,7 @@ def main(argv=None):
     if argv[:1] == ["average"]:
         p = argparse.ArgumentParser(prog="python -m student.train average",
                                     description="Average the weights of the last N step checkpoints of a run.")
-        p.add_argument("--run", required=True); p.add_argument("--last", type=int, default=4)
+        p.add_argument("--run", required=True); p.add_argument("--last", type=positive_int, default=4)
         p.add_argument("--out", required=True)
         a = p.parse_args(argv[1:])
         try:

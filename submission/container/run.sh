@@ -5,6 +5,11 @@
 # All logic lives in submission/container/serve.py; this file only fixes the environment
 # that must be set before Python starts.
 set -eu
+usage="usage: /run.sh [GPU|CPU-1|CPU-ALL] [latency|throughput] < input > output"
+if [ $# -gt 2 ]; then
+  # an ignored argument would run a mode the caller did not ask for
+  echo "$usage (got $# arguments: $*)" >&2; exit 2
+fi
 hardware=${1:-auto}
 task=${2:-throughput}
 case "$hardware" in
@@ -12,10 +17,10 @@ case "$hardware" in
     # one thread from the first instruction: OpenMP/MKL size their pools at load
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
   GPU|CPU-ALL|auto) ;;
-  *) echo "usage: /run.sh GPU|CPU-1|CPU-ALL latency|throughput (got hardware '$hardware')" >&2; exit 2 ;;
+  *) echo "$usage (got hardware '$hardware')" >&2; exit 2 ;;
 esac
 case "$task" in
   latency|throughput) ;;
-  *) echo "usage: /run.sh GPU|CPU-1|CPU-ALL latency|throughput (got task '$task')" >&2; exit 2 ;;
+  *) echo "$usage (got task '$task')" >&2; exit 2 ;;
 esac
 exec python3 -m submission.container.serve --hardware "$hardware" --task "$task" --model "${MODEL_DIR:-/model}"

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                         pipeline=a.task == "throughput", workers=s["workers"] if a.task == "throughput" else 0)
     except (ModelDirError, ValueError) as e:
         print(f"error: cannot load model: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2
 
     with tr:
         _serve(tr, a.task, read_lines)
@@ -78,4 +78,5 @@ def _serve(tr, task: str, read_lines) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from decoder.cliargs import run
+    sys.exit(run(main))

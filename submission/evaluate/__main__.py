@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from decoder.cliargs import MAX_BEAM, int_list, nonneg_int, positive_float, positive_int
+
 from .systems import EvalError
 
 
@@ -34,15 +36,15 @@ def parse_args(argv=None):
     g.add_argument("--precision", default="auto",
                    help="comma list of auto,fp32,bf16,int8,fp16 (auto: int8 on CPU, fp16 on CUDA); "
                         "HF always runs fp32")
-    g.add_argument("--beam", default="1", help="comma list of beam sizes (1 = greedy)")
-    g.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
+    g.add_argument("--beam", type=int_list(1, MAX_BEAM), default="1", help="comma list of beam sizes (1 = greedy)")
+    g.add_argument("--threads", type=int_list(1), default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--mode", default="throughput", choices=["throughput", "latency", "both"],
                    help="latency: one sentence at a time, p50/p90/p99 per sentence")
     g.add_argument("--container", metavar="IMAGE|build",
                    help="measure this image through /run.sh; `build` builds it from the first model dir")
     g.add_argument("--container-hardware", default="CPU-1,CPU-ALL", help="comma list of /run.sh modes")
-    g.add_argument("--container-cpus", type=float, default=float(len(os.sched_getaffinity(0))),
+    g.add_argument("--container-cpus", type=positive_float, default=float(len(os.sched_getaffinity(0))),
                    help="CPU quota of CPU-ALL and GPU runs (CPU-1 gets 1)")
     g.add_argument("--container-memory", default="2g", help="memory limit of the container runs")
     t = p.add_argument_group("test set")
@@ -50,13 +52,13 @@ def parse_args(argv=None):
     t.add_argument("--ref", action="append", default=[], help="reference file (repeatable: several references)")
     t.add_argument("-t", "--test-set", help="a sacreBLEU test set, e.g. wmt22")
     t.add_argument("-l", "--langpair", help="its language pair, e.g. en-de")
-    t.add_argument("--lines", type=int, default=0, help="use the first N lines only (0 = all)")
+    t.add_argument("--lines", type=nonneg_int, default=0, help="use the first N lines only (0 = all)")
     m = p.add_argument_group("measurement")
-    m.add_argument("--repeats", type=int, default=3, help="timed passes per system (median and spread)")
-    m.add_argument("--warmup-lines", type=int, default=100, help="lines of the untimed-for-words/s warm-up pass")
-    m.add_argument("--latency-lines", type=int, default=200, help="lines in latency mode (0 = all)")
-    m.add_argument("--max-tokens", type=int, default=4096, help="padded source tokens per batch")
-    m.add_argument("--timeout", type=float, default=None, help="seconds one local system may take")
+    m.add_argument("--repeats", type=positive_int, default=3, help="timed passes per system (median and spread)")
+    m.add_argument("--warmup-lines", type=nonneg_int, default=100, help="lines of the untimed-for-words/s warm-up pass")
+    m.add_argument("--latency-lines", type=nonneg_int, default=200, help="lines in latency mode (0 = all)")
+    m.add_argument("--max-tokens", type=positive_int, default=4096, help="padded source tokens per batch")
+    m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
     return p.parse_args(argv)
 
@@ -76,10 +78,7 @@ def build_systems(a):
         except ModelDirError as e:
             raise EvalError(str(e)) from None
     modes = ["throughput", "latency"] if a.mode == "both" else [a.mode]
-    try:
-        beams, threads = [int(x) for x in _list(a.beam)], [int(x) for x in _list(a.threads)]
-    except ValueError:
-        raise EvalError(f"--beam and --threads take comma lists of integers (got {a.beam!r}, {a.threads!r})")
+    beams, threads = a.beam, a.threads  # lists of ints, checked by argparse
     engines = _list(a.engines)
     if "ct2" in engines:
         try:
@@ -141,4 +140,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from decoder.cliargs import run
+    sys.exit(run(main))  # `| head` on the report ends quietly
