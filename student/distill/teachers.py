@@ -81,7 +81,7 @@ class CommandTeacher:
         return out
 
     def load(self):
-        pass
+        """Nothing to set up: the command starts afresh for each call."""
 
     def engine_label(self) -> str:
         return self.engine
