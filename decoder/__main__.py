@@ -43,7 +43,7 @@ def parse_args(argv=None):
                              "measured best, docs/bench)")
     for o in OPTIMISATIONS:
         g.add_argument("--" + o.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=o.default,
-                       help=f"{o.label}; off: {o.replaces} (default: {'on' if o.default else 'off'})")
+                       help=f"{o.label}; off: {o.replaces}")
     return p.parse_args(argv)
 
 

@@ -73,7 +73,7 @@ def test_bigger_model_fits_fewer_workers():
 
 
 def test_serve_settings_read_the_memory_limit(tmp_path, monkeypatch):
-    from submission import serve
+    from submission.container import serve
     monkeypatch.setattr(cgroup, "ROOT", fake(tmp_path / "cg", {"cpu.max": "200000 100000",
                                                                "memory.max": str(512 * MiB)}))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})

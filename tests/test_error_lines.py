@@ -94,7 +94,7 @@ def test_hf_teacher_dir_without_tokenizer_is_a_teacher_error_before_any_work(tmp
 
 @pytest.mark.parametrize("command", [["-m", "decoder", "--threads", "1", "--chunk-lines", "4",
                                       "--max-len-a", "0", "--max-len-b", "2"],
-                                     ["-m", "submission.serve", "--hardware", "CPU-1", "--task", "latency"]],
+                                     ["-m", "submission.container.serve", "--hardware", "CPU-1", "--task", "latency"]],
                          ids=["decoder", "serve"])
 def test_output_piped_into_head_ends_quietly(model_dir, tmp_path, command):
     (tmp_path / "in.txt").write_text("".join(f"the dog sees {i} cats\n" for i in range(400)))
@@ -110,7 +110,7 @@ def test_output_piped_into_head_ends_quietly(model_dir, tmp_path, command):
 # -- /run.sh ------------------------------------------------------------------------------
 
 def test_run_sh_refuses_an_extra_argument_and_still_runs_with_two(model_dir):
-    run_sh = os.path.join(ROOT, "submission", "run.sh")
+    run_sh = os.path.join(ROOT, "submission", "container", "run.sh")
     env = dict(ENV, MODEL_DIR=model_dir, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     r = subprocess.run(["sh", run_sh, "CPU-1", "throughput", "extra"], input=b"the dog\n", capture_output=True,
                        env=env, cwd=ROOT, timeout=120)
