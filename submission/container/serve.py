@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from submission import cgroup
+from submission.container import cgroup
 
 
 def settings(hardware: str, model_dir: str) -> dict:
@@ -30,7 +30,7 @@ def settings(hardware: str, model_dir: str) -> dict:
     # CPU-ALL throughput: one pinned single-thread worker process per core, fed
     # whole batches (decoder/workers.py); 1.2-1.4x faster than one process with
     # a thread per core on 2 cores (docs/container.md), as long as the cgroup's
-    # memory holds a model copy per worker (submission/cgroup.py). Latency has
+    # memory holds a model copy per worker (submission/container/cgroup.py). Latency has
     # one sentence at a time, nothing to spread over processes: threads.
     if hardware == "CPU-1":
         return dict(device="cpu", precision="auto", threads=1, workers=0)
