@@ -232,8 +232,7 @@ def input_key(base_id: str) -> str:
             h.update(str(os.path.getsize(os.path.join(ROOT, f))).encode())  # names carry versions
         else:
             with open(os.path.join(ROOT, f), "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
+                hashlib.file_digest(fh, lambda: h)  # streams the file into the running key
     return h.hexdigest()[:16]
 
 
