@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import functools
-import gzip
 import os
 import shutil
 import subprocess
 import tempfile
 
 from tqdm import tqdm
+
+from decoder import textio
 
 SWORD_PATH = os.environ.get("SWORD_PATH", "/usr/share/sword")
 SWORD_PACKAGES = ["sword-text-web", "sword-text-sparv"]
@@ -26,24 +27,19 @@ class DataError(Exception):
 def read_lines(path: str) -> tuple[list[str], int]:
     """Lines of a plain or gzipped UTF-8 file, stripped; returns (lines, lines with invalid UTF-8).
 
-    Splits on '\\n' only: str.splitlines would also split on U+2028, \\x1c, ... and
-    silently shift one side of a parallel corpus against the other.
+    decoder.textio's reader: it splits on '\\n' only (str.splitlines would also split
+    on U+2028, \\x1c, ... and silently shift one side of a parallel corpus against the other).
     """
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        gz = fh.read(2) == b"\x1f\x8b"  # sniff, so a .gz without the suffix works too
-    with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
-        data = fh.read()
-    if data.endswith(b"\n"):
-        data = data[:-1]
     lines, bad = [], 0
-    for raw in data.split(b"\n") if data else []:
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            line, bad = raw.decode("utf-8", errors="replace"), bad + 1
-        lines.append(line.strip())
+    with textio.open_binary(path) as fh:
+        for raw in textio.split_lines(fh):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line, bad = textio.decode(raw), bad + 1
+            lines.append(line.strip())
     return lines, bad
 
 
