@@ -160,8 +160,11 @@ def test_truncation_warning_names_the_line_in_the_whole_input(short_model, capsy
     assert err.count("warning:") == 1 and "input line 6 has" in err
 
 
-def test_cli_memory_does_not_grow_with_one_line_length(short_model):
-    """A 20 MB line costs what a short line costs: it is read in bounded pieces and dropped."""
+def test_cli_memory_does_not_grow_with_one_line_length():
+    """A 20 MB line costs about what a short line costs: it is read in bounded pieces and
+    dropped (before, the whole line was normalised and tokenised: 10 MB took the CLI
+    from 260 to 562 MB with this model)."""
+    model = os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "model")
     code = ("import resource, subprocess, sys\n"
             "data = sys.stdin.buffer.read()\n"
             "r = subprocess.run([sys.executable, '-m', 'decoder', '--model', sys.argv[1], '--threads', '1',\n"
@@ -171,11 +174,11 @@ def test_cli_memory_does_not_grow_with_one_line_length(short_model):
 
     def lines_and_rss_mb(stdin: bytes):
         env = dict(os.environ, PYTHONPATH=ROOT)
-        r = subprocess.run([sys.executable, "-c", code, short_model], input=stdin, capture_output=True,
-                           env=env, cwd=ROOT, timeout=300)
+        r = subprocess.run([sys.executable, "-c", code, model], input=stdin, capture_output=True,
+                           env=env, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr.decode()[-2000:]
         return [int(x) for x in r.stdout.split()]
-    n_short, rss_short = lines_and_rss_mb(b"the dog\nthe cat\n")
-    n_long, rss_long = lines_and_rss_mb(b"the dog\n" + b"word " * 4_000_000 + b"\nthe cat\n")
+    n_short, rss_short = lines_and_rss_mb(b"the word\nwas with god\n")
+    n_long, rss_long = lines_and_rss_mb(b"the word\n" + b"and the word was with god " * 800_000 + b"\nlast\n")
     assert (n_short, n_long) == (2, 3)
-    assert rss_long < rss_short + 40, (rss_short, rss_long)
+    assert rss_long < rss_short + 80, (rss_short, rss_long)
