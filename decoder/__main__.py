@@ -47,11 +47,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def read_lines(stream):
-    for raw in stream:  # binary: splits on b"\n" only
-        yield raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8", errors="replace")
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
@@ -63,9 +58,11 @@ def main(argv=None) -> int:
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from .textio import line_cap, read_lines
     out = sys.stdout.buffer
     with tr:
-        for line in tr.translate_stream(read_lines(sys.stdin.buffer)):
+        lines = read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions))
+        for line in tr.translate_stream(lines):
             # errors="replace": a lone surrogate must not cost us the line
             out.write(line.encode("utf-8", errors="replace") + b"\n")
             out.flush()  # a pipe reader sees each line as soon as it is in order

@@ -7,16 +7,22 @@ so the Python of sacremoses overlaps with the matrix products.
 """
 from __future__ import annotations
 
-import itertools
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from .modeldir import CONFIG, ModelConfig, ModelDirError, moses_options
+from .textio import line_cap
 
 # anything a line-based reader could split on must not leave the decoder
 _LINE_BREAKS = re.compile("[\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+# Memory bounds. A chunk holds at most chunk_lines lines and CHUNK_CHARS
+# characters (each line at most textio.line_cap): 16 Mi characters is about
+# 100 000 ordinary sentences, so it cuts only chunks of very long lines.
+# SentencePiece encodes ENCODE_CHARS characters at a time before truncation.
+CHUNK_CHARS = 1 << 24
+ENCODE_CHARS = 1 << 20
 
 
 def make_normaliser(cfg: ModelConfig) -> Callable[[str], str] | None:
@@ -40,36 +46,64 @@ class Text:
         self.sp = spm.SentencePieceProcessor(model_file=spm_path)
         self.normalise = make_normaliser(cfg)
         self.max_source_tokens = max_source_tokens
+        # what textio.read_lines caps the CLI's lines at, for lines handed over in memory
+        self.max_line_chars = line_cap(max_source_tokens)
+        self.lines_seen = 0  # lines encoded so far: a warning names the line in the whole input
         self.warned = False
 
     def encode(self, lines: list[str]) -> list[list[int] | None]:
         """Source ids + </s> per line; None for an empty line (it never reaches the model)."""
+        first, self.lines_seen = self.lines_seen, self.lines_seen + len(lines)
         keep = [i for i, s in enumerate(lines) if s.strip()]
-        texts = [lines[i] for i in keep]
-        if self.normalise is not None:
-            texts = [self.normalise(s) for s in texts]
         out: list = [None] * len(lines)
-        limit = self.max_source_tokens - 1
-        for i, ids in zip(keep, self.sp.encode(texts)):
-            if len(ids) > limit:
-                if not self.warned:
-                    print(f"warning: input line {i + 1} of its chunk has {len(ids) + 1} tokens; "
-                          f"truncating lines to the model limit of {limit + 1}", file=sys.stderr, flush=True)
-                    self.warned = True
-                ids = ids[:limit]
-            out[i] = ids + [self.cfg.eos_id]
+        # a few lines at a time: ids are truncated before the next group is encoded,
+        # so untruncated ids never exceed about ENCODE_CHARS tokens
+        for group in _groups(keep, [min(len(lines[i]), self.max_line_chars) for i in keep], ENCODE_CHARS):
+            texts = [lines[i][:self.max_line_chars] for i in group]
+            if self.normalise is not None:
+                texts = [self.normalise(s) for s in texts]
+            for i, ids in zip(group, self.sp.encode(texts)):
+                out[i] = self._truncate(ids, first + i + 1) + [self.cfg.eos_id]
         return out
+
+    def _truncate(self, ids: list[int], line_no: int) -> list[int]:
+        limit = self.max_source_tokens - 1
+        if len(ids) > limit:
+            if not self.warned:
+                print(f"warning: input line {line_no} has {len(ids) + 1} tokens; "
+                      f"truncating lines to the model limit of {limit + 1}", file=sys.stderr, flush=True)
+                self.warned = True
+            ids = ids[:limit]
+        return ids
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return [_LINE_BREAKS.sub(" ", s) for s in self.sp.decode(ids)]
 
 
-def chunks(lines: Iterable[str], n: int) -> Iterator[list[str]]:
-    it = iter(lines)
-    while True:
-        c = list(itertools.islice(it, n))
-        if not c:
-            return
+def _groups(items: list, sizes: list[int], budget: int) -> Iterator[list]:
+    """items in order, in runs whose sizes add up to at most budget (or one item)."""
+    group, total = [], 0
+    for item, size in zip(items, sizes):
+        if group and total + size > budget:
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += size
+    if group:
+        yield group
+
+
+def chunks(lines: Iterable[str], n: int, max_chars: int = CHUNK_CHARS) -> Iterator[list[str]]:
+    """Runs of n lines, shorter where their characters reach max_chars. A run is
+    yielded as soon as it is full: a pipe reader gets its answer before the next line."""
+    c, size = [], 0
+    for line in lines:
+        c.append(line)
+        size += len(line)
+        if len(c) == n or size >= max_chars:
+            yield c
+            c, size = [], 0
+    if c:
         yield c
 
 

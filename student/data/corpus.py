@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import gzip
 import os
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ import zlib
 
 from tqdm import tqdm
 
-from decoder import durable
+from decoder import durable, textio
 
 SWORD_PATH = os.environ.get("SWORD_PATH", "/usr/share/sword")
 SWORD_PACKAGES = ["sword-text-web", "sword-text-sparv"]
@@ -29,29 +28,22 @@ class DataError(Exception):
 def read_lines(path: str) -> tuple[list[str], int]:
     """Lines of a plain or gzipped UTF-8 file, stripped; returns (lines, lines with invalid UTF-8).
 
-    Splits on '\\n' only: str.splitlines would also split on U+2028, \\x1c, ... and
-    silently shift one side of a parallel corpus against the other.
+    decoder.textio's reader: it splits on '\\n' only (str.splitlines would also split
+    on U+2028, \\x1c, ... and silently shift one side of a parallel corpus against the other).
     """
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    gz = False
-    try:
-        with open(path, "rb") as fh:
-            gz = fh.read(2) == b"\x1f\x8b"  # sniff, so a .gz without the suffix works too
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as fh:
-            data = fh.read()
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        what = "truncated or corrupt gzip" if gz else "unreadable"
-        raise DataError(f"{path}: {what} ({e})") from None
-    if data.endswith(b"\n"):
-        data = data[:-1]
     lines, bad = [], 0
-    for raw in data.split(b"\n") if data else []:
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            line, bad = raw.decode("utf-8", errors="replace"), bad + 1
-        lines.append(line.strip())
+    try:
+        with textio.open_binary(path) as fh:
+            for raw in textio.split_lines(fh):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    line, bad = textio.decode(raw), bad + 1
+                lines.append(line.strip())
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: unreadable, or a truncated or corrupt gzip ({e})") from None
     return lines, bad
 
 

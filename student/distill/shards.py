@@ -12,7 +12,7 @@ import time
 
 from tqdm import tqdm
 
-from decoder import durable
+from decoder import durable, textio
 
 
 def shard_path(shard_dir: str, i: int) -> str:
@@ -28,14 +28,25 @@ def write_atomic(path: str, lines: list[str]) -> None:
 
 
 def read_shard(path: str) -> list[str]:
-    with open(path, encoding="utf-8", newline="\n") as fh:
-        data = fh.read()
-    return data[:-1].split("\n") if data else []
+    with open(path, "rb") as fh:
+        return list(textio.read_lines(fh))
+
+
+def shard_complete(path: str) -> bool:
+    """A shard ends with the newline of its last line; without it the file is cut short
+    (its last line may be cut too: 'LINE 24' read as 'LINE ')."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) == b"\n"
+    except OSError:  # missing, or empty (seek before the start)
+        return False
 
 
 def missing_shards(shard_dir: str, n_lines: int, size: int, rank: int = 0, world: int = 1) -> list[int]:
+    """This rank's shards still to translate: absent or incomplete."""
     mine = range(rank, n_shards(n_lines, size), world)
-    return [i for i in mine if not os.path.exists(shard_path(shard_dir, i))]
+    return [i for i in mine if not shard_complete(shard_path(shard_dir, i))]
 
 
 def translate_shards(teacher, src: list[str], shard_dir: str, size: int, rank: int = 0, world: int = 1,
@@ -66,12 +77,14 @@ def translate_shards(teacher, src: list[str], shard_dir: str, size: int, rank: i
 
 
 def assemble(shard_dir: str, n_lines: int, size: int) -> list[str]:
-    """All shards in order; every shard must exist and have its exact line count."""
+    """All shards in order; every shard must exist, be complete and have its exact line count."""
     out = []
     for i in range(n_shards(n_lines, size)):
         p = shard_path(shard_dir, i)
         if not os.path.exists(p):
             raise RuntimeError(f"{p}: shard missing")
+        if not shard_complete(p):
+            raise RuntimeError(f"{p}: shard incomplete (no final newline); a rerun translates it again")
         lines = read_shard(p)
         want = min(size, n_lines - i * size)
         if len(lines) != want:

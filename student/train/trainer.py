@@ -134,9 +134,8 @@ class Corpus:
         self.norm_src = lambda s: normalise(s, p.src_lang, p.normaliser)
         self.norm_tgt = lambda s: normalise(s, p.tgt_lang, p.normaliser)
         if cfg.train_src:
-            with open(cfg.train_src, encoding="utf-8", errors="replace") as f1, \
-                 open(cfg.train_tgt, encoding="utf-8", errors="replace") as f2:
-                src, tgt = f1.read().splitlines(), f2.read().splitlines()
+            from decoder.textio import read_file  # splits on "\n" only, as every reader here
+            src, tgt = read_file(cfg.train_src), read_file(cfg.train_tgt)
             if len(src) != len(tgt):
                 raise ValueError(f"{cfg.train_src}: {len(src)} lines but {cfg.train_tgt}: {len(tgt)}")
         else:

@@ -2,9 +2,10 @@
 
     python -m submission.container.serve --hardware GPU|CPU-1|CPU-ALL|auto --task latency|throughput
 
-Input is read exactly as `python -m decoder` reads it (its read_lines: split
-on b"\n" only, CRLF accepted, invalid UTF-8 replaced), so the container's
-output equals the CLI's and has one line per input line whatever the bytes.
+Input is read exactly as `python -m decoder` reads it (decoder.textio: split
+on b"\n" only, CRLF accepted, invalid UTF-8 replaced, each line capped at
+line_cap bytes), so the container's output equals the CLI's and has one line
+per input line whatever the bytes.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=os.environ.get("MODEL_DIR", "/model"))
     a = ap.parse_args(argv)
 
-    from decoder.__main__ import read_lines  # the CLI's reader: same lines, same bytes
+    from decoder.textio import line_cap, read_lines  # the CLI's reader: same lines, same bytes
     from decoder.modeldir import ModelDirError
     from decoder.translator import Translator
     s = settings(a.hardware, a.model)
@@ -59,20 +60,20 @@ def main(argv=None) -> int:
         return 2
 
     with tr:
-        _serve(tr, a.task, read_lines)
+        _serve(tr, a.task, read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions)))
     return 0
 
 
-def _serve(tr, task: str, read_lines) -> None:
+def _serve(tr, task: str, lines) -> None:
     out = sys.stdout.buffer
     if task == "latency":
-        for line in read_lines(sys.stdin.buffer):
+        for line in lines:
             out.write(tr.translate([line])[0].encode("utf-8") + b"\n")
             out.flush()  # the next line is written only after this answer is read
     else:
         # translate_stream reads, sorts and batches chunk_lines lines at a time:
         # memory is bounded by the chunk, not by the input.
-        for hyp in tr.translate_stream(read_lines(sys.stdin.buffer)):
+        for hyp in tr.translate_stream(lines):
             out.write(hyp.encode("utf-8") + b"\n")
         out.flush()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from decoder import textio
+
 from .systems import EvalError
 
 
@@ -27,13 +29,7 @@ class TestSet:
 def _read(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise EvalError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        data = fh.read()
-    # same reading as `python -m decoder`: split on \n only, CRLF accepted, bad UTF-8 replaced
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [x.rstrip(b"\r").decode("utf-8", errors="replace") for x in lines]
+    return textio.read_file(path)  # `python -m decoder`'s reader: the same lines
 
 
 def from_files(src: str, refs: list[str], src_lang: str | None = None, tgt_lang: str | None = None) -> TestSet:

@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from decoder.textio import read_file
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -55,8 +57,7 @@ def dir_bytes(path: str) -> int:
 
 
 def measure(spec: dict) -> dict:
-    with open(spec["lines"], encoding="utf-8", newline="") as fh:
-        lines = fh.read().split("\n")[:-1]
+    lines = read_file(spec["lines"])
     latency = spec["mode"] == "latency"
     res = {"rss_start_mb": peak_rss_mb()}
     with tempfile.TemporaryDirectory() as tmp:
