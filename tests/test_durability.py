@@ -176,3 +176,13 @@ def test_failed_checkpoint_save_keeps_the_previous_last_pt(toy_files, tmp_path, 
     assert torch.load(last, weights_only=True)["step"] == 5
     assert not [f for f in os.listdir(last.parent) if ".tmp" in f]
     assert train(TrainConfig(max_steps=10, **cfg))["step"] == 10
+
+
+def test_stray_files_in_the_shard_dir_are_left_alone_and_a_killed_writers_temp_removed(tmp_path):
+    from student.distill.shards import assemble, translate_shards
+    (tmp_path / "notes.tmp.txt").write_text("mine")       # not a shard temp: no crash, kept
+    (tmp_path / "shard-00001.txt.tmp.999").write_text("LINE 3\n")  # a killed writer's half shard
+    src = [f"line {i}" for i in range(6)]
+    translate_shards(Teacher(), src, str(tmp_path), 3, verbose=False)
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp.txt", "shard-00000.txt", "shard-00001.txt"]
+    assert assemble(str(tmp_path), len(src), 3) == [s.upper() for s in src]

@@ -20,6 +20,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+from decoder import textio
 from decoder.optimisations import all_off, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
@@ -33,8 +34,7 @@ DEFAULT_DATA = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
 
 
 def read(path: str) -> list[str]:
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return [line.rstrip("\r\n") for line in fh]
+    return textio.read_file(path)  # the kit's one reader: b"\n" only, as the decoder reads
 
 
 def scores(hyps, refs) -> tuple[float, float]:

@@ -8,11 +8,15 @@ torchrun rank r takes the shards with i % world == r.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from tqdm import tqdm
 
 from decoder import durable, textio
+
+
+_TMP = re.compile(r"shard-(\d+)\.txt\.tmp\.\d+")  # durable.tmp_name of a shard
 
 
 def shard_path(shard_dir: str, i: int) -> str:
@@ -54,7 +58,8 @@ def translate_shards(teacher, src: list[str], shard_dir: str, size: int, rank: i
     """Translate this rank's missing shards; returns what was translated now and how long it took."""
     os.makedirs(shard_dir, exist_ok=True)
     for f in os.listdir(shard_dir):  # leftovers of a killed writer; only whole shards count
-        if ".tmp." in f and int(f.split("-")[1].split(".")[0]) % world == rank:
+        m = _TMP.fullmatch(f)  # anything else in the dir is not ours to remove, nor to choke on
+        if m and int(m.group(1)) % world == rank:
             os.remove(os.path.join(shard_dir, f))
     todo = missing_shards(shard_dir, len(src), size, rank, world)
     total = sum(len(src[i * size:(i + 1) * size]) for i in range(rank, n_shards(len(src), size), world))
