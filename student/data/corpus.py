@@ -33,8 +33,10 @@ def read_lines(path: str) -> tuple[list[str], int]:
     """
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    lines, bad = [], 0
+    lines, bad, gz = [], 0, False
     try:
+        with open(path, "rb") as fh:
+            gz = fh.read(2) == b"\x1f\x8b"  # only to name the failure; open_binary sniffs too
         with textio.open_binary(path) as fh:
             for raw in textio.split_lines(fh):
                 try:
@@ -43,7 +45,7 @@ def read_lines(path: str) -> tuple[list[str], int]:
                     line, bad = textio.decode(raw), bad + 1
                 lines.append(line.strip())
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise DataError(f"{path}: unreadable, or a truncated or corrupt gzip ({e})") from None
+        raise DataError(f"{path}: {'truncated or corrupt gzip' if gz else 'unreadable'} ({e})") from None
     return lines, bad
 
 
