@@ -41,6 +41,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # stderr keeps to warnings and the one error line
     from tools.convert import from_hf, save_hf, to_ctranslate2
     try:
         if not os.path.isdir(a.src):

@@ -101,10 +101,12 @@ def _publish(out_dir: str, write) -> str:
 
 def _check_m2m100(hc, gc, where: str) -> None:
     """Refuse what our decoder does not implement, naming the setting."""
+    from transformers import M2M100Config
+
     def need(ok, what):
         if not ok:
-            raise ValueError(f"{where}: {what}; our decoder implements M2M100 without it")
-    need(hc.model_type == "m2m100", f"model_type is {hc.model_type!r}, not 'm2m100'")
+            raise ValueError(f"{where}: {what}, which the decoder does not implement (it implements M2M100)")
+    need(hc.model_type == M2M100Config.model_type, f"model_type is {hc.model_type!r}")
     need(hc.scale_embedding, "scale_embedding is false")
     need(hc.activation_function in ("relu", "gelu"), f"activation_function is {hc.activation_function!r}")
     need(hc.encoder_attention_heads == hc.decoder_attention_heads, "encoder and decoder head counts differ")
@@ -160,6 +162,11 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
     modeldir.check_config(cfg.to_json(), os.path.join(hf_dir, "config.json"))
     model = M2M100ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
     sd = {k.removeprefix("model."): v.float().contiguous() for k, v in model.state_dict().items()}
+    for side in ("encoder", "decoder"):  # one input embedding for both sides, as fairseq's M2M100 has
+        k = f"{side}.embed_tokens.weight"
+        if k in sd and not torch.equal(sd[k], sd["shared.weight"]):
+            raise ValueError(f"{hf_dir}: model.{k} differs from model.shared.weight; "
+                             f"the decoder has one embedding for source and target")
     want = modeldir.tensor_shapes(arch)
     weights = {k: sd[k].clone() for k in want}  # the rest: tied copies and computed position tables
 
