@@ -1,5 +1,5 @@
 """The engines we compare against, on the same weights: CTranslate2 and Hugging Face
-transformers (converted by tools/convert.py). Each `*_translator` loads once and
+transformers (converted by tools/convert/). Each `*_translator` loads once and
 returns translate(lines) -> hypotheses with our own text pipeline around it, so
 only the search engines differ (submission/evaluate times loading and work apart)."""
 from __future__ import annotations
