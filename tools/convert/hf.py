@@ -160,7 +160,7 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
                                provenance={"converted_from": os.path.basename(os.path.abspath(hf_dir)),
                                            "hf_model_type": hc.model_type})
     modeldir.check_config(cfg.to_json(), os.path.join(hf_dir, "config.json"))
-    model = M2M100ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    model = M2M100ForConditionalGeneration.from_pretrained(hf_dir)
     sd = {k.removeprefix("model."): v.float().contiguous() for k, v in model.state_dict().items()}
     for side in ("encoder", "decoder"):  # one input embedding for both sides, as fairseq's M2M100 has
         k = f"{side}.embed_tokens.weight"

@@ -1,10 +1,10 @@
 """Our SentencePiece model as a Hugging Face fast tokenizer that encodes like decoder/pipeline.py
 `Text` (SentencePiece ids, then </s>), so `AutoTokenizer.from_pretrained(dir)` works offline.
 
-transformers builds the `tokenizers` pipeline from the model's protobuf (the
-normaliser's precompiled charsmap, dummy prefix, byte fallback); its own
-reader needs the protobuf package, which the kit does not install, so the few
-fields it reads are taken from the wire format here (spm's
+The `tokenizers` pipeline follows the model's protobuf (the normaliser's
+precompiled charsmap, dummy prefix, byte fallback); reading it with the
+protobuf package would add a dependency the kit does not have, so the few
+fields used are taken from the wire format here (spm's
 sentencepiece_model.proto: field numbers below).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ _PIECES, _TRAINER, _NORMALIZER = 1, 2, 3
 _PIECE, _SCORE, _TYPE = 1, 2, 3
 _MODEL_TYPE, _BYTE_FALLBACK, _UNK_ID, _UNK_PIECE = 3, 35, 40, 45
 _CHARSMAP, _DUMMY_PREFIX, _EXTRA_WS, _ESCAPE_WS = 2, 3, 4, 5
-UNIGRAM, BPE = 1, 2
+UNIGRAM = 1
 
 
 def _varint(b: bytes, i: int) -> tuple[int, int]:
@@ -77,28 +77,42 @@ def read_spm_proto(path: str) -> SimpleNamespace:
                                         escape_whitespaces=bool(norm.get(_ESCAPE_WS, 1))))
 
 
+def spm_pipeline(proto: SimpleNamespace):
+    """A `tokenizers.Tokenizer` that splits as SentencePieceProcessor.encode does (unigram models,
+    SentencePiece's normaliser order: charsmap, extra spaces, escaping, dummy prefix)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import Unigram
+
+    t, n = proto.trainer_spec, proto.normalizer_spec
+    tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=t.unk_id,
+                            byte_fallback=t.byte_fallback))
+    steps = [normalizers.Precompiled(n.precompiled_charsmap)] if n.precompiled_charsmap else []
+    if n.remove_extra_whitespaces:  # spaces only: SentencePiece leaves other whitespace alone
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if n.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    if n.add_dummy_prefix:
+        # here, not in Metaspace: its "first" scheme skips the prefix once the normaliser has
+        # stripped leading spaces (the text no longer starts at offset 0)
+        steps.append(normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    steps = [decoders.Replace("\u2581", " ")] + ([decoders.ByteFallback()] if t.byte_fallback else [])
+    steps += [decoders.Fuse()] + ([decoders.Strip(content=" ", left=1)] if n.add_dummy_prefix else [])
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
 def hf_tokenizer(spm_path: str, bos_id: int, pad_id: int, eos_id: int, unk_id: int, max_length: int):
     """PreTrainedTokenizerFast: SentencePiece ids of the text, then </s> (no <s>), pads with <pad>."""
-    from tokenizers import normalizers, pre_tokenizers
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SpmConverter
 
     proto = read_spm_proto(spm_path)
-    if proto.trainer_spec.model_type == UNIGRAM:
-        vocab = [(p.piece, p.score) for p in proto.pieces]
-    elif proto.trainer_spec.model_type == BPE:
-        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    else:
-        raise ValueError(f"{spm_path}: SentencePiece model type {proto.trainer_spec.model_type} "
-                         f"is neither unigram nor BPE")
-    # legacy=False: one dummy prefix at the start, as SentencePieceProcessor.encode does
-    tok = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
-    if proto.normalizer_spec.add_dummy_prefix:
-        # Metaspace's "first" skips the prefix when the normaliser stripped leading spaces
-        # (the text no longer starts at offset 0); SentencePiece prefixes the stripped text
-        tok.normalizer = normalizers.Sequence([tok.normalizer, normalizers.Prepend("\u2581")])
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    if proto.trainer_spec.model_type != UNIGRAM:
+        raise ValueError(f"{spm_path}: a SentencePiece model of type {proto.trainer_spec.model_type}; "
+                         f"the HF tokenizer is built for unigram models (what student.data trains)")
+    tok = spm_pipeline(proto)
     piece = [p.piece for p in proto.pieces]
     tok.post_processor = TemplateProcessing(single=f"$A {piece[eos_id]}", pair=f"$A $B {piece[eos_id]}",
                                             special_tokens=[(piece[eos_id], eos_id)])
