@@ -92,6 +92,7 @@ def test_hf_round_trip_gives_back_the_model_dir(tmp_path):
 def test_help_shows_defaults():
     r = _convert("--help")
     assert r.returncode == 0 and "--to {ct2,hf}" in r.stdout and "(default: None)" in r.stdout
+    assert all(line.count("(default:") <= 1 for line in r.stdout.split("\n  -"))
 
 
 @pytest.mark.parametrize("args, says", [

@@ -20,17 +20,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=["ct2", "hf"], help="convert MODEL_DIR to this engine's format")
+    way.add_argument("--to", choices=["ct2", "hf"], help="convert the model dir IN_DIR to this engine's format")
     way.add_argument("--from-hf", action="store_true",
                      help="convert an M2M100-architecture HF dir (ids = its SentencePiece model's) to a model dir")
     p.add_argument("src", metavar="IN_DIR", help="model dir (--to) or HF dir (--from-hf)")
     p.add_argument("out", metavar="OUT_DIR", help="directory to write; must not exist unless --force")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="--to ct2: weights quantised on disk (default: float32, exact)")
-    p.add_argument("--spm", default=None, help="--from-hf: SentencePiece model (default: the one in HF_DIR)")
-    p.add_argument("--src-lang", default=None, help="--from-hf: source language (default: HF_DIR's kit.json)")
-    p.add_argument("--tgt-lang", default=None, help="--from-hf: target language (default: HF_DIR's kit.json)")
+                   help="--to ct2: weights quantised on disk; None = float32, exact")
+    p.add_argument("--spm", default=None, help="--from-hf: SentencePiece model; None = the one in IN_DIR")
+    p.add_argument("--src-lang", default=None, help="--from-hf: source language; None = IN_DIR's kit.json")
+    p.add_argument("--tgt-lang", default=None, help="--from-hf: target language; None = IN_DIR's kit.json")
     a = p.parse_args(argv)
     if a.quantization and a.to != "ct2":
         p.error("--quantization applies to --to ct2 only")
@@ -41,8 +41,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # stderr keeps to warnings and the one error line
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # stderr keeps to warnings and the one error line
+    except ImportError:  # --to ct2 needs only ctranslate2; the HF directions say so below
+        pass
     from tools.convert import from_hf, save_hf, to_ctranslate2
     try:
         if not os.path.isdir(a.src):
@@ -57,6 +60,9 @@ def main(argv=None) -> int:
             to_ctranslate2(a.src, a.out, quantization=a.quantization)
         else:
             save_hf(a.src, a.out)
+    except ImportError as e:
+        print(f"error: this conversion needs {e.name or e} (pip install ctranslate2 transformers)", file=sys.stderr)
+        return 2
     except (ModelDirError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
