@@ -1,9 +1,11 @@
-"""Converted engines (CTranslate2, HF M2M100) give our greedy fp32 tokens."""
+"""Converted engines (CTranslate2, HF M2M100) give our greedy fp32 tokens.
+
+The CT2 dir appends </s> itself (add_source_eos), so sources go in without it."""
 import pytest
 import torch
 
 from decoder import Translator
-from tools.convert import to_ctranslate2, to_hf
+from tools.convert import max_decoding_length, to_ctranslate2, to_hf
 from fixture_model import make_model_dir, synthetic_corpus
 
 
@@ -15,6 +17,7 @@ def setup(request, tmp_path_factory):
     srcs = tr.text.encode(synthetic_corpus(16, seed=11))
     # the cap: we emit at most limit-1 tokens, then </s>
     caps = [c - 1 for c in tr.limits([len(s) for s in srcs]).tolist()]
+    assert caps == [max_decoding_length(len(s) - 1, tr.cfg.arch.max_positions) for s in srcs]
     return d, tr, srcs, tr.translate_ids(srcs), caps
 
 
@@ -24,7 +27,7 @@ def test_ctranslate2_greedy_gives_our_tokens(setup, tmp_path):
     ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     for s, o, cap in zip(srcs, ours, caps):
-        hyp = ct.translate_batch([[piece(i) for i in s]], beam_size=1, max_decoding_length=cap,
+        hyp = ct.translate_batch([[piece(i) for i in s[:-1]]], beam_size=1, max_decoding_length=cap,
                                  min_decoding_length=0)[0].hypotheses[0]
         assert hyp == [piece(i) for i in o]
 
@@ -35,7 +38,7 @@ def test_ctranslate2_batch_with_padding_gives_our_tokens(setup, tmp_path):
     ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     ended = [i for i, (o, c) in enumerate(zip(ours, caps)) if len(o) < c]  # not cut by our cap
-    res = ct.translate_batch([[piece(t) for t in srcs[i]] for i in ended], beam_size=1, max_decoding_length=1024,
+    res = ct.translate_batch([[piece(t) for t in srcs[i][:-1]] for i in ended], beam_size=1, max_decoding_length=1024,
                              min_decoding_length=0)
     assert [r.hypotheses[0] for r in res] == [[piece(t) for t in ours[i]] for i in ended]
 

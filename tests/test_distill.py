@@ -355,3 +355,94 @@ def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_s
     assert "still rising" in v[2] and "still rising" not in v[3]
     assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})[0].endswith(
         "(within the 0.5 aim).")
+
+
+def _tiny_m2m100_dir(tmp_path, seed: int = 0):
+    """A random M2M100 with its own M2M100Tokenizer (vocab.json + spm, language tokens __xx__)."""
+    import sentencepiece as spm
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
+    src, tgt = toy_parallel(300)
+    (tmp_path / "text.txt").write_text("\n".join(src + tgt) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=64, bos_id=0, pad_id=1, eos_id=2, unk_id=3, minloglevel=2,
+                                   num_threads=1)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    (tmp_path / "vocab.json").write_text(json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}))
+    tok = M2M100Tokenizer(vocab_file=str(tmp_path / "vocab.json"), spm_file=str(tmp_path / "spm.model"),
+                          src_lang="en", tgt_lang="es")
+    torch.manual_seed(seed)
+    cfg = M2M100Config(vocab_size=max(tok.lang_token_to_id.values()) + 1 + 8, d_model=16,  # + madeup words encoder_layers=1, decoder_layers=1,
+                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                       decoder_ffn_dim=32, max_position_embeddings=64, init_std=0.3)
+    out = tmp_path / "m2m100"
+    model = M2M100ForConditionalGeneration(cfg).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, model, tok
+
+
+def test_hf_m2m100_teacher_forces_the_target_language_token(tmp_path):
+    pytest.importorskip("transformers")
+    from student.distill.teachers import HFTeacher, make_teacher
+    out, model, tok = _tiny_m2m100_dir(tmp_path)
+    teacher = make_teacher(hf_dir=str(out), beam=2)
+    assert isinstance(teacher, HFTeacher)
+    teacher.set_languages("en", "es")
+    lines = toy_parallel(6, seed=3)[0]
+    got = teacher.translate(lines)
+    # the plain transformers call for M2M100: source language on the tokenizer, target forced first
+    tok.src_lang = "en"
+    enc = tok(sorted(lines, key=len), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        gen = model.generate(**enc, num_beams=2, max_new_tokens=62, forced_bos_token_id=tok.get_lang_id("es"))
+    assert (gen[:, 1] == tok.get_lang_id("es")).all() and (enc["input_ids"][:, 0] == tok.get_lang_id("en")).all()
+    want = dict(zip(sorted(lines, key=len), (" ".join(y.split()) for y in tok.batch_decode(gen, skip_special_tokens=True))))
+    assert got == [want[x] for x in lines]
+    assert teacher.identity["langs"] == ["en", "es"]
+
+
+def test_hf_teacher_without_a_token_for_the_language_is_a_teacher_error(tmp_path):
+    pytest.importorskip("transformers")
+    from student.distill.teachers import TeacherError, make_teacher
+    out, _, _ = _tiny_m2m100_dir(tmp_path)
+    teacher = make_teacher(hf_dir=str(out), beam=1)
+    teacher.set_languages("en", "xx")
+    with pytest.raises(TeacherError, match="no language token for 'xx'"):
+        teacher.translate(["the dog"])
+
+
+def test_hf_multi_target_marian_teacher_prefixes_the_target_token(tmp_path):
+    pytest.importorskip("transformers")
+    import sentencepiece as spm
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+    from student.distill.teachers import make_teacher
+    src, tgt = toy_parallel(300)
+    (tmp_path / "text.txt").write_text("\n".join(src + tgt) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
+                                   vocab_size=64, bos_id=-1, eos_id=0, pad_id=1, unk_id=2, minloglevel=2,
+                                   num_threads=1)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    vocab.update({">>es<<": len(vocab), ">>fr<<": len(vocab) + 1})  # as opus-mt-en-ROMANCE has them
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    tok = MarianTokenizer(source_spm=str(tmp_path / "spm.model"), target_spm=str(tmp_path / "spm.model"),
+                          vocab=str(tmp_path / "vocab.json"))
+    torch.manual_seed(0)
+    cfg = MarianConfig(vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1,
+                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                       decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id, init_std=0.3)
+    model = MarianMTModel(cfg).eval()
+    model.save_pretrained(tmp_path / "marian")
+    tok.save_pretrained(tmp_path / "marian")
+    teacher = make_teacher(hf_dir=str(tmp_path / "marian"), beam=1)
+    teacher.set_languages("en", "es")
+    lines = toy_parallel(5, seed=4)[0]
+    got = teacher.translate(lines)
+    enc = tok([">>es<< " + x for x in lines], return_tensors="pt", padding=True)
+    assert (enc["input_ids"][:, 0] == vocab[">>es<<"]).all()
+    with torch.no_grad():
+        want = [" ".join(tok.decode(model.generate(**tok([">>es<< " + x], return_tensors="pt"), num_beams=1,
+                                                    max_new_tokens=62)[0], skip_special_tokens=True).split())
+                for x in lines]
+    assert got == want

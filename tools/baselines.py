@@ -1,5 +1,5 @@
 """The engines we compare against, on the same weights: CTranslate2 and Hugging Face
-transformers (converted by tools/convert.py). Each `*_translator` loads once and
+transformers (converted by tools/convert/). Each `*_translator` loads once and
 returns translate(lines) -> hypotheses with our own text pipeline around it, so
 only the search engines differ (submission/evaluate times loading and work apart)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from decoder import modeldir
 from decoder.pipeline import Text
 
-from .convert import to_hf
+from .convert import max_decoding_length, to_hf
 
 
 def _text(model_dir):
@@ -29,12 +29,15 @@ def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens
     def go(ls):
         srcs = text.encode(ls)
         idx = [i for i, s in enumerate(srcs) if s]
-        toks = [[piece(t) for t in srcs[i]] for i in idx]
-        cap = int(max(len(t) for t in toks) * 1.5 + 10) if toks else 1
-        kw = dict(beam_size=beam, max_decoding_length=min(cap, cfg.arch.max_positions - 1),
+        toks = [[piece(t) for t in srcs[i][:-1]] for i in idx]  # the CT2 dir appends </s> (add_source_eos)
+        cap = max((max_decoding_length(len(t), cfg.arch.max_positions) for t in toks), default=1)
+        kw = dict(beam_size=beam, max_decoding_length=cap,
                   min_decoding_length=0, max_input_length=cfg.arch.max_positions)
         if batch1:
-            res = [tr.translate_batch([t], **kw)[0] for t in toks]
+            # one line per call: each gets its own cap, as the decoder gives it
+            P = cfg.arch.max_positions
+            res = [tr.translate_batch([t], **{**kw, "max_decoding_length": max_decoding_length(len(t), P)})[0]
+                   for t in toks]
         else:
             res = tr.translate_batch(toks, max_batch_size=max_tokens, batch_type="tokens", **kw)
         out = [""] * len(ls)

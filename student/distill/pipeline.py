@@ -228,6 +228,8 @@ class Pipeline:
             self.teacher = make_teacher(cmd=cfg.teacher_cmd, hf_dir=cfg.teacher_hf, model_dirs=cfg.teacher_model,
                                         beam=cfg.teacher_beam, engine=cfg.engine, device=self.device)
         self.prep = self._prepare()
+        if hasattr(self.teacher, "set_languages"):  # a multilingual HF teacher needs the pair
+            self.teacher.set_languages(self.prep.src_lang, self.prep.tgt_lang)
 
     def _prepare(self):
         """The prepared corpus (cached by student.data; rank 0 builds it); its inputs go to the manifest."""

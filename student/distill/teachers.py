@@ -2,7 +2,7 @@
 
     CommandTeacher("apertium -u eng-spa")         any program, stdin -> stdout
     ModelTeacher([model_dir, ...], beam=4)        our model dirs; several = ensemble
-    HFTeacher(marian_dir, beam=4)                 a local Hugging Face Marian dir
+    HFTeacher(hf_dir, beam=4)                     a local Hugging Face seq2seq dir (Marian, M2M100, NLLB, mBART)
 
 `identity` is what the distilled corpus depends on (stage keys hash it). Every
 teacher also has `name`, `engine`, `load()` (the one-time setup, apart so that
@@ -204,12 +204,31 @@ def _numel(shape) -> int:
     return n
 
 
-# MarianTokenizer's SentencePiece model, or a fast tokenizer's single file
-HF_TOKENIZER_FILES = ("source.spm", "tokenizer.json")
+# MarianTokenizer's SentencePiece model, a fast tokenizer's single file, or M2M100/NLLB/mBART's spm
+HF_TOKENIZER_FILES = ("source.spm", "tokenizer.json", "sentencepiece.bpe.model", "spm.model")
+
+
+def _lang_token(tok, code: str) -> str | None:
+    """The tokenizer's token for language `code`: __es__ (M2M100), >>es<< (Marian), es_XX
+    (mBART), spa_Latn (NLLB, given as spa or spa_Latn), or the code itself."""
+    def known(t):  # get_vocab() leaves out M2M100Tokenizer's language tokens
+        i = tok.convert_tokens_to_ids(t)
+        return i is not None and i != tok.unk_token_id
+
+    for t in (f"__{code}__", f">>{code}<<", code):
+        if known(t):
+            return t
+    special = sorted(t for t in tok.all_special_tokens if t.startswith(f"{code}_"))
+    return special[0] if len(special) == 1 else None
 
 
 class HFTeacher:
-    """A local Hugging Face MarianMTModel dir (transformers is optional: imported here only)."""
+    """A local Hugging Face seq2seq dir (AutoModelForSeq2SeqLM: Marian, M2M100, NLLB, mBART...).
+
+    Multilingual models get their language tokens from `set_languages` (the corpus'
+    pair): the source language on the tokenizer (src_lang) and the target as the
+    forced first token (forced_bos_token_id), or Marian's >>tgt<< source prefix
+    where its vocabulary has one. transformers is optional: imported in load() only."""
 
     def __init__(self, hf_dir: str, beam: int = 4, device: str | None = None, batch_size: int = 32,
                  max_new_tokens: int = 256):
@@ -225,24 +244,52 @@ class HFTeacher:
         self.name = f"hf: {self.dir} (beam {beam})"
         self.identity = {"type": "hf", "dir": dir_digest(self.dir), "beam": beam}
         self.engine = "transformers"
+        self.langs: tuple[str, str] | None = None
+        self.prefix, self.forced_bos = "", None
         self._model = None
+
+    def set_languages(self, src: str, tgt: str) -> None:
+        """The corpus' language pair; checked against the tokenizer at load()."""
+        self.langs = (src, tgt)
+        self.identity = {**self.identity, "langs": [src, tgt]}
+        if self._model is not None:
+            self._use_languages()
 
     def load(self):
         if self._model is not None:
             return
         try:
-            from transformers import AutoTokenizer, MarianMTModel
+            from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
         except ImportError:
             raise TeacherError("--teacher-hf needs transformers: pip install transformers") from None
         try:
             self._tok = AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
-            self._model = MarianMTModel.from_pretrained(self.dir, local_files_only=True).to(self.device).eval()
-        except (OSError, ValueError, TypeError) as e:
-            raise TeacherError(f"{self.dir}: cannot load a Marian model and tokenizer ({str(e).splitlines()[0]})") from None
+            self._model = AutoModelForSeq2SeqLM.from_pretrained(self.dir, local_files_only=True).to(self.device).eval()
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise TeacherError(f"{self.dir}: cannot load a seq2seq model and tokenizer "
+                               f"({str(e).splitlines()[0]})") from None
+        self.engine = f"transformers {self._model.config.model_type}"
         # generating past the position table is an index error inside torch, not a translation
         limit = getattr(self._model.config, "max_position_embeddings", None)
         if limit:
             self.max_new_tokens = min(self.max_new_tokens, limit - 2)
+        if self.langs:
+            self._use_languages()
+
+    def _use_languages(self) -> None:
+        src, tgt = self.langs
+        tok = self._tok
+        multilingual = hasattr(tok, "src_lang")  # M2M100, NLLB, mBART-50 tokenizers
+        if multilingual:
+            s, t = _lang_token(tok, src), _lang_token(tok, tgt)
+            if not (s and t):
+                raise TeacherError(f"{self.dir}: no language token for {src if not s else tgt!r} in the "
+                                   f"tokenizer (e.g. {', '.join(sorted(tok.all_special_tokens)[:6])})")
+            # M2M100Tokenizer takes the code ("es"), the others their token ("es_XX", "spa_Latn")
+            tok.src_lang = src if hasattr(tok, "get_lang_id") else s
+            self.forced_bos = tok.convert_tokens_to_ids(t)
+        elif _lang_token(tok, tgt) == f">>{tgt}<<":  # a multi-target Marian model
+            self.prefix = f">>{tgt}<< "
 
     def engine_label(self) -> str:
         return self.engine
@@ -252,10 +299,12 @@ class HFTeacher:
         self.load()
         order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lambda i: len(lines[i]))
         out = [""] * len(lines)
+        kw = {} if self.forced_bos is None else {"forced_bos_token_id": self.forced_bos}
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
-            enc = self._tok([lines[i] for i in idx], return_tensors="pt", padding=True, truncation=True).to(self.device)
-            gen = self._model.generate(**enc, num_beams=self.beam, max_new_tokens=self.max_new_tokens)
+            enc = self._tok([self.prefix + lines[i] for i in idx], return_tensors="pt", padding=True,
+                            truncation=True).to(self.device)
+            gen = self._model.generate(**enc, num_beams=self.beam, max_new_tokens=self.max_new_tokens, **kw)
             for i, y in zip(idx, self._tok.batch_decode(gen, skip_special_tokens=True)):
                 out[i] = " ".join(y.split())
         return out

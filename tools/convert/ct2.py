@@ -1,12 +1,10 @@
-"""Model dir -> other engines, on identical weights (for the benchmark and tests).
+"""Model dir -> CTranslate2 model dir, on identical weights.
 
-    to_ctranslate2(model_dir, out_dir, quantization=None)   CTranslate2 TransformerSpec
-    to_hf(model_dir) -> (M2M100ForConditionalGeneration, ModelConfig)
-
-Both follow load -> validate -> save: the CTranslate2 mapping is the one of its
-M2M100 loader (ctranslate2/converters/transformers.py: BartLoader with
-pre-norm, no embedding LayerNorm, position table from row pad_id + 1), and the
-HF model is M2M100 itself, whose names our tensors already use (minus "model.").
+The mapping is the one of CTranslate2's M2M100 loader
+(ctranslate2/converters/transformers.py: BartLoader with pre-norm, no embedding
+LayerNorm, position table from row pad_id + 1). The dir is for plain CT2 use:
+config.json appends </s> to the source (add_source_eos), and kit.json + README.md
+next to it give the normaliser and the length cap that reproduce `python -m decoder`.
 """
 from __future__ import annotations
 
@@ -18,6 +16,8 @@ import torch
 
 from decoder import durable, modeldir
 from decoder.modeldir import sinusoidal_table
+
+from .usage import write_usage
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -86,50 +86,20 @@ def to_ctranslate2(model_dir: str, out_dir: str, quantization: str | None = None
     spec.config.eos_token = tokens[cfg.eos_id]
     spec.config.unk_token = tokens[cfg.unk_id]
     spec.config.decoder_start_token = tokens[cfg.decoder_start_id]
+    spec.config.add_source_eos = True  # our sources end in </s>; CT2 appends it for the user
+    spec.config.add_source_bos = False
     spec.validate()
     spec.optimize(quantization=quantization)
-    tmp = out_dir.rstrip("/") + ".tmp"
+    tmp = durable.tmp_name(out_dir.rstrip("/"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    spec.save(tmp)
-    shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
-    durable.publish_dir(tmp, out_dir)
-    assert ctranslate2.__version__  # imported for its spec; keeps linters honest
+    try:
+        spec.save(tmp)
+        shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
+        write_usage(tmp, out_dir, cfg, "ct2", ctranslate2=ctranslate2.__version__, quantization=quantization)
+        durable.publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
-
-def hf_config(cfg: modeldir.ModelConfig):
-    from transformers import M2M100Config
-    a = cfg.arch
-    if abs(a.layer_norm_eps - 1e-5) > 1e-12:
-        raise ValueError(f"M2M100 hard-codes LayerNorm eps 1e-5; this model uses {a.layer_norm_eps}")
-    return M2M100Config(
-        vocab_size=a.vocab_size, d_model=a.d_model, max_position_embeddings=a.max_positions,
-        encoder_layers=a.encoder_layers, decoder_layers=a.decoder_layers,
-        encoder_attention_heads=a.n_heads, decoder_attention_heads=a.n_heads,
-        encoder_ffn_dim=a.ffn_dim, decoder_ffn_dim=a.ffn_dim, activation_function=a.activation,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        encoder_layerdrop=0.0, decoder_layerdrop=0.0, scale_embedding=True,
-        pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id,
-        decoder_start_token_id=cfg.decoder_start_id, tie_word_embeddings=a.tie_embeddings)
-
-
-def to_hf(model_dir: str):
-    """M2M100ForConditionalGeneration with our weights (positions: M2M100 puts the
-    first token at row padding_idx + 1 = 2 of the same fairseq table)."""
-    from transformers import M2M100ForConditionalGeneration
-
-    cfg, w, _ = modeldir.load(model_dir)
-    model = M2M100ForConditionalGeneration(hf_config(cfg)).eval()
-    sd = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in w.items()}
-    if cfg.arch.tie_embeddings:
-        sd["lm_head.weight"] = w["shared.weight"]
-    sd["model.encoder.embed_tokens.weight"] = w["shared.weight"]
-    sd["model.decoder.embed_tokens.weight"] = w["shared.weight"]
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    # what is left are the computed position tables (buffers)
-    bad = [k for k in missing if "embed_positions" not in k] + list(unexpected)
-    if bad:
-        raise ValueError(f"HF M2M100 does not match the model dir: {bad[:5]}")
-    model.generation_config.forced_bos_token_id = None
-    return model, cfg
