@@ -83,6 +83,17 @@ positive_float = _ranged(float, 0.0, None, above=True)
 nonneg_float = float_range(0.0)
 
 
+def alias(parser, old: str, action: argparse.Action) -> None:
+    """`old` keeps working as another name of `action` (users' scripts have it)
+    without a line of --help; errors name the option as the user typed it."""
+    kw = dict(dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if isinstance(action, argparse._StoreTrueAction):
+        kw["action"] = "store_true"
+    else:
+        kw.update(type=action.type, metavar=action.metavar, choices=action.choices, nargs=action.nargs)
+    parser.add_argument(old, **kw)
+
+
 def run(main) -> int:
     """main()'s exit status; a closed stdout pipe ends the command without a traceback.
 

@@ -1,0 +1,141 @@
+"""The command lines follow the field's conventions: `python -m decoder` takes
+-i/-o files, --beam-size/--max-batch-tokens/--batch-size (the old names still
+work), and translates line by line at a terminal."""
+import gzip
+import os
+import pty
+import select
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+from fixture_model import make_model_dir
+
+import decoder.__main__ as cli
+
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("conv") / "model", enc=1, dec=1, seed=2)
+
+
+class FakeTranslator:
+    """Records what the CLI asks of the library; translates by upper-casing."""
+    made = []
+
+    def __init__(self, model_dir, **kw):
+        self.kw = kw
+        self.cfg = SimpleNamespace(arch=SimpleNamespace(max_positions=64))
+        FakeTranslator.made.append(self)
+
+    def translate_stream(self, lines):
+        return (s.upper() for s in lines)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeTranslator.made.clear()
+    monkeypatch.setattr(cli, "Translator", FakeTranslator)
+    return FakeTranslator.made
+
+
+@pytest.mark.parametrize("flags,key,value", [
+    (["--beam-size", "3"], "beam", 3), (["--beam", "3"], "beam", 3),
+    (["--max-batch-tokens", "77"], "max_tokens", 77), (["--max-tokens", "77"], "max_tokens", 77),
+    (["--batch-size", "9"], "max_sentences", 9), (["--max-sentences", "9"], "max_sentences", 9),
+])
+def test_field_names_and_old_names_reach_the_translator(fake, tmp_path, flags, key, value):
+    (tmp_path / "in.txt").write_text("a\n")
+    assert cli.main(["--model", "m", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"), *flags]) == 0
+    assert fake[0].kw[key] == value
+
+
+@pytest.mark.parametrize("flag", ["--beam-size", "--max-batch-tokens", "--batch-size"])
+def test_new_names_refuse_out_of_range_values(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--model", "m", flag, "0"])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_input_and_output_files_replace_stdin_and_stdout(fake, tmp_path, capsys):
+    with gzip.open(tmp_path / "in.gz", "wb") as fh:  # gzipped input is read as such
+        fh.write(b"one\r\n\ntwo")
+    (tmp_path / "out.txt").write_text("previous\n")
+    assert cli.main(["--model", "m", "--input", str(tmp_path / "in.gz"), "--output", str(tmp_path / "out.txt")]) == 0
+    assert (tmp_path / "out.txt").read_bytes() == b"ONE\n\nTWO\n"
+    assert capsys.readouterr().out == ""
+    assert [p.name for p in tmp_path.iterdir()] != [] and not any(".tmp." in p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("which", ["input", "output"])
+def test_unusable_input_or_output_path_is_one_error_line_before_loading(fake, tmp_path, capsys, which):
+    paths = {"input": str(tmp_path / "in.txt"), "output": str(tmp_path / "out.txt")}
+    (tmp_path / "in.txt").write_text("a\n")
+    paths[which] = str(tmp_path / "missing" / "x.txt")
+    assert cli.main(["--model", "m", "-i", paths["input"], "-o", paths["output"]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot {'read' if which == 'input' else 'write'}")
+    assert fake == [] and not os.path.exists(tmp_path / "missing")
+
+
+def test_a_failed_run_leaves_the_previous_output_file_whole(monkeypatch, tmp_path):
+    class Failing(FakeTranslator):
+        def translate_stream(self, lines):
+            yield "first"
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli, "Translator", Failing)
+    (tmp_path / "in.txt").write_text("a\nb\n")
+    (tmp_path / "out.txt").write_text("previous\n")
+    assert cli.main(["--model", "m", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 1
+    assert (tmp_path / "out.txt").read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+
+
+@pytest.mark.parametrize("tty,input_,want", [
+    (True, "-", {"chunk_lines": 1, "pipeline": False}),
+    (False, "-", {"chunk_lines": cli.CHUNK_LINES}),
+    (True, "file.txt", {"chunk_lines": cli.CHUNK_LINES}),  # a file is read in chunks whatever stdin is
+])
+def test_a_terminal_is_read_line_by_line(tty, input_, want):
+    a = cli.parse_args(["--model", "m", "-i", input_])
+    assert cli.reading_mode(a, SimpleNamespace(isatty=lambda: tty)) == want
+
+
+def test_files_give_what_stdin_gives(model_dir, tmp_path):
+    text = b"the man sees a dog\n\nthe cat has a house\n"
+    (tmp_path / "in.txt").write_bytes(text)
+    base = [sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1", "--beam-size", "2"]
+    piped = subprocess.run(base, input=text, capture_output=True, env=ENV, cwd=ROOT, timeout=300)
+    files = subprocess.run(base + ["-i", "in.txt", "-o", "out.txt"], capture_output=True, env=ENV,
+                           cwd=tmp_path, timeout=300)
+    assert files.returncode == 0 and files.stdout == b"", files.stderr.decode()
+    assert (tmp_path / "out.txt").read_bytes() == piped.stdout and piped.stdout.count(b"\n") == 3
+
+
+def test_typed_line_is_answered_before_the_next_is_typed(model_dir):
+    """On a terminal, the first translation appears while stdin is still open
+    (before: nothing until 20,000 lines or end of input)."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
+                         stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
+    os.close(follower)
+    try:
+        os.write(leader, b"the man sees a dog\n")
+        ready, _, _ = select.select([p.stdout], [], [], 240)
+        assert ready, "no translation before the end of input"
+        assert p.stdout.readline().endswith(b"\n")
+    finally:
+        os.write(leader, b"\x04")  # ^D: end of input
+        p.wait(timeout=60)
+        os.close(leader)
