@@ -139,3 +139,39 @@ def test_typed_line_is_answered_before_the_next_is_typed(model_dir):
         os.write(leader, b"\x04")  # ^D: end of input
         p.wait(timeout=60)
         os.close(leader)
+
+
+# -- precision: one default, and a word of what ran ------------------------------------------
+
+def test_cli_and_library_share_the_default_precision():
+    import inspect
+    from decoder import Translator
+    library = inspect.signature(Translator.__init__).parameters["precision"].default
+    assert cli.parse_args(["--model", "m"]).precision == library == "fp32"
+
+
+def test_cli_default_output_is_the_library_default_output_and_says_what_ran(model_dir):
+    """Before, the CLI ran `auto` (int8 on this kind of CPU) and the library fp32, with no word."""
+    import torch
+    from decoder import Translator
+    lines = ["the man sees a dog", "Él was old.", "a", "the king said unto them , the land"]
+    r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
+                       input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
+                       timeout=300)
+    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert r.stderr.decode().splitlines() == [f"decoder: precision fp32, 1 thread, cpu ISA {isa}"]
+
+
+@pytest.mark.parametrize("command", [["-m", "decoder", "--threads", "2", "--precision", "auto"],
+                                     ["-m", "submission.container.serve", "--hardware", "CPU-1", "--task", "latency"]],
+                         ids=["decoder", "serve"])
+def test_settings_line_is_printed_once_and_quiet_silences_it(model_dir, command):
+    argv = [sys.executable, *command, "--model", str(model_dir)]
+    loud = subprocess.run(argv, input=b"the dog\n", capture_output=True, env=ENV, cwd=ROOT, timeout=300)
+    quiet = subprocess.run(argv + ["--quiet"], input=b"the dog\n", capture_output=True, env=ENV, cwd=ROOT,
+                           timeout=300)
+    err = loud.stderr.decode().splitlines()
+    assert len(err) == 1 and err[0].startswith("decoder: precision ") and "(auto)" in err[0], err
+    assert " ISA " in err[0] and "thread" in err[0]
+    assert quiet.returncode == 0 and quiet.stderr == b"" and quiet.stdout == loud.stdout
