@@ -39,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tgt", help="your own target file, same line count")
     g.add_argument("--src-lang", help="source language (default: the file suffix)")
     g.add_argument("--tgt-lang", help="target language (default: the file suffix)")
+    for split in ("dev", "test"):
+        g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest "
+                                              f"(default: the corpus' {split} split)")
+        g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
     g.add_argument("--vocab-size", type=positive_int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")

@@ -42,7 +42,7 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
     stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
     training = training_facts(systems)
     rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
-                                     "prepared": prep.dir},
+                                     "prepared": prep.dir, "set": prep.held_out.get("test")},
            "machine": machine(), "lean_decoder": lean_translator() is not None,
            "systems": rows, "stages": stages, "training": training, "verdict": verdict(rows, training)}
     write_json(os.path.join(out_dir, "report.json"), rep)
@@ -112,8 +112,8 @@ def verdict(rows: list[dict], training: dict) -> list[str]:
 def markdown(rep: dict) -> str:
     t = rep["test"]
     lines = [f"# Distillation report: {rep['run']}", "",
-             f"Test split: {t['sentences']} sentences, {t['words']} source words ({t['pair']}). "
-             f"Machine: {rep['machine']}.", "",
+             f"Test set: {t['sentences']} sentences, {t['words']} source words ({t['pair']})"
+             + (f", from {t['set']}" if t.get("set") else "") + f". Machine: {rep['machine']}.", "",
              "| system | BLEU | chrF | words/s | search | engine | parameters | size (MB) |",
              "|---|---:|---:|---:|---|---|---:|---:|"]
     for r in rep["systems"]:

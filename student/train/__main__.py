@@ -34,6 +34,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
                                        "(e.g. a distilled corpus); dev/test stay the corpus'")
     g.add_argument("--train-tgt")
+    for split, default in (("dev", "the corpus' dev split"), ("test", "the corpus' test split")):
+        g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest (default: {default})")
+        g.add_argument(f"--{split}-tgt", help=f"its reference translations, same line count")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, help="padded tokens per batch")
     g.add_argument("--max-sentences", type=positive_int, default=d.max_sentences)
@@ -82,8 +85,9 @@ def main(argv=None):
             sys.exit(f"error: {e}")
         return
     a = train_parser().parse_args(argv)
-    if bool(a.src) != bool(a.tgt) or bool(a.train_src) != bool(a.train_tgt):
-        sys.exit("error: --src/--tgt and --train-src/--train-tgt come in pairs")
+    if any(bool(getattr(a, f"{x}src")) != bool(getattr(a, f"{x}tgt")) for x in ("", "train_", "dev_", "test_")):
+        sys.exit("error: --src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
+                 "come in pairs")
     overrides = {}
     for kv in a.set:
         k, _, v = kv.partition("=")
@@ -91,6 +95,7 @@ def main(argv=None):
     cfg = TrainConfig(out_dir=a.out, preset=a.preset, model_overrides=overrides, corpus=a.corpus,
                       src=a.src, tgt=a.tgt, src_lang=a.src_lang, tgt_lang=a.tgt_lang,
                       vocab_size=a.vocab_size, train_src=a.train_src, train_tgt=a.train_tgt,
+                      dev_src=a.dev_src, dev_tgt=a.dev_tgt, test_src=a.test_src, test_tgt=a.test_tgt,
                       max_tokens=a.max_tokens, max_sentences=a.max_sentences, accum=a.accum, lr=a.lr,
                       warmup=a.warmup, label_smoothing=a.label_smoothing, clip_norm=a.clip_norm,
                       amp=a.amp, seed=a.seed, max_steps=a.max_steps, max_epochs=a.max_epochs,
