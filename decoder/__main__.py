@@ -24,7 +24,7 @@ CHUNK_LINES = 20000
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cliargs.HelpFormatter)
     p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
     p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")
     p.add_argument("-o", "--output", default="-",

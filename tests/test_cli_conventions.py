@@ -175,3 +175,70 @@ def test_settings_line_is_printed_once_and_quiet_silences_it(model_dir, command)
     assert len(err) == 1 and err[0].startswith("decoder: precision ") and "(auto)" in err[0], err
     assert " ISA " in err[0] and "thread" in err[0]
     assert quiet.returncode == 0 and quiet.stderr == b"" and quiet.stdout == loud.stdout
+
+
+# -- one vocabulary across the tools -----------------------------------------------------------
+
+def test_bench_and_evaluate_speak_the_vocabulary_and_keep_the_old_names():
+    from submission.evaluate.__main__ import parse_args as evaluate_args
+    from tools.bench import out_prefix, parse_args as bench_args
+    new = bench_args(["--src", "x.en", "--repeat-input", "3", "--passes", "2", "--max-batch-tokens", "99",
+                      "--out", "o/p"])
+    old = bench_args(["--input", "x.en", "--repeat", "3", "--passes", "2", "--max-tokens", "99",
+                      "--out-dir", "o", "--name", "p"])
+    for a in (new, old):
+        assert (a.src, a.repeat, a.passes, a.max_tokens, out_prefix(a)) == ("x.en", 3, 2, 99, os.path.join("o", "p"))
+    new = evaluate_args(["--passes", "5", "--beam-size", "1,4", "--max-batch-tokens", "77"])
+    old = evaluate_args(["--repeats", "5", "--beam", "1,4", "--max-tokens", "77"])
+    for a in (new, old):
+        assert (a.passes, a.beam, a.max_tokens) == (5, [1, 4], 77)
+
+
+HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5)"},
+        "tools.bench": {"--passes": "(default: 1)", "--repeat-input": "(default: 1)"},
+        "tools.bench_fused": {"--passes": "(default: 3)"},
+        "submission.evaluate": {"--passes": "(default: 3)"},
+        "submission.image": {"--tag": "(default: wmt-kit:latest)"},
+        "student.data prepare": {"--vocab-size": "(default: 8000)"},
+        "student.train": {"--lr": "(default: 0.001)", "--dev-src": "newstest"},
+        "student.train average": {"--last": "(default: 4)", "--run": "ckpt-", "--out": "checkpoint"},
+        "student.distill": {"--student-lr": "(default 0.002)"},
+        "student.shortlist": {"--k": "(default 100)"}}
+
+
+def option_blocks(text: str) -> dict:
+    """--help text -> {option: its help block}."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        s = line.strip()
+        if line.startswith("  -") and not line.startswith("      "):
+            name = [w.rstrip(",") for w in s.split() if w.startswith("--")][0]
+            blocks[name] = s
+        elif name and line.startswith("    ") and s:
+            blocks[name] += " " + s
+        else:
+            name = None
+    return blocks
+
+
+@pytest.mark.parametrize("command", sorted(HELP))
+def test_help_names_the_command_and_says_each_default_once(command):
+    r = subprocess.run([sys.executable, "-m", *command.split(), "--help"], capture_output=True, text=True,
+                       env=ENV, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {command} "), r.stdout[:200]
+    blocks = option_blocks(r.stdout)
+    for option, block in blocks.items():
+        assert block.count("(default") <= 1, block
+    for option, want in HELP[command].items():
+        assert want in blocks[option], blocks[option]
+
+
+def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):
+    import torch
+    from student.train.__main__ import main
+    for step, value in ((100, 1.0), (200, 3.0)):
+        torch.save({"model": {"w": torch.full((2,), value)}, "step": step}, tmp_path / f"ckpt-{step:07d}.pt")
+    main(["average", "--run", str(tmp_path), "--last", "4", "--out", str(tmp_path / "avg.pt")])
+    err = capsys.readouterr().err
+    assert "has 2 step checkpoints, not 4" in err and "ckpt-0000100.pt, ckpt-0000200.pt" in err
+    assert torch.load(tmp_path / "avg.pt", weights_only=True)["model"]["w"].tolist() == [2.0, 2.0]

@@ -17,7 +17,7 @@ from student.distill.teachers import TeacherError
 def parser() -> argparse.ArgumentParser:
     d = DistillConfig()
     p = argparse.ArgumentParser(
-        prog="python -m student.distill",
+        prog="python -m student.distill", formatter_class=cliargs.HelpFormatter,
         description="Sequence-level knowledge distillation, end to end: train (or plug in) a teacher, "
                     "translate the training source side in resumable shards, clean the result, train a "
                     "deep-encoder/shallow-decoder student on it, export it as a model dir, and write "
@@ -103,7 +103,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"most frequent target tokens in every shortlist (default {d.shortlist_frequent})")
 
     g = p.add_argument_group("training (teacher and students)")
-    g.add_argument("--max-tokens", type=positive_int, help=f"padded tokens per batch (default {d.max_tokens})")
+    cliargs.alias(g, "--max-tokens", g.add_argument(
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int,
+        help=f"padded tokens per batch (default {d.max_tokens})"))
     g.add_argument("--eval-every", type=nonneg_int,
                    help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
     g.add_argument("--save-every", type=nonneg_int, help=f"steps between resume checkpoints (default {d.save_every})")

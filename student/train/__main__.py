@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from decoder.cliargs import float_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder import cliargs
+from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int, positive_float, positive_int
 from student.data import DataError
 from student.model import PRESETS
 from student.train.average import average, last_checkpoints
@@ -17,7 +19,7 @@ from student.train.trainer import TrainConfig, train
 def train_parser() -> argparse.ArgumentParser:
     d = TrainConfig(out_dir="")
     p = argparse.ArgumentParser(
-        prog="python -m student.train",
+        prog="python -m student.train", formatter_class=HelpFormatter,
         description="Train a Transformer (teacher or student) on a prepared corpus. Rerunning the same "
                     "command resumes from OUT/last.pt. Launch with torchrun for DDP "
                     "(gloo on CPU, NCCL on GPU). Subcommand: 'average' (checkpoint averaging).")
@@ -38,8 +40,12 @@ def train_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest (default: {default})")
         g.add_argument(f"--{split}-tgt", help=f"its reference translations, same line count")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, help="padded tokens per batch")
-    g.add_argument("--max-sentences", type=positive_int, default=d.max_sentences)
+    cliargs.alias(g, "--max-tokens", g.add_argument(
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=d.max_tokens,
+        help="padded tokens per batch"))
+    cliargs.alias(g, "--max-sentences", g.add_argument(
+        "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=d.max_sentences,
+        help="sentences per batch, at most"))
     g.add_argument("--accum", type=positive_int, default=d.accum, help="batches per optimiser step")
     g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate")
     g.add_argument("--warmup", type=positive_int, default=d.warmup)
@@ -74,13 +80,18 @@ def _value(v: str):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
-        p = argparse.ArgumentParser(prog="python -m student.train average",
+        p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
                                     description="Average the weights of the last N step checkpoints of a run.")
-        p.add_argument("--run", required=True); p.add_argument("--last", type=positive_int, default=4)
-        p.add_argument("--out", required=True)
+        p.add_argument("--run", required=True, help="run dir of student.train (holds ckpt-*.pt)")
+        p.add_argument("--last", type=positive_int, default=4, help="how many of the latest step checkpoints")
+        p.add_argument("--out", required=True, help="checkpoint file to write (export it with student.export)")
         a = p.parse_args(argv[1:])
         try:
-            print(average(last_checkpoints(a.run, a.last), a.out))
+            paths = last_checkpoints(a.run, a.last)
+            if len(paths) < a.last:  # --keep-last or a short run left fewer: say so, average what is there
+                print(f"note: {a.run} has {len(paths)} step checkpoint{'s' * (len(paths) != 1)}, not {a.last}; "
+                      f"averaging {', '.join(os.path.basename(x) for x in paths)}", file=sys.stderr)
+            print(average(paths, a.out))
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"error: {e}")
         return
