@@ -71,3 +71,17 @@ def test_distill_report_scores_and_names_the_given_test_set(env):  # noqa: F811
     assert f"from {env / 'mytest.en'}" in (env / "runs" / "own" / "report.md").read_text()
     hyps = (env / "runs" / "own").glob("report-*/test.teacher.hyp")
     assert [len(h.read_text().split("\n")[:-1]) for h in hyps] == [len(test_src)]
+
+
+def test_verdict_on_a_student_that_failed_to_learn_says_so_and_claims_no_aim():
+    """A student at 0.00 next to a teacher at 0.28 was 'within the 0.5 aim'."""
+    from student.distill.report import verdict
+    v = verdict([{"system": "teacher", "bleu": 0.28}, {"system": "student", "bleu": 0.0},
+                 {"system": "baseline", "bleu": 5.0}], {})
+    text = " ".join(v)
+    assert "within" not in text and "helps" not in text
+    assert v[0].startswith("teacher failed to learn: test BLEU 0.28") and v[1].startswith("student failed to learn")
+    assert v[2] == "KD student vs teacher: -0.28 BLEU (no verdict: student and teacher failed to learn)."
+    assert v[3] == "KD student vs the same student without KD: -5.00 BLEU (no verdict: student failed to learn)."
+    ok = verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})
+    assert ok == ["KD student vs teacher: -0.40 BLEU (within the 0.5 aim)."]
