@@ -43,9 +43,15 @@ def test_prepare_uses_the_given_dev_and_test_and_trains_on_the_whole_corpus(toy_
 def test_train_scores_the_given_test_set_and_names_it(toy_files, tmp_path):
     write_pair(tmp_path, "mydev", 12, seed=11)
     test_src, _ = write_pair(tmp_path, "mytest", 9, seed=12)
-    run_train(toy_files, tmp_path / "data", tmp_path / "run", "--max-steps", "4", "--max-tokens", "400",
-              "--eval-every", "4", *own_sets(tmp_path))
+    r = run_train(toy_files, tmp_path / "data", tmp_path / "run", "--max-steps", "4", "--max-tokens", "400",
+                  "--eval-every", "4", *own_sets(tmp_path))
     m = metrics(tmp_path / "run")
+    # the end of the run says where everything went, the scores with their signature, what to run next
+    end = r.stdout[r.stdout.index("done (max_steps at step 4"):]
+    assert f"checkpoints: {tmp_path / 'run' / 'best.pt'} (best dev BLEU {m['best_dev_bleu']:.2f})" in end
+    assert f"test BLEU {m['test_bleu']:.2f}" in end and f"test set: {tmp_path / 'mytest.en'}" in end
+    assert f"sacreBLEU: {m['test_bleu_signature']}" in end and "nrefs:1|" in end
+    assert f"python -m student.export {tmp_path / 'run' / 'best.pt'} {tmp_path / 'run' / 'model'}" in end
     assert m["test_set"] == f"{tmp_path / 'mytest.en'} / {tmp_path / 'mytest.es'}"
     assert m["dev_set"].startswith(str(tmp_path / "mydev.en"))
     assert len((tmp_path / "run" / "test.hyp").read_text().split("\n")[:-1]) == len(test_src)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from decoder import cliargs
@@ -114,9 +115,41 @@ def main(argv=None):
                       dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
                       test_at_end=not a.no_test)
     try:
-        train(cfg)
+        result = train(cfg)
     except (DataError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(final_words(cfg.out_dir, result), flush=True)
+
+
+def final_words(out: str, m: dict) -> str:
+    """Where the run went, its scores, and what to run next."""
+    import glob
+    q = shlex.quote
+    steps = sorted(glob.glob(os.path.join(out, "ckpt-*.pt")))
+    lines = [f"done ({m['stop_reason']} at step {m['step']}, {m['train_minutes']} training minutes)",
+             f"checkpoints: {os.path.join(out, 'best.pt')} ("
+             + (f"best dev BLEU {m['best_dev_bleu']:.2f}" if m["best_dev_bleu"] >= 0 else "no dev evaluation ran")
+             + "), "
+             f"{os.path.join(out, 'last.pt')} (resume), {len(steps)} step checkpoint(s) ckpt-*.pt",
+             f"metrics: {os.path.join(out, 'metrics.json')}"
+             + (f"; dev set: {m['dev_set']}" if m.get("dev_set") else "")]
+    if "test_bleu" in m:
+        lines += [f"test BLEU {m['test_bleu']:.2f}  chrF {m['test_chrf']:.2f} (best.pt, step {m['best_step']}; "
+                  f"hypotheses in {os.path.join(out, 'test.hyp')}"
+                  + (f"; test set: {m['test_set']})" if m.get("test_set") else ")"),
+                  f"sacreBLEU: {m['test_bleu_signature']}"]
+    model = os.path.join(out, "model")
+    if len(steps) >= 2:
+        avg = os.path.join(out, "averaged.pt")
+        lines += ["next: average the last checkpoints and write the model dir (none is written yet):",
+                  f"  python -m student.train average --run {q(out)} --last {len(steps)} --out {q(avg)}",
+                  f"  python -m student.export {q(avg)} {q(model)}"]
+    else:
+        lines += ["next: write the model dir (none is written yet):",
+                  f"  python -m student.export {q(os.path.join(out, 'best.pt'))} {q(model)}"]
+    lines.append(f"  python -m decoder --model {q(model)} -i input.txt -o output.txt")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
