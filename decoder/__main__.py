@@ -92,9 +92,21 @@ def check_output(path: str) -> None:
         raise OSError(f"cannot write in {parent}")
 
 
+class InputError(Exception):
+    """The input could not be read to its end (a truncated .gz, an I/O error)."""
+
+
+def _lines(src, max_bytes: int):
+    from .textio import read_lines
+    try:
+        yield from read_lines(src, max_bytes=max_bytes)
+    except (OSError, EOFError) as e:  # gzip raises EOFError for a file cut short
+        raise InputError(str(e)) from None
+
+
 def translate(tr: Translator, src, out, flush: bool) -> None:
-    from .textio import line_cap, read_lines
-    for line in tr.translate_stream(read_lines(src, max_bytes=line_cap(tr.cfg.arch.max_positions))):
+    from .textio import line_cap
+    for line in tr.translate_stream(_lines(src, line_cap(tr.cfg.arch.max_positions))):
         # errors="replace": a lone surrogate must not cost us the line
         out.write(line.encode("utf-8", errors="replace") + b"\n")
         if flush:
@@ -125,16 +137,19 @@ def main(argv=None) -> int:
     if not a.quiet:
         print(describe(tr, a.precision), file=sys.stderr, flush=True)
     with tr, src:
-        if a.output == "-":
-            translate(tr, src, sys.stdout.buffer, flush=True)
-            return 0
-        from .durable import atomic_write
-
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as out:
-                translate(tr, src, out, flush=False)
         try:
+            if a.output == "-":
+                translate(tr, src, sys.stdout.buffer, flush=True)
+                return 0
+            from .durable import atomic_write
+
+            def write(tmp: str) -> None:
+                with open(tmp, "wb") as out:
+                    translate(tr, src, out, flush=False)
             atomic_write(a.output, write)
+        except InputError as e:
+            print(f"error: cannot read --input {a.input} to its end: {e}", file=sys.stderr)
+            return 1
         except OSError as e:  # a full disk: the previous file stays, no partial one appears
             print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
             return 1

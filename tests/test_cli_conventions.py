@@ -27,6 +27,7 @@ def model_dir(tmp_path_factory):
 class FakeTranslator:
     """Records what the CLI asks of the library; translates by upper-casing."""
     made = []
+    precision, device, pool = "fp32", "cpu", None
 
     def __init__(self, model_dir, **kw):
         self.kw = kw
@@ -242,3 +243,12 @@ def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "has 2 step checkpoints, not 4" in err and "ckpt-0000100.pt, ckpt-0000200.pt" in err
     assert torch.load(tmp_path / "avg.pt", weights_only=True)["model"]["w"].tolist() == [2.0, 2.0]
+
+
+def test_a_truncated_gzip_input_is_one_error_line_and_no_output_file(fake, tmp_path, capsys):
+    data = gzip.compress(b"".join(b"line %d\n" % i for i in range(5000)))
+    (tmp_path / "cut.gz").write_bytes(data[:len(data) // 2])  # a download that stopped half way
+    assert cli.main(["--model", "m", "-q", "-i", str(tmp_path / "cut.gz"), "-o", str(tmp_path / "out.txt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot read --input {tmp_path / 'cut.gz'} to its end"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gz"]
