@@ -1,39 +1,58 @@
-"""python -m decoder --model DIR [--beam N] [--device cpu|cuda] [--precision ...] [--shortlist] < in > out
+"""python -m decoder --model DIR [-i IN] [-o OUT] [--beam-size N] [--precision ...] < in > out
 
-Reads stdin incrementally as bytes (invalid UTF-8 is replaced, CRLF accepted),
-writes one line per input line, in order, flushed after every chunk.
+Reads its input (stdin or -i) incrementally as bytes (invalid UTF-8 is replaced,
+CRLF accepted) and writes one line per input line, in order: to stdout, flushed
+after every chunk, or with -o to a file that appears whole when the run ends.
+On a terminal, each line is translated as soon as it is typed.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import cliargs
 from .cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_int
 from .modeldir import ModelDirError
 from .optimisations import OPTIMISATIONS
+from .runtime import describe
 from .translator import Translator
 
 MAX_WORKERS = 256  # processes; more is a typo, not a machine
+CHUNK_LINES = 20000
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cliargs.HelpFormatter)
     p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
-    p.add_argument("--beam", type=int_range(1, MAX_BEAM), default=1,
-                   help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy")
+    p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")
+    p.add_argument("-o", "--output", default="-",
+                   help="translations; - = stdout. A file is written next to its name and renamed over it "
+                        "when complete: it is never seen half-written")
+    cliargs.alias(p, "--beam", p.add_argument(
+        "--beam-size", dest="beam", metavar="N", type=int_range(1, MAX_BEAM), default=1,
+        help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy (old name: --beam)"))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp16"],
+    # fp32, as the library's Translator: the default output is the model's own, the same
+    # on every machine; auto's int8 is faster where it pays and differs on a few lines
+    p.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help="auto: fp16 on CUDA; on CPU int8 where it beats fp32 here (measured at start), else fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0,
                    help="CPU: N processes, each pinned to a core with one thread, fed whole batches "
                         "(same output as one process with --threads 1; often faster than N threads)")
-    p.add_argument("--max-tokens", type=positive_int, default=4096, help="padded source tokens per batch")
-    p.add_argument("--max-sentences", type=positive_int, default=512)
-    p.add_argument("--chunk-lines", type=positive_int, default=20000,
-                   help="lines read, sorted and batched together before output")
+    cliargs.alias(p, "--max-tokens", p.add_argument(
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=4096,
+        help="padded source tokens per batch (old name: --max-tokens)"))
+    cliargs.alias(p, "--max-sentences", p.add_argument(
+        "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=512,
+        help="sentences per batch, at most (old name: --max-sentences)"))
+    p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES,
+                   help="lines read, sorted and batched together before output; "
+                        "1 when the input is a terminal (line by line)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no stderr line saying the precision, threads and ISA that run")
     p.add_argument("--length-penalty", type=nonneg_float, default=1.0)
     p.add_argument("--max-len-a", type=nonneg_float, default=1.5)
     p.add_argument("--max-len-b", type=nonneg_int, default=10)
@@ -47,25 +66,93 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def reading_mode(a, stdin) -> dict:
+    """Chunking of the input: a person typing at a terminal gets each line's
+    translation before typing the next, so one line per chunk and no read-ahead
+    thread; a pipe or a file is read, sorted and batched chunk_lines at a time."""
+    interactive = a.input == "-" and stdin.isatty()
+    return dict(chunk_lines=1, pipeline=False) if interactive else dict(chunk_lines=a.chunk_lines)
+
+
+def open_input(path: str):
+    from .textio import open_binary
+    return sys.stdin.buffer if path == "-" else open_binary(path)
+
+
+def check_output(path: str) -> None:
+    """Refuse an output path that cannot be written before minutes of decoding, not after."""
+    if path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OSError(f"{path} is a directory")
+    if not os.path.isdir(parent):
+        raise OSError(f"no such directory: {parent}")
+    if not os.access(parent, os.W_OK):
+        raise OSError(f"cannot write in {parent}")
+
+
+class InputError(Exception):
+    """The input could not be read to its end (a truncated .gz, an I/O error)."""
+
+
+def _lines(src, max_bytes: int):
+    from .textio import read_lines
+    try:
+        yield from read_lines(src, max_bytes=max_bytes)
+    except (OSError, EOFError) as e:  # gzip raises EOFError for a file cut short
+        raise InputError(str(e)) from None
+
+
+def translate(tr: Translator, src, out, flush: bool) -> None:
+    from .textio import line_cap
+    for line in tr.translate_stream(_lines(src, line_cap(tr.cfg.arch.max_positions))):
+        # errors="replace": a lone surrogate must not cost us the line
+        out.write(line.encode("utf-8", errors="replace") + b"\n")
+        if flush:
+            out.flush()  # a pipe reader sees each line as soon as it is in order
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads,
-                        beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences,
-                        chunk_lines=a.chunk_lines, workers=a.workers, length_penalty=a.length_penalty,
-                        max_len_a=a.max_len_a, max_len_b=a.max_len_b, no_repeat_ngram=a.no_repeat_ngram,
-                        **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
+        check_output(a.output)
+    except OSError as e:
+        print(f"error: cannot write --output: {e}", file=sys.stderr)
+        return 2
+    try:
+        src = open_input(a.input)
+    except OSError as e:
+        print(f"error: cannot read --input {a.input}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=a.workers,
+                   length_penalty=a.length_penalty, max_len_a=a.max_len_a, max_len_b=a.max_len_b,
+                   no_repeat_ngram=a.no_repeat_ngram, **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
+    options.update(reading_mode(a, sys.stdin))
+    try:
+        tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .textio import line_cap, read_lines
-    out = sys.stdout.buffer
-    with tr:
-        lines = read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions))
-        for line in tr.translate_stream(lines):
-            # errors="replace": a lone surrogate must not cost us the line
-            out.write(line.encode("utf-8", errors="replace") + b"\n")
-            out.flush()  # a pipe reader sees each line as soon as it is in order
+    if not a.quiet:
+        print(describe(tr, a.precision), file=sys.stderr, flush=True)
+    with tr, src:
+        try:
+            if a.output == "-":
+                translate(tr, src, sys.stdout.buffer, flush=True)
+                return 0
+            from .durable import atomic_write
+
+            def write(tmp: str) -> None:
+                with open(tmp, "wb") as out:
+                    translate(tr, src, out, flush=False)
+            atomic_write(a.output, write)
+        except InputError as e:
+            print(f"error: cannot read --input {a.input} to its end: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:  # a full disk: the previous file stays, no partial one appears
+            print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -14,6 +14,7 @@ stdout goes away (`... | head -1`), as Unix tools do.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import signal
@@ -81,6 +82,42 @@ positive_int = int_range(1)
 nonneg_int = int_range(0)
 positive_float = _ranged(float, 0.0, None, above=True)
 nonneg_float = float_range(0.0)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default, said once: also for options without a help
+    text, not where the text already says it, nor for options whose default is
+    nothing (None, False, "", []) or a --no-x switch's True."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        d = action.default
+        return not (d is None or d is False or d is argparse.SUPPRESS or d == "" or d == []
+                    or isinstance(action, argparse._StoreFalseAction)
+                    or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)))
+
+    def _format_action(self, action):
+        if not action.help and action.help is not argparse.SUPPRESS and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not self._shows_default(action):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def alias(parser, old: str, action: argparse.Action) -> None:
+    """`old` keeps working as another name of `action` (users' scripts have it)
+    without a line of --help; errors name the option as the user typed it."""
+    kw = dict(dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if isinstance(action, argparse._StoreTrueAction):
+        kw["action"] = "store_true"
+    else:
+        kw.update(type=action.type, metavar=action.metavar, choices=action.choices, nargs=action.nargs)
+    parser.add_argument(old, **kw)
 
 
 def run(main) -> int:

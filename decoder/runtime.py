@@ -28,3 +28,17 @@ def retain_freed_memory(limit: int = 1 << 30) -> bool:
         return False
     _done = bool(ok)
     return _done
+
+
+def describe(tr, requested: str | None = None) -> str:
+    """The one stderr line a command prints once its Translator is loaded: what runs,
+    so that two outputs can be told apart (fp32 and int8 differ on a few lines)."""
+    import torch
+    precision = tr.precision + (f" ({requested})" if requested and requested != tr.precision else "")
+    if tr.pool is not None:
+        par = f"{tr.opts.workers} worker processes x 1 thread"
+    else:
+        par = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    where = (f"cuda {torch.cuda.get_device_name(tr.device)}" if tr.device.startswith("cuda")
+             else f"cpu ISA {torch.backends.cpu.get_cpu_capability()}")
+    return f"decoder: precision {precision}, {par}, {where}"

@@ -93,8 +93,9 @@ def test_hf_teacher_dir_without_tokenizer_is_a_teacher_error_before_any_work(tmp
 # -- a closed stdout pipe -----------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["-m", "decoder", "--threads", "1", "--chunk-lines", "4",
-                                      "--max-len-a", "0", "--max-len-b", "2"],
-                                     ["-m", "submission.container.serve", "--hardware", "CPU-1", "--task", "latency"]],
+                                      "--max-len-a", "0", "--max-len-b", "2", "--quiet"],
+                                     ["-m", "submission.container.serve", "--hardware", "CPU-1", "--task", "latency",
+                                      "--quiet"]],
                          ids=["decoder", "serve"])
 def test_output_piped_into_head_ends_quietly(model_dir, tmp_path, command):
     (tmp_path / "in.txt").write_text("".join(f"the dog sees {i} cats\n" for i in range(400)))

@@ -219,7 +219,7 @@ def test_container_is_measured_through_run_sh(tmp_path):
     ts = TestSet("synthetic", src, [synthetic_corpus(12, seed=22)], "en", "es", "synthetic")
     rows = evaluate(container_systems(image, image, ["CPU-1"], ["throughput", "latency"], 2.0), ts,
                     str(tmp_path), repeats=1, warmup_lines=2, log=lambda m: None)
-    want = subprocess.run([sys.executable, "-m", "decoder", "--model", model, "--threads", "1"],
+    want = subprocess.run([sys.executable, "-m", "decoder", "--model", model, "--threads", "1", "--precision", "auto"],
                           input="".join(x + "\n" for x in src), capture_output=True, text=True, cwd=ROOT,
                           check=True).stdout.split("\n")[:-1]
     from submission.evaluate import slug
@@ -228,5 +228,5 @@ def test_container_is_measured_through_run_sh(tmp_path):
         assert r["image_mb"] > 10 and r["model_mb"] > 0 and r["load_s"] > 0
         assert r["peak_ram_mb"] and r["peak_ram_mb"] > 20
         hyps = (tmp_path / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
-        assert hyps == want  # /run.sh CPU-1 is `python -m decoder --threads 1`
+        assert hyps == want  # /run.sh CPU-1 is `python -m decoder --threads 1 --precision auto`
     assert rows[1]["latency_ms_p50"] > 0

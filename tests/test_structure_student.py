@@ -61,7 +61,7 @@ def test_every_distill_option_the_student_trains_with_changes_its_stage_key():
 
     keyed = {f.name for f in dataclasses.fields(pipeline.DistillConfig)
              if key(dataclasses.replace(base_cfg, **{f.name: _changed(getattr(base_cfg, f.name))})) != key(base_cfg)}
-    assert keyed == {"corpus", "src_lang", "tgt_lang", "vocab_size", "max_tokens", "eval_every", "save_every",
+    assert keyed == {"corpus", "src_lang", "tgt_lang", "dev_src", "dev_tgt", "test_src", "test_tgt", "vocab_size", "max_tokens", "eval_every", "save_every",
                      "dev_max", "patience", "amp", "seed", "student_preset", "student_set", "student_steps",
                      "student_minutes", "student_lr", "student_warmup"}
 
@@ -196,6 +196,7 @@ def test_report_describes_each_system_through_the_teacher_interface_alone(tmp_pa
 
     class Prep:
         src_lang, tgt_lang, dir = "en", "es", str(tmp_path)
+        held_out = {"test": "the given test set"}
 
         def read(self, split):
             return ["a b", "c"], ["A B", "C"]

@@ -20,7 +20,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from decoder import textio
+from decoder import cliargs, textio
+from decoder.cliargs import nonneg_int, positive_int
 from decoder.optimisations import all_off, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
@@ -110,27 +111,47 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
     return False
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=cliargs.HelpFormatter)
     p.add_argument("--model", default=os.path.join(DEFAULT_DATA, "model"))
-    p.add_argument("--input", default=None, help="source lines (default: the Bible test split "
-                   "next to the model, tests/fixtures/bible-tiny/test.en)")
-    p.add_argument("--ref", default=None, help="reference lines for BLEU/chrF")
-    p.add_argument("--lines", type=int, default=0, help="use the first N lines (0 = all)")
-    p.add_argument("--repeat", type=int, default=1, help="synthetic larger input: the input K times")
-    p.add_argument("--passes", type=int, default=1,
+    cliargs.alias(p, "--input", p.add_argument(
+        "--src", default=None, help="source lines (default: test.en next to the model: the Bible test split "
+                                    "of tests/fixtures/bible-tiny)"))
+    p.add_argument("--ref", default=None, help="reference lines for BLEU/chrF (default: test.es next to the "
+                                               "model when --src is not given)")
+    p.add_argument("--lines", type=nonneg_int, default=0, help="use the first N lines (0 = all)")
+    cliargs.alias(p, "--repeat", p.add_argument(
+        "--repeat-input", dest="repeat", type=positive_int, default=1, metavar="K",
+        help="synthetic larger input: the input K times"))
+    p.add_argument("--passes", type=positive_int, default=1,
                    help="timed passes per configuration of ours; the fastest counts (noise on shared machines)")
-    p.add_argument("--naive-lines", type=int, default=100,
+    p.add_argument("--naive-lines", type=nonneg_int, default=100,
                    help="the naive rows are slow: time them on the first N lines only")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=positive_int, default=2)
+    cliargs.alias(p, "--max-tokens", p.add_argument(
+        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=4096, metavar="N",
+        help="padded source tokens per batch"))
     p.add_argument("--ct2-isa", default=None, help="CT2_FORCE_CPU_ISA (default: best the CPU has)")
     p.add_argument("--skip", default="", help="comma list of: naive,hf,ct2,batch1")
     p.add_argument("--profile", action="store_true",
-                   help="also profile the best configuration (top ops) into <name>-profile.txt")
-    p.add_argument("--name", default=None, help="output name under docs/bench/")
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
-    a = p.parse_args(argv)
+                   help="also profile the best configuration (top ops) into PREFIX-profile.txt")
+    p.add_argument("--out", metavar="PREFIX", default=None,
+                   help="write PREFIX.md and PREFIX.json (default: docs/bench/bench-<model dir name>)")
+    # the old way to say --out, kept for scripts: --out-dir DIR --name NAME = --out DIR/NAME
+    p.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def out_prefix(a: argparse.Namespace) -> str:
+    """--out, or the old --out-dir DIR / --name NAME, or docs/bench/bench-<model dir name>."""
+    return a.out or os.path.join(a.out_dir or os.path.join(ROOT, "docs", "bench"),
+                                 a.name or f"bench-{os.path.basename(os.path.abspath(a.model))}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
 
     machine = cpu_info()
     isa = a.ct2_isa or ct2_isa(machine["flags"])
@@ -146,8 +167,8 @@ def main(argv=None):
     except ImportError:
         ctranslate2 = None
     model_base = os.path.dirname(os.path.abspath(a.model))
-    src_path = a.input or os.path.join(model_base, "test.en")
-    ref_path = a.ref or (os.path.join(model_base, "test.es") if a.input is None else None)
+    src_path = a.src or os.path.join(model_base, "test.en")
+    ref_path = a.ref or (os.path.join(model_base, "test.es") if a.src is None else None)
     src = read(src_path)
     ref = read(ref_path) if ref_path and os.path.exists(ref_path) else None
     if a.lines:
@@ -232,16 +253,16 @@ def main(argv=None):
                 base = rows[-1] if rows[-1]["config"].startswith("latency: CT") else ct2_int8
             r["x_ct2_int8"] = round(r["src_words_per_s"] / base["src_words_per_s"], 2)
     machine["load_avg_at_end"] = os.getloadavg()[0]
-    name = a.name or f"bench-{os.path.basename(os.path.abspath(a.model))}"
-    os.makedirs(a.out_dir, exist_ok=True)
+    out = out_prefix(a)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     md = to_markdown(rows, machine, src_path, len(src), a.repeat, a.model)
-    with open(os.path.join(a.out_dir, name + ".md"), "w") as fh:
+    with open(out + ".md", "w") as fh:
         fh.write(md)
-    with open(os.path.join(a.out_dir, name + ".json"), "w") as fh:
+    with open(out + ".json", "w") as fh:
         json.dump({"machine": machine, "input": src_path, "lines": len(src), "repeat": a.repeat,
                    "model": os.path.abspath(a.model), "rows": rows}, fh, indent=2)
     if profile:
-        with open(os.path.join(a.out_dir, name + "-profile.txt"), "w") as fh:
+        with open(out + "-profile.txt", "w") as fh:
             fh.write(profile)
     print(md)
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from decoder import cliargs
 from decoder.optimisations import group, kernels_off
 from decoder.translator import Translator
 
@@ -41,13 +42,14 @@ def rows() -> tuple[dict, dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
+                                formatter_class=cliargs.HelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"))
-    p.add_argument("--ref", default=None, help="default: --src with .es for .en")
-    p.add_argument("--lines", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"), help="source lines")
+    p.add_argument("--ref", default=None, help="reference lines (default: --src with .es for .en)")
+    p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="first N lines only (0 = all)")
+    p.add_argument("--threads", type=cliargs.positive_int, default=2)
+    p.add_argument("--passes", type=cliargs.positive_int, default=3, help="timed passes; the fastest counts")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     src = read(a.src)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from decoder import cliargs
 from decoder.optimisations import group, kernels_off
 from decoder.translator import Translator
 
@@ -80,13 +81,14 @@ def gemm_profile(tr, lines: list[str]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
+                                formatter_class=cliargs.HelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"))
-    p.add_argument("--ref", default=None, help="default: --src with .es for .en")
-    p.add_argument("--lines", type=int, default=0, help="first N lines only (0 = all)")
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"), help="source lines")
+    p.add_argument("--ref", default=None, help="reference lines (default: --src with .es for .en)")
+    p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="first N lines only (0 = all)")
+    p.add_argument("--passes", type=cliargs.positive_int, default=3, help="timed passes; the fastest counts")
+    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:

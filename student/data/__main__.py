@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoder.cliargs import nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import HelpFormatter, nonneg_float, nonneg_int, positive_float, positive_int
 
 from . import DataError, prepare
 
@@ -13,7 +13,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m student.data",
                                  description="Prepare a parallel corpus: clean, split, normalise, SentencePiece.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("prepare", formatter_class=HelpFormatter,
                        description="Clean and split a corpus and train its joint SentencePiece model. "
                        "The result is cached under DATA_DIR/prepared/<name>-<hash>/ (a rerun with the same "
                        "inputs and options is a cache hit). Counts go to stderr; stdout gets the prepared dir.")

@@ -34,6 +34,7 @@ class Prepared:
     splits: dict      # split -> (src_path, tgt_path); raw text, normalise when encoding
     counts: dict
     cache_hit: bool = False
+    held_out: dict = dataclasses.field(default_factory=dict)  # split -> where its pairs come from
 
     def read(self, split: str, normalised: bool = False) -> tuple[list[str], list[str]]:
         sides = []
@@ -72,10 +73,11 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     """
     log = _logger(verbose)
     data_dir = os.path.abspath(data_dir or default_data_dir())
+    held_out = _held_out_files(dev_src, dev_tgt, test_src, test_tgt)
     if src or tgt:
-        inputs = _user_inputs(corpus, src, tgt, src_lang, tgt_lang, dev_src, dev_tgt, test_src, test_tgt)
+        inputs = _user_inputs(corpus, src, tgt, src_lang, tgt_lang, held_out)
     else:
-        inputs = _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose)
+        inputs = _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose, held_out)
     name, s_lang, t_lang, files = inputs
     norm = normaliser_settings(s_lang, t_lang)
     options = dict(format=FORMAT, langs=[s_lang, t_lang], max_words=max_words, min_ratio=min_ratio,
@@ -110,25 +112,48 @@ def summary(prep: Prepared) -> str:
             f"{c['invalid_utf8_lines']} lines with invalid UTF-8 replaced\n"
             f"cleaning train removed: {removed}; dev/test empty pairs removed: {c['dev_test_empty']}\n"
             f"splits: train {c['train']}, dev {c['dev']}, test {c['test']}\n"
+            + "".join(f"{k}: {v}\n" for k, v in prep.held_out.items()) +
             f"sentencepiece: {prep.spm_model}")
 
 
-def _user_inputs(corpus, src, tgt, src_lang, tgt_lang, dev_src, dev_tgt, test_src, test_tgt):
-    files = {"src": src, "tgt": tgt, "dev_src": dev_src, "dev_tgt": dev_tgt,
-             "test_src": test_src, "test_tgt": test_tgt}
-    for a, b in (("src", "tgt"), ("dev_src", "dev_tgt"), ("test_src", "test_tgt")):
-        if bool(files[a]) != bool(files[b]):
-            raise DataError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} go together")
+def _user_inputs(corpus, src, tgt, src_lang, tgt_lang, held_out):
+    files = {"src": src, "tgt": tgt}
+    _check_pair(files, "src", "tgt")
     s_lang, t_lang = src_lang or _lang_from_name(src), tgt_lang or _lang_from_name(tgt)
     if not s_lang or not t_lang or s_lang == t_lang:
         raise DataError("give distinct --src-lang and --tgt-lang (could not tell them from the file names)")
+    _check_files(files)
+    name = corpus if corpus and corpus != "bible-en-es" else Path(src).name.split(".")[0]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{s_lang}-{t_lang}")
+    return name, s_lang, t_lang, {**{k: os.path.abspath(v) for k, v in files.items() if v}, **held_out}
+
+
+def _held_out_files(dev_src, dev_tgt, test_src, test_tgt) -> dict:
+    """The user's own dev and test pairs (e.g. a newstest), for any corpus: role -> absolute path."""
+    files = {"dev_src": dev_src, "dev_tgt": dev_tgt, "test_src": test_src, "test_tgt": test_tgt}
+    for split in ("dev", "test"):
+        _check_pair(files, f"{split}_src", f"{split}_tgt")
+    _check_files(files)
+    return {k: os.path.abspath(v) for k, v in files.items() if v}
+
+
+def _check_pair(files: dict, a: str, b: str) -> None:
+    if bool(files[a]) != bool(files[b]):
+        raise DataError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} go together")
+
+
+def _check_files(files: dict) -> None:
     for k, path in files.items():
         if path and not os.path.isfile(path):
             what = "is a directory, not a file" if os.path.isdir(path) else "no such file"
             raise DataError(f"--{k.replace('_', '-')} {path}: {what}")
-    name = corpus if corpus and corpus != "bible-en-es" else Path(src).name.split(".")[0]
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{s_lang}-{t_lang}")
-    return name, s_lang, t_lang, {k: os.path.abspath(v) for k, v in files.items() if v}
+
+
+def held_out_origin(files: dict, book: bool = False) -> dict:
+    """Where the dev and test pairs come from, in words: the report names its test set."""
+    auto = "a held-out Bible book" if book else f"a seeded random slice of the corpus (5%, at most {HELD_OUT_MAX} pairs)"
+    return {split: (f"{files[split + '_src']} / {files[split + '_tgt']}" if split + "_src" in files else auto)
+            for split in ("dev", "test")}
 
 
 def _lang_from_name(path: str) -> str | None:
@@ -138,7 +163,7 @@ def _lang_from_name(path: str) -> str | None:
     return parts[-1] if len(parts) > 1 and 2 <= len(parts[-1]) <= 3 and parts[-1].isalpha() else None
 
 
-def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose):
+def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose, held_out):
     m = re.fullmatch(r"bible-(\w+)-(\w+)", corpus or "")
     if not m or {m[1], m[2]} != set(BIBLE_MODULES):
         raise DataError(f"unknown corpus {corpus!r}: use bible-en-es, bible-es-en, or --src/--tgt files")
@@ -146,7 +171,7 @@ def _bible_inputs(corpus, src_lang, tgt_lang, data_dir, verbose):
         raise DataError(f"{corpus} is {m[1]}->{m[2]}, not {src_lang}->{tgt_lang}")
     raw = extract_bible(os.path.join(data_dir, "bible-en-es"), verbose)
     files = {"src": f"{raw}/{m[1]}.txt", "tgt": f"{raw}/{m[2]}.txt", "book": f"{raw}/book.txt"}
-    return corpus, m[1], m[2], files
+    return corpus, m[1], m[2], {**files, **held_out}
 
 
 def file_digest(path: str) -> str:
@@ -172,9 +197,10 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
             bad += b
     if "book" in files:  # the Bible: split by book, so test verses are unseen
         books = read_lines(files["book"])[0]
-        held = {"dev": [p for p, b in zip(pairs, books) if b == BIBLE_DEV_BOOK],
-                "test": [p for p, b in zip(pairs, books) if b == BIBLE_TEST_BOOK]}
-        train = [p for p, b in zip(pairs, books) if b not in (BIBLE_DEV_BOOK, BIBLE_TEST_BOOK)]
+        own = {"dev": BIBLE_DEV_BOOK, "test": BIBLE_TEST_BOOK}
+        for split, book in own.items():
+            held.setdefault(split, [p for p, b in zip(pairs, books) if b == book])
+        train = [p for p, b in zip(pairs, books) if b not in own.values()]
     elif len(held) < 2:
         held, train = _seeded_split(pairs, held, options["seed"])
 
@@ -200,7 +226,8 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
               "dev_test_empty": n_held - sum(map(len, held.values())),
               **{k: len(v) for k, v in splits.items()}}
     meta = {"src_lang": s_lang, "tgt_lang": t_lang, "normaliser": options["normaliser"],
-            "counts": counts, "options": options, "inputs": files}
+            "counts": counts, "options": options, "inputs": files,
+            "held_out": held_out_origin(files, book="book" in files)}
     with open(f"{out}/prepared.json", "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2, ensure_ascii=False)
 
@@ -241,4 +268,5 @@ def _load(out: str, cache_hit: bool) -> Prepared:
     s, t = meta["src_lang"], meta["tgt_lang"]
     return Prepared(dir=out, src_lang=s, tgt_lang=t, spm_model=os.path.join(out, "spm.model"),
                     normaliser=meta["normaliser"], counts=meta["counts"], cache_hit=cache_hit,
+                    held_out=meta.get("held_out", {}),
                     splits={k: (os.path.join(out, f"{k}.{s}"), os.path.join(out, f"{k}.{t}")) for k in SPLITS})

@@ -17,7 +17,7 @@ from student.distill.teachers import TeacherError
 def parser() -> argparse.ArgumentParser:
     d = DistillConfig()
     p = argparse.ArgumentParser(
-        prog="python -m student.distill",
+        prog="python -m student.distill", formatter_class=cliargs.HelpFormatter,
         description="Sequence-level knowledge distillation, end to end: train (or plug in) a teacher, "
                     "translate the training source side in resumable shards, clean the result, train a "
                     "deep-encoder/shallow-decoder student on it, export it as a model dir, and write "
@@ -39,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tgt", help="your own target file, same line count")
     g.add_argument("--src-lang", help="source language (default: the file suffix)")
     g.add_argument("--tgt-lang", help="target language (default: the file suffix)")
+    for split in ("dev", "test"):
+        g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest "
+                                              f"(default: the corpus' {split} split)")
+        g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
     g.add_argument("--vocab-size", type=positive_int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
@@ -99,7 +103,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"most frequent target tokens in every shortlist (default {d.shortlist_frequent})")
 
     g = p.add_argument_group("training (teacher and students)")
-    g.add_argument("--max-tokens", type=positive_int, help=f"padded tokens per batch (default {d.max_tokens})")
+    cliargs.alias(g, "--max-tokens", g.add_argument(
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int,
+        help=f"padded tokens per batch (default {d.max_tokens})"))
     g.add_argument("--eval-every", type=nonneg_int,
                    help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
     g.add_argument("--save-every", type=nonneg_int, help=f"steps between resume checkpoints (default {d.save_every})")

@@ -46,6 +46,10 @@ class DistillConfig:
     tgt: str | None = None
     src_lang: str | None = None
     tgt_lang: str | None = None
+    dev_src: str | None = None  # the user's own dev and test pairs (default: the corpus' splits)
+    dev_tgt: str | None = None
+    test_src: str | None = None
+    test_tgt: str | None = None
     vocab_size: int = 8000
     train_limit: int = 0        # first N training pairs only (smoke runs); 0 = all
     test_limit: int = 0         # first N test pairs in the report; 0 = all
@@ -135,6 +139,7 @@ def train_stage_options(tc: TrainConfig, **extra) -> dict:
 
 def data_args(cfg: DistillConfig) -> dict:
     return dict(corpus=cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
+                dev_src=cfg.dev_src, dev_tgt=cfg.dev_tgt, test_src=cfg.test_src, test_tgt=cfg.test_tgt,
                 vocab_size=cfg.vocab_size)
 
 
@@ -176,8 +181,9 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError("training our own teacher needs a budget: --teacher-minutes or --teacher-steps")
     if not (cfg.student_minutes or cfg.student_steps):
         raise ValueError("the student needs a budget: --student-minutes or --student-steps")
-    if bool(cfg.src) != bool(cfg.tgt):
-        raise ValueError("--src and --tgt go together")
+    for x in ("", "dev_", "test_"):
+        if bool(getattr(cfg, f"{x}src")) != bool(getattr(cfg, f"{x}tgt")):
+            raise ValueError(f"--{x.replace('_', '-')}src and --{x.replace('_', '-')}tgt go together")
     if cfg.shard_size < 1:
         raise ValueError("--shard-size must be at least 1")
     if cfg.shortlist_k < 0 or cfg.shortlist_frequent < 0:

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from decoder.cliargs import nonneg_int, positive_int
+from decoder.cliargs import HelpFormatter, nonneg_int, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.shortlist import add_to_model_dir
@@ -13,7 +13,7 @@ from student.shortlist import add_to_model_dir
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m student.shortlist",
+        prog="python -m student.shortlist", formatter_class=HelpFormatter,
         description="Build a lexical shortlist from a parallel corpus (the student's distilled training "
                     "data) and add it to a model dir: shortlist.safetensors, listed in config.json. "
                     "The decoder uses it with --shortlist.")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 
-from decoder.cliargs import float_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder import cliargs
+from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int, positive_float, positive_int
 from student.data import DataError
 from student.model import PRESETS
 from student.train.average import average, last_checkpoints
@@ -17,7 +20,7 @@ from student.train.trainer import TrainConfig, train
 def train_parser() -> argparse.ArgumentParser:
     d = TrainConfig(out_dir="")
     p = argparse.ArgumentParser(
-        prog="python -m student.train",
+        prog="python -m student.train", formatter_class=HelpFormatter,
         description="Train a Transformer (teacher or student) on a prepared corpus. Rerunning the same "
                     "command resumes from OUT/last.pt. Launch with torchrun for DDP "
                     "(gloo on CPU, NCCL on GPU). Subcommand: 'average' (checkpoint averaging).")
@@ -34,9 +37,16 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
                                        "(e.g. a distilled corpus); dev/test stay the corpus'")
     g.add_argument("--train-tgt")
+    for split, default in (("dev", "the corpus' dev split"), ("test", "the corpus' test split")):
+        g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest (default: {default})")
+        g.add_argument(f"--{split}-tgt", help=f"its reference translations, same line count")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, help="padded tokens per batch")
-    g.add_argument("--max-sentences", type=positive_int, default=d.max_sentences)
+    cliargs.alias(g, "--max-tokens", g.add_argument(
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=d.max_tokens,
+        help="padded tokens per batch"))
+    cliargs.alias(g, "--max-sentences", g.add_argument(
+        "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=d.max_sentences,
+        help="sentences per batch, at most"))
     g.add_argument("--accum", type=positive_int, default=d.accum, help="batches per optimiser step")
     g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate")
     g.add_argument("--warmup", type=positive_int, default=d.warmup)
@@ -71,19 +81,25 @@ def _value(v: str):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
-        p = argparse.ArgumentParser(prog="python -m student.train average",
+        p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
                                     description="Average the weights of the last N step checkpoints of a run.")
-        p.add_argument("--run", required=True); p.add_argument("--last", type=positive_int, default=4)
-        p.add_argument("--out", required=True)
+        p.add_argument("--run", required=True, help="run dir of student.train (holds ckpt-*.pt)")
+        p.add_argument("--last", type=positive_int, default=4, help="how many of the latest step checkpoints")
+        p.add_argument("--out", required=True, help="checkpoint file to write (export it with student.export)")
         a = p.parse_args(argv[1:])
         try:
-            print(average(last_checkpoints(a.run, a.last), a.out))
+            paths = last_checkpoints(a.run, a.last)
+            if len(paths) < a.last:  # --keep-last or a short run left fewer: say so, average what is there
+                print(f"note: {a.run} has {len(paths)} step checkpoint{'s' * (len(paths) != 1)}, not {a.last}; "
+                      f"averaging {', '.join(os.path.basename(x) for x in paths)}", file=sys.stderr)
+            print(average(paths, a.out))
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"error: {e}")
         return
     a = train_parser().parse_args(argv)
-    if bool(a.src) != bool(a.tgt) or bool(a.train_src) != bool(a.train_tgt):
-        sys.exit("error: --src/--tgt and --train-src/--train-tgt come in pairs")
+    if any(bool(getattr(a, f"{x}src")) != bool(getattr(a, f"{x}tgt")) for x in ("", "train_", "dev_", "test_")):
+        sys.exit("error: --src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
+                 "come in pairs")
     overrides = {}
     for kv in a.set:
         k, _, v = kv.partition("=")
@@ -91,6 +107,7 @@ def main(argv=None):
     cfg = TrainConfig(out_dir=a.out, preset=a.preset, model_overrides=overrides, corpus=a.corpus,
                       src=a.src, tgt=a.tgt, src_lang=a.src_lang, tgt_lang=a.tgt_lang,
                       vocab_size=a.vocab_size, train_src=a.train_src, train_tgt=a.train_tgt,
+                      dev_src=a.dev_src, dev_tgt=a.dev_tgt, test_src=a.test_src, test_tgt=a.test_tgt,
                       max_tokens=a.max_tokens, max_sentences=a.max_sentences, accum=a.accum, lr=a.lr,
                       warmup=a.warmup, label_smoothing=a.label_smoothing, clip_norm=a.clip_norm,
                       amp=a.amp, seed=a.seed, max_steps=a.max_steps, max_epochs=a.max_epochs,
@@ -98,9 +115,41 @@ def main(argv=None):
                       dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
                       test_at_end=not a.no_test)
     try:
-        train(cfg)
+        result = train(cfg)
     except (DataError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(final_words(cfg.out_dir, result), flush=True)
+
+
+def final_words(out: str, m: dict) -> str:
+    """Where the run went, its scores, and what to run next."""
+    import glob
+    q = shlex.quote
+    steps = sorted(glob.glob(os.path.join(out, "ckpt-*.pt")))
+    lines = [f"done ({m['stop_reason']} at step {m['step']}, {m['train_minutes']} training minutes)",
+             f"checkpoints: {os.path.join(out, 'best.pt')} ("
+             + (f"best dev BLEU {m['best_dev_bleu']:.2f}" if m["best_dev_bleu"] >= 0 else "no dev evaluation ran")
+             + "), "
+             f"{os.path.join(out, 'last.pt')} (resume), {len(steps)} step checkpoint(s) ckpt-*.pt",
+             f"metrics: {os.path.join(out, 'metrics.json')}"
+             + (f"; dev set: {m['dev_set']}" if m.get("dev_set") else "")]
+    if "test_bleu" in m:
+        lines += [f"test BLEU {m['test_bleu']:.2f}  chrF {m['test_chrf']:.2f} (best.pt, step {m['best_step']}; "
+                  f"hypotheses in {os.path.join(out, 'test.hyp')}"
+                  + (f"; test set: {m['test_set']})" if m.get("test_set") else ")"),
+                  f"sacreBLEU: {m['test_bleu_signature']}"]
+    model = os.path.join(out, "model")
+    if len(steps) >= 2:
+        avg = os.path.join(out, "averaged.pt")
+        lines += ["next: average the last checkpoints and write the model dir (none is written yet):",
+                  f"  python -m student.train average --run {q(out)} --last {len(steps)} --out {q(avg)}",
+                  f"  python -m student.export {q(avg)} {q(model)}"]
+    else:
+        lines += ["next: write the model dir (none is written yet):",
+                  f"  python -m student.export {q(os.path.join(out, 'best.pt'))} {q(model)}"]
+    lines.append(f"  python -m decoder --model {q(model)} -i input.txt -o output.txt")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

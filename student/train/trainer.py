@@ -41,6 +41,10 @@ class TrainConfig:
     vocab_size: int = 8000
     train_src: str | None = None  # override the training pairs (e.g. a distilled corpus)
     train_tgt: str | None = None
+    dev_src: str | None = None    # the user's own dev and test pairs (e.g. a newstest);
+    dev_tgt: str | None = None    # default: the corpus' own (student.data)
+    test_src: str | None = None
+    test_tgt: str | None = None
     # optimisation
     max_tokens: int = 4096
     max_sentences: int = 256
@@ -127,8 +131,9 @@ class Corpus:
     """Normalised, SentencePiece-encoded splits, cached under the run dir."""
 
     def __init__(self, cfg: TrainConfig, verbose: bool):
-        self.prep = prepare(cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang,
-                            tgt_lang=cfg.tgt_lang, vocab_size=cfg.vocab_size, verbose=verbose)
+        self.prep = prepare(cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
+                            dev_src=cfg.dev_src, dev_tgt=cfg.dev_tgt, test_src=cfg.test_src,
+                            test_tgt=cfg.test_tgt, vocab_size=cfg.vocab_size, verbose=verbose)
         self.sp = spm.SentencePieceProcessor(model_file=self.prep.spm_model)
         p = self.prep
         self.norm_src = lambda s: normalise(s, p.src_lang, p.normaliser)
@@ -446,6 +451,7 @@ class Trainer:
     def summary(self, reason: str) -> dict:
         st = self.state
         return {"stop_reason": reason, "step": st["step"], "epoch": st["epoch"],
+                "dev_set": self.corpus.prep.held_out.get("dev"), "test_set": self.corpus.prep.held_out.get("test"),
                 "train_minutes": round(st["train_seconds"] / 60, 2), "best_dev_bleu": st["best_bleu"],
                 "history": st["history"], "train_loss": st["losses"]}
 

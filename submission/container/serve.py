@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default="auto", choices=["auto", "GPU", "CPU-1", "CPU-ALL"])
     ap.add_argument("--task", default="throughput", choices=["latency", "throughput"])
     ap.add_argument("--model", default=os.environ.get("MODEL_DIR", "/model"))
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no stderr line saying the precision, threads and ISA that run")
     a = ap.parse_args(argv)
 
     from decoder.textio import line_cap, read_lines  # the CLI's reader: same lines, same bytes
@@ -58,6 +60,9 @@ def main(argv=None) -> int:
     except (ModelDirError, ValueError) as e:
         print(f"error: cannot load model: {e}", file=sys.stderr, flush=True)
         return 2
+    if not a.quiet:
+        from decoder.runtime import describe
+        print(describe(tr, s["precision"]), file=sys.stderr, flush=True)
 
     with tr:
         _serve(tr, a.task, read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions)))

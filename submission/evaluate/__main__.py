@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_list, nonneg_int, positive_float, positive_int
 
 from .systems import EvalError
@@ -21,10 +22,14 @@ def _list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+class _Help(cliargs.HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in --help, and the epilog's lines as written."""
+
+
 def parse_args(argv=None):
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = argparse.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=_Help)
     g = p.add_argument_group("systems")
     g.add_argument("--model", action="append", default=[], metavar="[NAME=]DIR",
                    help="a model dir to measure (repeatable); NAME labels it")
@@ -36,7 +41,9 @@ def parse_args(argv=None):
     g.add_argument("--precision", default="auto",
                    help="comma list of auto,fp32,bf16,int8,fp16 (auto: int8 on CPU, fp16 on CUDA); "
                         "HF always runs fp32")
-    g.add_argument("--beam", type=int_list(1, MAX_BEAM), default="1", help="comma list of beam sizes (1 = greedy)")
+    cliargs.alias(g, "--beam", g.add_argument(
+        "--beam-size", dest="beam", type=int_list(1, MAX_BEAM), default="1", metavar="N[,N...]",
+        help="comma list of beam sizes (1 = greedy)"))
     g.add_argument("--threads", type=int_list(1), default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--mode", default="throughput", choices=["throughput", "latency", "both"],
@@ -54,10 +61,13 @@ def parse_args(argv=None):
     t.add_argument("-l", "--langpair", help="its language pair, e.g. en-de")
     t.add_argument("--lines", type=nonneg_int, default=0, help="use the first N lines only (0 = all)")
     m = p.add_argument_group("measurement")
-    m.add_argument("--repeats", type=positive_int, default=3, help="timed passes per system (median and spread)")
+    cliargs.alias(m, "--repeats", m.add_argument(
+        "--passes", type=positive_int, default=3, help="timed passes per system (median and spread)"))
     m.add_argument("--warmup-lines", type=nonneg_int, default=100, help="lines of the untimed-for-words/s warm-up pass")
     m.add_argument("--latency-lines", type=nonneg_int, default=200, help="lines in latency mode (0 = all)")
-    m.add_argument("--max-tokens", type=positive_int, default=4096, help="padded source tokens per batch")
+    cliargs.alias(m, "--max-tokens", m.add_argument(
+        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=4096, metavar="N",
+        help="padded source tokens per batch"))
     m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
     return p.parse_args(argv)
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
     try:
         systems, models = build_systems(a)
         ts = load_testset(a, models)
-        summaries = evaluate(systems, ts, a.out, repeats=a.repeats, warmup_lines=a.warmup_lines,
+        summaries = evaluate(systems, ts, a.out, repeats=a.passes, warmup_lines=a.warmup_lines,
                              latency_lines=a.latency_lines, max_tokens=a.max_tokens,
                              mem_limit=a.container_memory, timeout=a.timeout)
     except EvalError as e:

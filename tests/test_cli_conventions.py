@@ -1,0 +1,254 @@
+"""The command lines follow the field's conventions: `python -m decoder` takes
+-i/-o files, --beam-size/--max-batch-tokens/--batch-size (the old names still
+work), and translates line by line at a terminal."""
+import gzip
+import os
+import pty
+import select
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+from fixture_model import make_model_dir
+
+import decoder.__main__ as cli
+
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("conv") / "model", enc=1, dec=1, seed=2)
+
+
+class FakeTranslator:
+    """Records what the CLI asks of the library; translates by upper-casing."""
+    made = []
+    precision, device, pool = "fp32", "cpu", None
+
+    def __init__(self, model_dir, **kw):
+        self.kw = kw
+        self.cfg = SimpleNamespace(arch=SimpleNamespace(max_positions=64))
+        FakeTranslator.made.append(self)
+
+    def translate_stream(self, lines):
+        return (s.upper() for s in lines)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeTranslator.made.clear()
+    monkeypatch.setattr(cli, "Translator", FakeTranslator)
+    return FakeTranslator.made
+
+
+@pytest.mark.parametrize("flags,key,value", [
+    (["--beam-size", "3"], "beam", 3), (["--beam", "3"], "beam", 3),
+    (["--max-batch-tokens", "77"], "max_tokens", 77), (["--max-tokens", "77"], "max_tokens", 77),
+    (["--batch-size", "9"], "max_sentences", 9), (["--max-sentences", "9"], "max_sentences", 9),
+])
+def test_field_names_and_old_names_reach_the_translator(fake, tmp_path, flags, key, value):
+    (tmp_path / "in.txt").write_text("a\n")
+    assert cli.main(["--model", "m", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"), *flags]) == 0
+    assert fake[0].kw[key] == value
+
+
+@pytest.mark.parametrize("flag", ["--beam-size", "--max-batch-tokens", "--batch-size"])
+def test_new_names_refuse_out_of_range_values(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--model", "m", flag, "0"])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_input_and_output_files_replace_stdin_and_stdout(fake, tmp_path, capsys):
+    with gzip.open(tmp_path / "in.gz", "wb") as fh:  # gzipped input is read as such
+        fh.write(b"one\r\n\ntwo")
+    (tmp_path / "out.txt").write_text("previous\n")
+    assert cli.main(["--model", "m", "--input", str(tmp_path / "in.gz"), "--output", str(tmp_path / "out.txt")]) == 0
+    assert (tmp_path / "out.txt").read_bytes() == b"ONE\n\nTWO\n"
+    assert capsys.readouterr().out == ""
+    assert [p.name for p in tmp_path.iterdir()] != [] and not any(".tmp." in p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("which", ["input", "output"])
+def test_unusable_input_or_output_path_is_one_error_line_before_loading(fake, tmp_path, capsys, which):
+    paths = {"input": str(tmp_path / "in.txt"), "output": str(tmp_path / "out.txt")}
+    (tmp_path / "in.txt").write_text("a\n")
+    paths[which] = str(tmp_path / "missing" / "x.txt")
+    assert cli.main(["--model", "m", "-i", paths["input"], "-o", paths["output"]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot {'read' if which == 'input' else 'write'}")
+    assert fake == [] and not os.path.exists(tmp_path / "missing")
+
+
+def test_a_failed_run_leaves_the_previous_output_file_whole(monkeypatch, tmp_path):
+    class Failing(FakeTranslator):
+        def translate_stream(self, lines):
+            yield "first"
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli, "Translator", Failing)
+    (tmp_path / "in.txt").write_text("a\nb\n")
+    (tmp_path / "out.txt").write_text("previous\n")
+    assert cli.main(["--model", "m", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 1
+    assert (tmp_path / "out.txt").read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+
+
+@pytest.mark.parametrize("tty,input_,want", [
+    (True, "-", {"chunk_lines": 1, "pipeline": False}),
+    (False, "-", {"chunk_lines": cli.CHUNK_LINES}),
+    (True, "file.txt", {"chunk_lines": cli.CHUNK_LINES}),  # a file is read in chunks whatever stdin is
+])
+def test_a_terminal_is_read_line_by_line(tty, input_, want):
+    a = cli.parse_args(["--model", "m", "-i", input_])
+    assert cli.reading_mode(a, SimpleNamespace(isatty=lambda: tty)) == want
+
+
+def test_files_give_what_stdin_gives(model_dir, tmp_path):
+    text = b"the man sees a dog\n\nthe cat has a house\n"
+    (tmp_path / "in.txt").write_bytes(text)
+    base = [sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1", "--beam-size", "2"]
+    piped = subprocess.run(base, input=text, capture_output=True, env=ENV, cwd=ROOT, timeout=300)
+    files = subprocess.run(base + ["-i", "in.txt", "-o", "out.txt"], capture_output=True, env=ENV,
+                           cwd=tmp_path, timeout=300)
+    assert files.returncode == 0 and files.stdout == b"", files.stderr.decode()
+    assert (tmp_path / "out.txt").read_bytes() == piped.stdout and piped.stdout.count(b"\n") == 3
+
+
+def test_typed_line_is_answered_before_the_next_is_typed(model_dir):
+    """On a terminal, the first translation appears while stdin is still open
+    (before: nothing until 20,000 lines or end of input)."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
+                         stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
+    os.close(follower)
+    try:
+        os.write(leader, b"the man sees a dog\n")
+        ready, _, _ = select.select([p.stdout], [], [], 240)
+        assert ready, "no translation before the end of input"
+        assert p.stdout.readline().endswith(b"\n")
+    finally:
+        os.write(leader, b"\x04")  # ^D: end of input
+        p.wait(timeout=60)
+        os.close(leader)
+
+
+# -- precision: one default, and a word of what ran ------------------------------------------
+
+def test_cli_and_library_share_the_default_precision():
+    import inspect
+    from decoder import Translator
+    library = inspect.signature(Translator.__init__).parameters["precision"].default
+    assert cli.parse_args(["--model", "m"]).precision == library == "fp32"
+
+
+def test_cli_default_output_is_the_library_default_output_and_says_what_ran(model_dir):
+    """Before, the CLI ran `auto` (int8 on this kind of CPU) and the library fp32, with no word."""
+    import torch
+    from decoder import Translator
+    lines = ["the man sees a dog", "Él was old.", "a", "the king said unto them , the land"]
+    r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
+                       input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
+                       timeout=300)
+    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert r.stderr.decode().splitlines() == [f"decoder: precision fp32, 1 thread, cpu ISA {isa}"]
+
+
+@pytest.mark.parametrize("command", [["-m", "decoder", "--threads", "2", "--precision", "auto"],
+                                     ["-m", "submission.container.serve", "--hardware", "CPU-1", "--task", "latency"]],
+                         ids=["decoder", "serve"])
+def test_settings_line_is_printed_once_and_quiet_silences_it(model_dir, command):
+    argv = [sys.executable, *command, "--model", str(model_dir)]
+    loud = subprocess.run(argv, input=b"the dog\n", capture_output=True, env=ENV, cwd=ROOT, timeout=300)
+    quiet = subprocess.run(argv + ["--quiet"], input=b"the dog\n", capture_output=True, env=ENV, cwd=ROOT,
+                           timeout=300)
+    err = loud.stderr.decode().splitlines()
+    assert len(err) == 1 and err[0].startswith("decoder: precision ") and "(auto)" in err[0], err
+    assert " ISA " in err[0] and "thread" in err[0]
+    assert quiet.returncode == 0 and quiet.stderr == b"" and quiet.stdout == loud.stdout
+
+
+# -- one vocabulary across the tools -----------------------------------------------------------
+
+def test_bench_and_evaluate_speak_the_vocabulary_and_keep_the_old_names():
+    from submission.evaluate.__main__ import parse_args as evaluate_args
+    from tools.bench import out_prefix, parse_args as bench_args
+    new = bench_args(["--src", "x.en", "--repeat-input", "3", "--passes", "2", "--max-batch-tokens", "99",
+                      "--out", "o/p"])
+    old = bench_args(["--input", "x.en", "--repeat", "3", "--passes", "2", "--max-tokens", "99",
+                      "--out-dir", "o", "--name", "p"])
+    for a in (new, old):
+        assert (a.src, a.repeat, a.passes, a.max_tokens, out_prefix(a)) == ("x.en", 3, 2, 99, os.path.join("o", "p"))
+    new = evaluate_args(["--passes", "5", "--beam-size", "1,4", "--max-batch-tokens", "77"])
+    old = evaluate_args(["--repeats", "5", "--beam", "1,4", "--max-tokens", "77"])
+    for a in (new, old):
+        assert (a.passes, a.beam, a.max_tokens) == (5, [1, 4], 77)
+
+
+HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5)"},
+        "tools.bench": {"--passes": "(default: 1)", "--repeat-input": "(default: 1)"},
+        "tools.bench_fused": {"--passes": "(default: 3)"},
+        "submission.evaluate": {"--passes": "(default: 3)"},
+        "submission.image": {"--tag": "(default: wmt-kit:latest)"},
+        "student.data prepare": {"--vocab-size": "(default: 8000)"},
+        "student.train": {"--lr": "(default: 0.001)", "--dev-src": "newstest"},
+        "student.train average": {"--last": "(default: 4)", "--run": "ckpt-", "--out": "checkpoint"},
+        "student.distill": {"--student-lr": "(default 0.002)"},
+        "student.shortlist": {"--k": "(default 100)"}}
+
+
+def option_blocks(text: str) -> dict:
+    """--help text -> {option: its help block}."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        s = line.strip()
+        if line.startswith("  -") and not line.startswith("      "):
+            name = [w.rstrip(",") for w in s.split() if w.startswith("--")][0]
+            blocks[name] = s
+        elif name and line.startswith("    ") and s:
+            blocks[name] += " " + s
+        else:
+            name = None
+    return blocks
+
+
+@pytest.mark.parametrize("command", sorted(HELP))
+def test_help_names_the_command_and_says_each_default_once(command):
+    r = subprocess.run([sys.executable, "-m", *command.split(), "--help"], capture_output=True, text=True,
+                       env=ENV, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {command} "), r.stdout[:200]
+    blocks = option_blocks(r.stdout)
+    for option, block in blocks.items():
+        assert block.count("(default") <= 1, block
+    for option, want in HELP[command].items():
+        assert want in blocks[option], blocks[option]
+
+
+def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):
+    import torch
+    from student.train.__main__ import main
+    for step, value in ((100, 1.0), (200, 3.0)):
+        torch.save({"model": {"w": torch.full((2,), value)}, "step": step}, tmp_path / f"ckpt-{step:07d}.pt")
+    main(["average", "--run", str(tmp_path), "--last", "4", "--out", str(tmp_path / "avg.pt")])
+    err = capsys.readouterr().err
+    assert "has 2 step checkpoints, not 4" in err and "ckpt-0000100.pt, ckpt-0000200.pt" in err
+    assert torch.load(tmp_path / "avg.pt", weights_only=True)["model"]["w"].tolist() == [2.0, 2.0]
+
+
+def test_a_truncated_gzip_input_is_one_error_line_and_no_output_file(fake, tmp_path, capsys):
+    data = gzip.compress(b"".join(b"line %d\n" % i for i in range(5000)))
+    (tmp_path / "cut.gz").write_bytes(data[:len(data) // 2])  # a download that stopped half way
+    assert cli.main(["--model", "m", "-q", "-i", str(tmp_path / "cut.gz"), "-o", str(tmp_path / "out.txt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot read --input {tmp_path / 'cut.gz'} to its end"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gz"]
