@@ -39,7 +39,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-tgt")
     for split, default in (("dev", "the corpus' dev split"), ("test", "the corpus' test split")):
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest (default: {default})")
-        g.add_argument(f"--{split}-tgt", help=f"its reference translations, same line count")
+        g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
     g = p.add_argument_group("optimisation")
     cliargs.alias(g, "--max-tokens", g.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=d.max_tokens,
