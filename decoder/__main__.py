@@ -150,6 +150,8 @@ def main(argv=None) -> int:
         except InputError as e:
             print(f"error: cannot read --input {a.input} to its end: {e}", file=sys.stderr)
             return 1
+        except BrokenPipeError:
+            raise  # the reader went away (`| head`): cliargs.run ends quietly, as Unix tools do
         except OSError as e:  # a full disk: the previous file stays, no partial one appears
             print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
             return 1
