@@ -38,6 +38,21 @@ def read(path: str) -> list[str]:
     return textio.read_file(path)  # the kit's one reader: b"\n" only, as the decoder reads
 
 
+def add_test_set_args(p) -> None:
+    """The test-set options the interleaved benches (bench_fused, bench_gpu) share."""
+    p.add_argument("--model", required=True)
+    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"), help="source lines")
+    p.add_argument("--ref", default=None, help="reference lines (default: --src with .es for .en)")
+    p.add_argument("--lines", type=nonneg_int, default=0, help="first N lines only (0 = all)")
+    p.add_argument("--passes", type=positive_int, default=3, help="timed passes; the fastest counts")
+
+
+def read_test_set(a) -> tuple[list[str], list[str]]:
+    """(source lines, reference lines) of add_test_set_args' options."""
+    src, ref = read(a.src), read(a.ref or a.src[:-3] + ".es")
+    return (src[:a.lines], ref[:a.lines]) if a.lines else (src, ref)
+
+
 def scores(hyps, refs) -> tuple[float, float]:
     import sacrebleu
     return (round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),

@@ -18,7 +18,7 @@ from decoder import cliargs
 from decoder.optimisations import group, kernels_off
 from decoder.translator import Translator
 
-from .bench import DEFAULT_DATA, read, scores
+from .bench import add_test_set_args, read_test_set, scores
 from .machine import cpu_info
 
 PLAIN = kernels_off()  # every fused switch off, whatever the decoder's defaults: each row adds its own
@@ -44,18 +44,11 @@ def rows() -> tuple[dict, dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"), help="source lines")
-    p.add_argument("--ref", default=None, help="reference lines (default: --src with .es for .en)")
-    p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="first N lines only (0 = all)")
+    add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)
-    p.add_argument("--passes", type=cliargs.positive_int, default=3, help="timed passes; the fastest counts")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    src = read(a.src)
-    ref = read(a.ref or a.src[:-3] + ".es")
-    if a.lines:
-        src, ref = src[:a.lines], ref[:a.lines]
+    src, ref = read_test_set(a)
     words = sum(len(s.split()) for s in src)
     shortlist = os.path.exists(os.path.join(a.model, "shortlist.safetensors"))
     table = []

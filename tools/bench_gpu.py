@@ -26,7 +26,7 @@ from decoder import cliargs
 from decoder.optimisations import group, kernels_off
 from decoder.translator import Translator
 
-from .bench import DEFAULT_DATA, read, scores
+from .bench import add_test_set_args, read_test_set, scores
 from .machine import cpu_info
 
 PLAIN = kernels_off()
@@ -83,20 +83,13 @@ def gemm_profile(tr, lines: list[str]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--src", default=os.path.join(DEFAULT_DATA, "test.en"), help="source lines")
-    p.add_argument("--ref", default=None, help="reference lines (default: --src with .es for .en)")
-    p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="first N lines only (0 = all)")
-    p.add_argument("--passes", type=cliargs.positive_int, default=3, help="timed passes; the fastest counts")
+    add_test_set_args(p)
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
         print("warning: CUDA is not available; the same rows run on CPU (fp32, no graphs)", file=sys.stderr)
-    src = read(a.src)
-    ref = read(a.ref or a.src[:-3] + ".es")
-    if a.lines:
-        src, ref = src[:a.lines], ref[:a.lines]
+    src, ref = read_test_set(a)
     words = sum(len(s.split()) for s in src)
     dev = "cuda" if cuda else "cpu"
     trs = {name: Translator(a.model, device=dev, **kw) for name, kw in configurations(cuda)}
