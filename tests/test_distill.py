@@ -287,18 +287,23 @@ def test_ensemble_averages_member_log_probabilities_per_step(tiny_spm, tmp_path)
     assert got != EnsembleSearch([a], beam=1)(s) or got != EnsembleSearch([b], beam=1)(s)
 
 
-def test_hf_marian_teacher_translates_every_line_offline(tmp_path):
-    pytest.importorskip("transformers")
+def marian_spm(tmp_path):
+    """(src, tgt, SentencePiece model) of the toy corpus in Marian's id layout:
+    </s>=0, <pad>=1, <unk>=2 (only eos/pad/unk matter to its tokenizer)."""
     import sentencepiece as spm
-    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
-    from student.distill.teachers import HFTeacher, make_teacher
     src, tgt = toy_parallel(300)
     (tmp_path / "text.txt").write_text("\n".join(src + tgt) + "\n", encoding="utf-8")
-    # Marian's id layout: </s>=0, <unk>=1... only eos/pad/unk matter to the tokenizer
     spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
                                    vocab_size=64, bos_id=-1, eos_id=0, pad_id=1, unk_id=2, minloglevel=2,
                                    num_threads=1)
-    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    return src, tgt, spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+
+
+def test_hf_marian_teacher_translates_every_line_offline(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+    from student.distill.teachers import HFTeacher, make_teacher
+    src, tgt, sp = marian_spm(tmp_path)
     (tmp_path / "vocab.json").write_text(json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}))
     tok = MarianTokenizer(source_spm=str(tmp_path / "spm.model"), target_spm=str(tmp_path / "spm.model"),
                           vocab=str(tmp_path / "vocab.json"))
@@ -413,15 +418,9 @@ def test_hf_teacher_without_a_token_for_the_language_is_a_teacher_error(tmp_path
 
 def test_hf_multi_target_marian_teacher_prefixes_the_target_token(tmp_path):
     pytest.importorskip("transformers")
-    import sentencepiece as spm
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
     from student.distill.teachers import make_teacher
-    src, tgt = toy_parallel(300)
-    (tmp_path / "text.txt").write_text("\n".join(src + tgt) + "\n", encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"),
-                                   vocab_size=64, bos_id=-1, eos_id=0, pad_id=1, unk_id=2, minloglevel=2,
-                                   num_threads=1)
-    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    src, tgt, sp = marian_spm(tmp_path)
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     vocab.update({">>es<<": len(vocab), ">>fr<<": len(vocab) + 1})  # as opus-mt-en-ROMANCE has them
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
