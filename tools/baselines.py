@@ -1,15 +1,27 @@
 """The engines we compare against, on the same weights: CTranslate2 and Hugging Face
 transformers (converted by tools/convert/). Each `*_translator` loads once and
 returns translate(lines) -> hypotheses with our own text pipeline around it, so
-only the search engines differ (submission/evaluate times loading and work apart)."""
+only the search engines differ (submission/evaluate times loading and work apart).
+
+CTranslate2 runs as its performance guide tells users (docs/performance.md,
+docs/parallel.md of CTranslate2): int8; for throughput `inter_threads` = cores with
+`intra_threads` 1 and the input split into token-sized batches submitted together,
+so its workers decode batches in parallel; the vocabulary mapping (`use_vmap`,
+vmap.txt) built from our lexical shortlist whenever our row uses it. One `CT2Run`
+says how; `ct2_runs` lists the configurations of each benchmark group.
+"""
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass, replace
 
 from decoder import modeldir
 from decoder.pipeline import Text
 
 from .convert import max_decoding_length, to_hf
+
+VMAP = "vmap.txt"  # the name CTranslate2's converter gives --vocab_mapping in a model dir
 
 
 def _text(model_dir):
@@ -17,29 +29,98 @@ def _text(model_dir):
     return cfg, Text(cfg, spm_path, cfg.arch.max_positions)
 
 
-def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens=4096, batch1=False,
-                   device="cpu"):
+@dataclass(frozen=True)
+class CT2Run:
+    """One way of running CTranslate2: the Translator's and translate_batch's settings."""
+    compute_type: str = "int8"
+    beam: int = 1
+    inter_threads: int = 1     # batches decoded in parallel, each by one worker
+    intra_threads: int = 1     # threads inside one batch's ops
+    max_batch_size: int = 4096  # in batch_type units
+    batch_type: str = "tokens"
+    use_vmap: bool = False     # vocabulary mapping (vmap.txt in the CT2 dir, from our shortlist)
+    batch1: bool = False       # one sentence per call (latency), each with its own cap
+
+    def label(self) -> str:
+        search = "greedy" if self.beam == 1 else f"beam {self.beam}"
+        if self.batch1:
+            how = f"batch 1, {self.intra_threads} thread"
+        else:
+            how = f"inter_threads {self.inter_threads}, intra_threads {self.intra_threads}"
+        return f"CTranslate2 {self.compute_type} {search}, {how}" + (", vmap" if self.use_vmap else "")
+
+
+def ct2_runs(group: str, cores: int, max_tokens: int = 4096, vmap: bool = False) -> list[CT2Run]:
+    """The CT2 configurations of a benchmark group; the fastest is the group's denominator.
+    throughput / beam4: every core, as parallel 1-thread workers (the guide's advice for
+    throughput) and as one multi-threaded worker; batch1: one thread, one sentence a call.
+    With `vmap` (our shortlist rows exist) each configuration also runs with use_vmap."""
+    if group == "batch1":
+        base = [CT2Run(batch1=True)]
+    else:
+        beam = 4 if group == "beam4" else 1
+        base = [CT2Run(beam=beam, inter_threads=cores, max_batch_size=max_tokens)]
+        if cores > 1:
+            base.append(CT2Run(beam=beam, intra_threads=cores, max_batch_size=max_tokens))
+    return base + ([replace(r, use_vmap=True) for r in base] if vmap else [])
+
+
+def write_vmap(ct2_dir: str, model_dir: str) -> str:
+    """vmap.txt in a CT2 dir from the model dir's lexical shortlist, in CTranslate2's format:
+    `src_piece<TAB>tgt pieces` per source token with a list, and one line with an empty
+    source for the ids every batch may produce (our `frequent` and </s>)."""
+    cfg, text = _text(model_dir)
+    offsets, ids, frequent = modeldir.read_shortlist(model_dir, cfg)
+    piece = text.sp.id_to_piece
+    off, ids = offsets.tolist(), ids.tolist()
+    always = list(dict.fromkeys(frequent.tolist() + [cfg.eos_id]))
+    lines = ["\t" + " ".join(piece(t) for t in always)]
+    for s in range(len(off) - 1):
+        if off[s + 1] > off[s]:
+            lines.append(piece(s) + "\t" + " ".join(piece(t) for t in ids[off[s]:off[s + 1]]))
+    path = os.path.join(ct2_dir, VMAP)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return path
+
+
+def cap_groups(toks: list[list[str]], max_positions: int) -> dict[int, list[int]]:
+    """{max_decoding_length: indices into toks}: CT2 takes one cap per call, our decoder one
+    per sentence, so each call gets the sentences of one cap and both cap every sentence alike."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(toks):
+        groups.setdefault(max_decoding_length(len(t), max_positions), []).append(i)
+    return groups
+
+
+def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
     """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart)."""
     import ctranslate2
     cfg, text = _text(model_dir)
-    tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=compute_type,
-                                intra_threads=threads, inter_threads=1)
-    piece = text.sp.id_to_piece
+    if run.use_vmap and not os.path.isfile(os.path.join(ct2_dir, VMAP)):
+        write_vmap(ct2_dir, model_dir)
+    tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=run.compute_type,
+                                inter_threads=run.inter_threads, intra_threads=run.intra_threads)
+    piece, P = text.sp.id_to_piece, cfg.arch.max_positions
+    kw = dict(beam_size=run.beam, min_decoding_length=0, max_input_length=P, use_vmap=run.use_vmap)
 
     def go(ls):
         srcs = text.encode(ls)
         idx = [i for i, s in enumerate(srcs) if s]
         toks = [[piece(t) for t in srcs[i][:-1]] for i in idx]  # the CT2 dir appends </s> (add_source_eos)
-        cap = max((max_decoding_length(len(t), cfg.arch.max_positions) for t in toks), default=1)
-        kw = dict(beam_size=beam, max_decoding_length=cap,
-                  min_decoding_length=0, max_input_length=cfg.arch.max_positions)
-        if batch1:
-            # one line per call: each gets its own cap, as the decoder gives it
-            P = cfg.arch.max_positions
-            res = [tr.translate_batch([t], **{**kw, "max_decoding_length": max_decoding_length(len(t), P)})[0]
-                   for t in toks]
+        res = [None] * len(toks)
+        if run.batch1:
+            for j, t in enumerate(toks):
+                res[j] = tr.translate_batch([t], max_decoding_length=max_decoding_length(len(t), P), **kw)[0]
         else:
-            res = tr.translate_batch(toks, max_batch_size=max_tokens, batch_type="tokens", **kw)
+            # every cap group submitted at once, so the inter_threads workers always have batches
+            pending = [(js, tr.translate_batch([toks[j] for j in js], max_batch_size=run.max_batch_size,
+                                               batch_type=run.batch_type, max_decoding_length=cap,
+                                               asynchronous=True, **kw))
+                       for cap, js in cap_groups(toks, P).items()]
+            for js, futures in pending:
+                for j, f in zip(js, futures):
+                    res[j] = f.result()
         out = [""] * len(ls)
         dec = text.decode([[text.sp.piece_to_id(p) for p in r.hypotheses[0]] for r in res])
         for i, s in zip(idx, dec):
@@ -48,12 +129,16 @@ def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens
     return go
 
 
-def run_ct2(ct2_dir, model_dir, lines, threads, compute_type, beam=1, max_tokens=4096, batch1=False):
-    go = ct2_translator(ct2_dir, model_dir, threads, compute_type, beam, max_tokens, batch1)
+def run_ct2(ct2_dir, model_dir, lines, run: CT2Run, passes: int = 1):
+    """(outputs, seconds): the fastest of `passes` timed passes after a warm-up."""
+    go = ct2_translator(ct2_dir, model_dir, run)
     go(lines[:8])
-    t = time.perf_counter()
-    out = go(lines)
-    return out, time.perf_counter() - t
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        out = go(lines)
+        best = min(best, time.perf_counter() - t)
+    return out, best
 
 
 def hf_translator(model_dir, threads, batch=64, beam=1):

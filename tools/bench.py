@@ -1,13 +1,19 @@
 """Ablation benchmark: naive PyTorch -> each optimisation in turn -> HF and CTranslate2
-on the same weights (TenTrans-style table), plus a batch-1 latency comparison.
+on the same weights (TenTrans-style table), in three groups compared with CTranslate2
+at its best: throughput (all cores, greedy), batch 1 (one thread, one sentence a call)
+and beam 4.
 
-    python -m tools.bench --model DIR [--input FILE --ref FILE] [--repeat K] [--threads N]
+    python -m tools.bench --model DIR [--input FILE --ref FILE] [--threads N] [--isa native,avx2]
 
-Every row translates the same lines end to end (normalise, SPM, search, detokenise)
-with the same thread count; CTranslate2's CPU ISA is pinned (CT2_FORCE_CPU_ISA)
-so runs compare. Writes docs/bench/<name>.md and .json with the machine described.
+Every row translates the same lines end to end (normalise, SPM, search, detokenise).
+CTranslate2 runs as its performance guide advises (tools/baselines.py: int8, parallel
+1-thread workers, token batches, vmap from our shortlist) and with every sentence
+capped as our decoder caps it. The fastest CT2 row of a group is the denominator of
+the group's ratio. Writes <prefix>.md and .json per ISA family, and summary.json (one
+object per ISA family: our best words/s over CT2's best, per group). `--isa avx2` on an
+AVX-512 machine re-runs every engine in a child process with the ISA capped (CAPPED).
 A model dir with a lexical shortlist (python -m student.shortlist) adds the
-"+ lexical shortlist" rows, greedy and beam 4, beside the same rows without it.
+"+ lexical shortlist" rows beside the same rows without it, and CT2 rows with use_vmap.
 """
 from __future__ import annotations
 
@@ -15,10 +21,13 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime, timezone
 
 from decoder import cliargs, textio
 from decoder.cliargs import nonneg_int, positive_int
@@ -26,7 +35,7 @@ from decoder.optimisations import all_off, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
 
-from .baselines import _text, run_ct2, run_hf
+from .baselines import CT2Run, _text, ct2_runs, run_ct2, run_hf
 from .convert import to_ctranslate2
 from .machine import cpu_info, ct2_isa
 
@@ -61,14 +70,16 @@ def scores(hyps, refs) -> tuple[float, float]:
 
 # -- engines: each returns (hypotheses, seconds) for the whole input ------------------------
 
-def run_ours(model_dir, lines, threads, passes: int = 1, **kw):
-    """(outputs, seconds): the fastest of `passes` timed passes after a warm-up."""
-    tr = Translator(model_dir, threads=threads, **kw)
-    tr.translate(lines[:8])  # warm-up: allocator, oneDNN primitive caches
+def run_ours(model_dir, lines, threads, passes: int = 1, batch1: bool = False, **kw):
+    """(outputs, seconds): the fastest of `passes` timed passes after a warm-up.
+    batch1: one call per sentence, as a latency client (and CT2's batch-1 row) sends them."""
+    tr = Translator(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
+    go = (lambda ls: [tr.translate([x])[0] for x in ls]) if batch1 else tr.translate
+    go(lines[:8])  # warm-up: allocator, oneDNN primitive caches
     best = float("inf")
     for _ in range(passes):
         t = time.perf_counter()
-        out = tr.translate(lines)
+        out = go(lines)
         best = min(best, time.perf_counter() - t)
     return out, best
 
@@ -126,6 +137,14 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
     return False
 
 
+GROUPS = ("throughput", "batch1", "beam4")
+SUMMARY_RATIOS = {"throughput": "throughput_vs_ct2_best", "batch1": "batch1_vs_ct2", "beam4": "beam4_vs_ct2"}
+# the AVX2-capped pass: set before torch, oneDNN and CTranslate2 load, so only in a fresh process
+CAPPED = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"}}
+NOT_CAPPED = ("not capped: fbgemm (torch's quantized int8 ops) and decoder/csrc's target_clones kernels pick "
+              "their kernels from CPUID themselves, so they keep AVX-512 on an AVX-512 CPU")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=cliargs.HelpFormatter)
@@ -140,19 +159,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--repeat-input", dest="repeat", type=positive_int, default=1, metavar="K",
         help="synthetic larger input: the input K times"))
     p.add_argument("--passes", type=positive_int, default=1,
-                   help="timed passes per configuration of ours; the fastest counts (noise on shared machines)")
+                   help="timed passes per configuration (ours and CT2); the fastest counts (noise on shared "
+                        "machines)")
     p.add_argument("--naive-lines", type=nonneg_int, default=100,
                    help="the naive rows are slow: time them on the first N lines only")
-    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--batch1-lines", type=positive_int, default=100,
+                   help="the batch-1 group translates the first N lines, one per call")
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
+                   help="cores for the throughput and beam-4 groups (default: all of this machine's)")
     cliargs.alias(p, "--max-tokens", p.add_argument(
         "--max-batch-tokens", dest="max_tokens", type=positive_int, default=4096, metavar="N",
-        help="padded source tokens per batch"))
-    p.add_argument("--ct2-isa", default=None, help="CT2_FORCE_CPU_ISA (default: best the CPU has)")
-    p.add_argument("--skip", default="", help="comma list of: naive,hf,ct2,batch1")
+        help="padded source tokens per batch (ours and CT2's max_batch_size, batch_type tokens)"))
+    p.add_argument("--isa", default="native",
+                   help="comma list of ISA families to measure: native (this CPU's best), avx2 (every engine "
+                        "capped to AVX2 in a child process; the same as native on an AVX2-only CPU)")
+    p.add_argument("--ct2-isa", default=None, help="CT2_FORCE_CPU_ISA of the native pass (default: best the "
+                                                   "CPU has)")
+    p.add_argument("--skip", default="", help="comma list of: naive, ablation (only the best fp32 row and int8 of "
+                                              "ours), hf, ct2, batch1, beam")
     p.add_argument("--profile", action="store_true",
                    help="also profile the best configuration (top ops) into PREFIX-profile.txt")
     p.add_argument("--out", metavar="PREFIX", default=None,
-                   help="write PREFIX.md and PREFIX.json (default: docs/bench/bench-<model dir name>)")
+                   help="write PREFIX.md and PREFIX.json, PREFIX-<isa>.* when several ISA families are measured "
+                        "(default: docs/bench/bench-<model dir name>)")
+    p.add_argument("--summary", metavar="PATH", default=None,
+                   help="the per-ISA ratios (default: summary.json next to --out; 'none' for no file)")
     # the old way to say --out, kept for scripts: --out-dir DIR --name NAME = --out DIR/NAME
     p.add_argument("--name", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
@@ -165,17 +196,106 @@ def out_prefix(a: argparse.Namespace) -> str:
                                  a.name or f"bench-{os.path.basename(os.path.abspath(a.model))}")
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def isa_family(flags: list[str], env=os.environ) -> str:
+    """avx512 or avx2: what this process's kernels may use (a capped child says avx2)."""
+    if env.get("ATEN_CPU_CAPABILITY") == "avx2":
+        return "avx2"
+    return "avx512" if "avx512f" in flags else "avx2"
 
+
+def isa_passes(requested: str, flags: list[str], env=os.environ) -> list[tuple[str, dict | None]]:
+    """[(family, env of a capped child or None for this process)], one per family, in order."""
+    here, out = isa_family(flags, env), {}
+    for name in filter(None, (x.strip() for x in requested.split(","))):
+        if name not in ("native", "avx2", "avx512"):
+            raise ValueError(f"--isa: unknown ISA family {name!r} (native, avx2)")
+        fam = here if name == "native" else name
+        if fam == "avx512" and here != "avx512":
+            raise ValueError("--isa avx512: this CPU (or capped process) has no AVX-512")
+        out.setdefault(fam, None if fam == here else CAPPED[fam])
+    if not out:
+        raise ValueError("--isa: no ISA family given")
+    return list(out.items())
+
+
+def ratio(x, y):
+    return round(x / y, 3) if x and y else None
+
+
+def group_best(rows: list[dict], group: str, engine: str, max_bleu_loss: float = 0.2) -> dict | None:
+    """The fastest row (source words/s) of an engine in a group; ours within `max_bleu_loss`
+    BLEU of our best fp32 row of that group, where one has a BLEU."""
+    rs = [r for r in rows if r.get("group") == group and r["engine"] == engine]
+    ref = [r["bleu"] for r in rs if r.get("precision") == "fp32" and r.get("bleu") is not None]
+    if engine == "ours" and ref:
+        rs = [r for r in rs if r.get("bleu") is None or r["bleu"] >= max(ref) - max_bleu_loss]
+    return max(rs, key=lambda r: r["src_words_per_s"], default=None)
+
+
+def group_ratios(rows: list[dict]) -> dict[str, float | None]:
+    """{group: our best words/s / CT2's best words/s}, same run."""
+    out = {}
+    for g in GROUPS:
+        ours, ct2 = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
+        out[g] = ratio(ours and ours["src_words_per_s"], ct2 and ct2["src_words_per_s"])
+    return out
+
+
+def summary_entry(result: dict) -> dict:
+    """One object of summary.json from one ISA pass's JSON."""
+    r, m = group_ratios(result["rows"]), result["machine"]
+    return {"isa": m["isa"], "cpu": m["cpu"], "date": m["date"], "model": result["model"],
+            **{SUMMARY_RATIOS[g]: r[g] for g in GROUPS}}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    flags = cpu_info()["flags"]
+    try:
+        passes = isa_passes(a.isa, flags)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    prefix, results = out_prefix(a), []
+    for fam, env in passes:
+        out = prefix if len(passes) == 1 else f"{prefix}-{fam}"
+        if env is None:
+            results.append(run_pass(a, out))
+            continue
+        print(f"ISA pass {fam}: every engine in a child process with "
+              f"{' '.join(f'{k}={v}' for k, v in env.items())}; {NOT_CAPPED}", file=sys.stderr, flush=True)
+        child = argv + ["--isa", fam, "--out", out, "--summary", "none"]
+        rc = subprocess.run([sys.executable, "-m", "tools.bench", *child], cwd=ROOT,
+                            env={**os.environ, **env}).returncode
+        if rc:
+            print(f"error: the {fam} pass failed (exit {rc})", file=sys.stderr)
+            sys.exit(rc)
+        with open(out + ".json") as fh:
+            results.append(json.load(fh))
+    summary = a.summary or os.path.join(os.path.dirname(os.path.abspath(prefix)), "summary.json")
+    if summary != "none":
+        with open(summary, "w") as fh:
+            json.dump([summary_entry(r) for r in results], fh, indent=2)
+            fh.write("\n")
+        print(f"summary: {summary}", file=sys.stderr)
+
+
+def run_pass(a: argparse.Namespace, out: str) -> dict:
+    """Every row on this process's ISA; writes out.md, out.json; returns the JSON."""
     machine = cpu_info()
-    isa = a.ct2_isa or ct2_isa(machine["flags"])
+    fam = isa_family(machine["flags"])
+    capped = {k: os.environ[k] for k in CAPPED["avx2"] if k in os.environ and "ATEN_CPU_CAPABILITY" in os.environ}
+    isa = capped.get("CT2_FORCE_CPU_ISA") or a.ct2_isa or ct2_isa(machine["flags"])
     os.environ["CT2_FORCE_CPU_ISA"] = isa  # before ctranslate2 is imported
     import torch
     torch.set_num_threads(a.threads)
-    machine.update(torch=torch.__version__, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                   threads=a.threads, ct2_isa=isa, python=platform.python_version(),
+    machine.update(isa=fam, date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                   torch=torch.__version__, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                   threads=a.threads, ct2_isa=isa, isa_env=capped, python=platform.python_version(),
                    load_avg_at_start=os.getloadavg()[0], timing_passes=a.passes)
+    if fam == "avx2" and "avx512f" in machine["flags"]:
+        machine["not_capped"] = NOT_CAPPED
     try:
         import ctranslate2
         machine["ctranslate2"] = ctranslate2.__version__
@@ -190,7 +310,8 @@ def main(argv=None):
         src, ref = src[:a.lines], ref[:a.lines] if ref else None
     lines, refs = src * a.repeat, (ref * a.repeat if ref else None)
     skip = set(filter(None, a.skip.split(",")))
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])}; "
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])}; ISA pass {fam}"
+          f"{' (' + ' '.join(f'{k}={v}' for k, v in capped.items()) + ')' if capped else ''}; "
           f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {a.threads} threads, "
           f"CT2 ISA {isa}", file=sys.stderr)
     print(f"input: {src_path} ({len(src)} lines x {a.repeat})", file=sys.stderr)
@@ -201,85 +322,104 @@ def main(argv=None):
 
     rows = []
 
-    def record(name, hyps, secs, sub):
-        r = {"config": name, "lines": len(sub), "seconds": round(secs, 3),
-             "src_words_per_s": round(n_src_words(sub) / secs, 1),
+    def record(name, hyps, secs, sub, engine, group=None, **facts):
+        r = {"config": name, "engine": engine, "group": group, **facts, "lines": len(sub),
+             "seconds": round(secs, 3), "src_words_per_s": round(n_src_words(sub) / secs, 1),
+             "out_words_per_s": round(n_src_words(hyps) / secs, 1),
              "tgt_tokens_per_s": round(n_tgt_tokens(hyps) / secs, 1)}
         if refs:
             r["bleu"], r["chrf"] = scores(hyps, refs[:len(hyps)])
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
+    def ours(name, sub, group, threads=a.threads, batch1=False, **kw):
+        hyps, secs = run_ours(a.model, sub, threads, a.passes, batch1=batch1, max_tokens=a.max_tokens, **kw)
+        record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) and not batch1 else ""),
+               hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
+               threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")))
+
     has_shortlist = cfg.shortlist is not None  # rows with the switch only where there is a file
     cumulative, variants = ablation()
+    if "ablation" in skip:
+        cumulative, variants = cumulative[-1:], [v for v in variants if v[0] == "+ int8 dynamic (PyTorch ops)"]
     full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
     for name, kw in cumulative + variants:
         naive_row = not kw.get("cache", True)
         if naive_row and "naive" in skip:
             continue
         sub = lines[:a.naive_lines] if (naive_row or slow_here(kw, machine["flags"])) and a.naive_lines else lines
-        hyps, secs = run_ours(a.model, sub, a.threads, a.passes, max_tokens=a.max_tokens, **kw)
-        record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) else ""), hyps, secs, sub)
-        if len(sub) == len(lines) and kw["beam"] == 1:
+        whole = len(sub) == len(lines)
+        ours(name, sub, ("throughput" if kw["beam"] == 1 else "beam4") if whole else None, **kw)
+        if whole and kw["beam"] == 1:
             full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
     best = pick_best(full)
     tag = describe(best)
     machine["best_config"] = {k: v for k, v in best.items()}
-    if has_shortlist:
-        hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
-                              **{**best, "shortlist": True})
-        record(f"best ({tag}) + lexical shortlist", hyps, secs, lines)
-    for name, kw in beam_rows(best):
-        hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens, **kw)
-        record(name, hyps, secs, lines)
-    if has_shortlist:
-        hyps, secs = run_ours(a.model, lines, a.threads, a.passes, max_tokens=a.max_tokens,
-                              **{**best, "beam": 4, "shortlist": True})
-        record(f"best ({tag}), beam 4, + lexical shortlist", hyps, secs, lines)
+    # every core as parallel 1-thread workers: our counterpart of CT2's inter_threads
+    spread = [("", {})] + ([(f", {a.threads} workers", {"workers": a.threads})] if a.threads > 1 else [])
+    extra = [(", + lexical shortlist", {"shortlist": True})] if has_shortlist else []
+    for w, wkw in spread[1:]:
+        ours(f"best ({tag}){w}", lines, "throughput", **{**best, **wkw})
+    for s, skw in extra:
+        for w, wkw in spread:
+            ours(f"best ({tag}){w}{s}", lines, "throughput", **{**best, **wkw, **skw})
+    if "beam" not in skip:
+        for name, kw in beam_rows(best):
+            ours(name, lines, "beam4", **kw)
+        for s, skw in spread[1:] + extra:
+            ours(f"best ({tag}), beam 4{s}", lines, "beam4", **{**best, "beam": 4, **skw})
+        if has_shortlist and a.threads > 1:
+            ours(f"best ({tag}), beam 4, {a.threads} workers, + lexical shortlist", lines, "beam4",
+                 **{**best, "beam": 4, "workers": a.threads, "shortlist": True})
+    b1 = src[:a.batch1_lines]
+    if "batch1" not in skip:
+        for s, skw in [("", {})] + extra:
+            ours(f"batch 1, 1 thread: ours {tag} greedy{s}", b1, "batch1", threads=1, batch1=True,
+                 **{**best, **skw})
     if "hf" not in skip:
+        torch.set_num_threads(a.threads)
         hyps, secs = run_hf(a.model, lines, a.threads)
-        record("HF transformers M2M100, greedy, fp32", hyps, secs, lines)
-    ct2_int8 = None
+        record("HF transformers M2M100, greedy, fp32", hyps, secs, lines, "hf", "throughput", precision="fp32")
     if ctranslate2 is not None and "ct2" not in skip:
+        groups = [g for g in GROUPS if not (g == "batch1" and "batch1" in skip or g == "beam4" and "beam" in skip)]
         with tempfile.TemporaryDirectory() as tmp:
             ct2_dir = to_ctranslate2(a.model, os.path.join(tmp, "ct2"))
-            for ct, beam in (("float32", 1), ("int8", 1), ("int8", 4)):
-                hyps, secs = run_ct2(ct2_dir, a.model, lines, a.threads, ct, beam, a.max_tokens)
-                record(f"CTranslate2 {ct}, {'greedy' if beam == 1 else f'beam {beam}'}", hyps, secs, lines)
-                if ct == "int8" and beam == 1:
-                    ct2_int8 = rows[-1]
-            if "batch1" not in skip:
-                sub = src[:min(len(src), 100)]
-                hyps, secs = run_ours(a.model, sub, a.threads, a.passes,
-                                      **{**best, "max_sentences": 1, "pipeline": False})
-                record(f"latency: ours {tag} greedy, batch 1", hyps, secs, sub)
-                hyps, secs = run_ct2(ct2_dir, a.model, sub, a.threads, "int8", 1, batch1=True)
-                record("latency: CTranslate2 int8 greedy, batch 1", hyps, secs, sub)
-    profile = None
-    if a.profile:
-        profile = profile_best(a.model, lines, a.threads, a.max_tokens, best)
-    naive = rows[0] if rows and rows[0]["config"].startswith("naive") else None
-    for r in rows:
-        if naive:
-            r["x_naive"] = round(r["src_words_per_s"] / naive["src_words_per_s"], 2)
-        if ct2_int8:
-            base = ct2_int8
-            if r["config"].startswith("latency"):
-                base = rows[-1] if rows[-1]["config"].startswith("latency: CT") else ct2_int8
-            r["x_ct2_int8"] = round(r["src_words_per_s"] / base["src_words_per_s"], 2)
+            for g in groups:
+                runs = ct2_runs(g, a.threads, a.max_tokens, vmap=has_shortlist)
+                if g == "throughput":  # the float32 reference row: same weights, no quantisation
+                    runs.append(CT2Run("float32", inter_threads=a.threads, max_batch_size=a.max_tokens))
+                for run in runs:
+                    sub = b1 if run.batch1 else lines
+                    hyps, secs = run_ct2(ct2_dir, a.model, sub, run, a.passes)
+                    record(run.label(), hyps, secs, sub, "ct2", g, precision=run.compute_type, beam=run.beam,
+                           ct2=asdict(run))
+    profile = profile_best(a.model, lines, a.threads, a.max_tokens, best) if a.profile else None
+    add_ratios(rows)
     machine["load_avg_at_end"] = os.getloadavg()[0]
-    out = out_prefix(a)
+    result = {"machine": machine, "input": src_path, "lines": len(src), "repeat": a.repeat,
+              "model": os.path.abspath(a.model), "ratios": group_ratios(rows), "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    md = to_markdown(rows, machine, src_path, len(src), a.repeat, a.model)
+    md = to_markdown(rows, machine, src_path, len(src), a.repeat, a.model, result["ratios"])
     with open(out + ".md", "w") as fh:
         fh.write(md)
     with open(out + ".json", "w") as fh:
-        json.dump({"machine": machine, "input": src_path, "lines": len(src), "repeat": a.repeat,
-                   "model": os.path.abspath(a.model), "rows": rows}, fh, indent=2)
+        json.dump(result, fh, indent=2)
     if profile:
         with open(out + "-profile.txt", "w") as fh:
             fh.write(profile)
     print(md)
+    return result
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """x naive (first row, when it is the naive one) and x CT2 best of the row's group."""
+    naive = rows[0] if rows and rows[0]["config"].startswith("naive") else None
+    ct2 = {g: group_best(rows, g, "ct2") for g in GROUPS}
+    for r in rows:
+        if naive:
+            r["x_naive"] = round(r["src_words_per_s"] / naive["src_words_per_s"], 2)
+        if ct2.get(r.get("group")):
+            r["x_ct2_best"] = round(r["src_words_per_s"] / ct2[r["group"]]["src_words_per_s"], 2)
 
 
 class Phases:
@@ -319,19 +459,24 @@ def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_markdown(rows, machine, src_path, n, repeat, model) -> str:
-    cols = [("config", "configuration"), ("src_words_per_s", "src words/s"), ("tgt_tokens_per_s", "tgt tokens/s"),
-            ("bleu", "BLEU"), ("chrf", "chrF"), ("x_naive", "x naive"), ("x_ct2_int8", "x CT2 int8")]
+def to_markdown(rows, machine, src_path, n, repeat, model, ratios) -> str:
+    cols = [("config", "configuration"), ("group", "group"), ("src_words_per_s", "src words/s"),
+            ("out_words_per_s", "output words/s"), ("bleu", "BLEU"), ("chrf", "chrF"), ("x_naive", "x naive"),
+            ("x_ct2_best", "x CT2 best of group")]
+    env = " ".join(f"{k}={v}" for k, v in machine.get("isa_env", {}).items())
     out = [f"Machine: {machine['cpu']}, {machine['cores']} cores, flags: {' '.join(machine['flags'])}; "
+           f"ISA pass {machine['isa']}{' (' + env + ')' if env else ''}; "
            f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {machine['threads']} threads; "
            f"CTranslate2 {machine.get('ctranslate2', '-')} with CT2_FORCE_CPU_ISA={machine['ct2_isa']}; "
-           f"load average {machine['load_avg_at_start']:.1f} at start, {machine['load_avg_at_end']:.1f} at end.",
+           f"load average {machine['load_avg_at_start']:.1f} at start, {machine['load_avg_at_end']:.1f} at end."
+           + (f" {machine['not_capped'][0].upper()}{machine['not_capped'][1:]}." if "not_capped" in machine else ""),
            f"Model: `{model}`. Input: `{src_path}` ({n} lines x {repeat}).", "",
+           "Our best / CTranslate2's best, source words/s: "
+           + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in ratios.items()) + ".", "",
            "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join(str(r.get(k, "")) for k, _ in cols) + " |")
+        out.append("| " + " | ".join(str(r.get(k) if r.get(k) is not None else "") for k, _ in cols) + " |")
     return "\n".join(out) + "\n"
-
 
 if __name__ == "__main__":
     main()

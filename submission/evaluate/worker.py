@@ -33,7 +33,7 @@ def load(spec: dict, tmp: str):
                         pipeline=not latency)  # one line at a time has nothing to overlap (serve.py)
         return tr.translate, {"model_bytes": dir_bytes(model)}
     if engine == "ct2":
-        from tools.baselines import ct2_translator
+        from tools.baselines import CT2Run, ct2_translator
         from tools.convert import to_ctranslate2
         from .systems import CT2_COMPUTE
         compute = CT2_COMPUTE[spec["precision"]]
@@ -42,8 +42,11 @@ def load(spec: dict, tmp: str):
         ct2_dir = to_ctranslate2(model, os.path.join(tmp, "ct2"),
                                  quantization=None if compute == "float32" else compute)
         facts = {"convert_s": time.perf_counter() - t, "model_bytes": dir_bytes(ct2_dir)}
-        go = ct2_translator(ct2_dir, model, spec["threads"], compute, spec["beam"], spec["max_tokens"],
-                            device="cuda" if spec["device"].startswith("cuda") else "cpu")
+        cpu = not spec["device"].startswith("cuda")
+        # throughput on CPU: parallel 1-thread workers, as CT2's performance guide advises (tools/baselines.py)
+        threads = {"inter_threads": spec["threads"]} if cpu and not latency else {"intra_threads": spec["threads"]}
+        run = CT2Run(compute, spec["beam"], max_batch_size=spec["max_tokens"], **threads)
+        go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda")
         return go, facts
     if engine == "hf":
         from tools.baselines import hf_translator

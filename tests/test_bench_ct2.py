@@ -1,0 +1,197 @@
+"""The benchmark's CTranslate2 side (tools/baselines.py, tools/bench.py): CT2 run as its
+performance guide says, vmap from our shortlist, our caps per sentence, summary.json."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from decoder import Translator, modeldir
+from tools import bench
+from tools.baselines import VMAP, CT2Run, cap_groups, ct2_runs, ct2_translator, write_vmap
+from tools.convert import max_decoding_length, to_ctranslate2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
+MODEL = os.path.join(DATA, "model")
+TEST_SET = ["--src", os.path.join(DATA, "test.en"), "--ref", os.path.join(DATA, "test.es")]
+AVX512 = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"]
+
+
+@pytest.fixture(scope="module")
+def lines():
+    return bench.read(os.path.join(DATA, "test.en"))[:20]  # line 12 runs into its length cap
+
+
+@pytest.fixture(scope="module")
+def shortlisted(tmp_path_factory):
+    """The trained fixture with a small shortlist: each source token's 5 best target ids."""
+    from student.shortlist.build import add_to_model_dir
+    torch.set_num_threads(1)
+    d = str(tmp_path_factory.mktemp("sl") / "model")
+    shutil.copytree(MODEL, d)
+    add_to_model_dir(d, os.path.join(DATA, "test.en"), os.path.join(DATA, "test.es"), k=5, n_frequent=10)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ct2_dir(shortlisted, tmp_path_factory):
+    return to_ctranslate2(shortlisted, str(tmp_path_factory.mktemp("ct2") / "ct2"))
+
+
+# -- the configurations -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group,beam", [("throughput", 1), ("beam4", 4)])
+def test_ct2_throughput_runs_are_the_guides_int8_workers_on_token_batches(group, beam):
+    runs = ct2_runs(group, 4, max_tokens=2048)
+    assert runs[0] == CT2Run("int8", beam, inter_threads=4, intra_threads=1, max_batch_size=2048,
+                             batch_type="tokens")
+    assert CT2Run("int8", beam, inter_threads=1, intra_threads=4, max_batch_size=2048) in runs  # the other way
+    assert not any(r.use_vmap or r.batch1 for r in runs)
+
+
+def test_ct2_batch1_run_is_one_thread_one_sentence_a_call():
+    assert ct2_runs("batch1", 8) == [CT2Run("int8", 1, inter_threads=1, intra_threads=1, batch1=True)]
+
+
+def test_every_ct2_run_has_a_vmap_twin_when_our_rows_use_the_shortlist():
+    for g in bench.GROUPS:
+        plain, runs = ct2_runs(g, 2), ct2_runs(g, 2, vmap=True)
+        assert [r for r in runs if r.use_vmap] == [CT2Run(**{**r.__dict__, "use_vmap": True}) for r in plain]
+
+
+# -- vmap ------------------------------------------------------------------------------------------
+
+def test_vmap_file_lists_each_source_tokens_shortlist_and_the_always_allowed_ids(shortlisted, tmp_path):
+    import sentencepiece as spm
+    cfg = modeldir.read_config(shortlisted)
+    offsets, ids, frequent = modeldir.read_shortlist(shortlisted, cfg)
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(shortlisted, "spm.model"))
+    with open(write_vmap(str(tmp_path), shortlisted), encoding="utf-8") as fh:
+        got = [line.split("\t") for line in fh.read().splitlines()]
+    assert all(len(x) == 2 for x in got)
+    table = {s: [sp.piece_to_id(p) for p in t.split()] for s, t in got}
+    assert table.pop("") == frequent.tolist() + [cfg.eos_id]
+    want = {sp.id_to_piece(s): ids[offsets[s]:offsets[s + 1]].tolist()
+            for s in range(cfg.arch.vocab_size) if offsets[s + 1] > offsets[s]}
+    assert table == want
+
+
+def test_ct2_with_the_vmap_translates_as_our_shortlist_does(shortlisted, ct2_dir, lines):
+    ours = [Translator(shortlisted, threads=1, shortlist=True).translate([x])[0] for x in lines]
+    full = Translator(shortlisted, threads=1).translate(lines)
+    assert ours != full  # the shortlist changes the output, so the comparison below means something
+    go = ct2_translator(ct2_dir, shortlisted, CT2Run("float32", batch1=True, use_vmap=True))
+    assert os.path.isfile(os.path.join(ct2_dir, VMAP))
+    assert go(lines) == ours
+
+
+# -- length caps -----------------------------------------------------------------------------------
+
+def test_ct2_caps_each_sentence_as_our_decoder_caps_it(lines):
+    tr = Translator(MODEL, threads=1)
+    srcs = tr.text.encode(lines)  # ids with </s>
+    groups = cap_groups([s[:-1] for s in srcs], tr.cfg.arch.max_positions)
+    cap_of = {i: cap for cap, idx in groups.items() for i in idx}
+    assert sorted(cap_of) == list(range(len(lines)))
+    ours = tr.limits([len(s) for s in srcs]).tolist()  # steps including </s>
+    assert [cap_of[i] for i in range(len(lines))] == [n - 1 for n in ours]
+
+
+def test_ct2_in_token_batches_on_parallel_workers_gives_our_greedy_output(tmp_path):
+    lines = bench.read(os.path.join(DATA, "test.en"))[:70]
+    ct2 = to_ctranslate2(MODEL, str(tmp_path / "ct2"))
+    tr = Translator(MODEL, threads=1)
+    ours, srcs = tr.translate(lines), tr.text.encode(lines)
+    caps = [max_decoding_length(len(s) - 1, tr.cfg.arch.max_positions) for s in srcs]
+    # sentences that run into their cap: one cap for all (the longest line's) would let CT2 run on
+    assert any(len(tr.text.sp.encode(o)) >= c - 2 and c < max(caps) for o, c in zip(ours, caps))
+    go = ct2_translator(ct2, MODEL, CT2Run("float32", inter_threads=2, max_batch_size=64))
+    assert go(lines) == ours
+
+
+# -- ISA passes and summary.json -------------------------------------------------------------------
+
+def test_isa_passes_run_native_here_and_the_capped_family_in_a_child():
+    env = {}
+    assert bench.isa_passes("native,avx2", AVX512, env) == [("avx512", None), ("avx2", bench.CAPPED["avx2"])]
+    assert bench.isa_passes("native,avx2", ["avx2", "fma"], env) == [("avx2", None)]  # AVX2-only CPU: one pass
+    assert bench.isa_passes("avx2", AVX512, bench.CAPPED["avx2"]) == [("avx2", None)]  # the capped child itself
+    assert bench.CAPPED["avx2"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                    "CT2_FORCE_CPU_ISA": "AVX2"}
+    with pytest.raises(ValueError, match="no AVX-512"):
+        bench.isa_passes("avx512", ["avx2"], env)
+
+
+def test_unknown_isa_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--isa", "sse9", "--skip", "ct2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --isa")
+
+
+def fake_engines(monkeypatch):
+    """Instant engines with known speeds (lines/s), so the bench's bookkeeping is what is tested."""
+    def speed_ours(kw):
+        s = {"fp32": 100, "int8": 150}.get(kw.get("precision", "fp32"), 50)
+        return s * (1.5 if kw.get("workers") else 1) * (1.2 if kw.get("shortlist") else 1) / kw.get("beam", 1)
+
+    def run_ours(model_dir, lines, threads, passes=1, batch1=False, **kw):
+        return list(lines), len(lines) / (speed_ours(kw) / (3 if batch1 else 1))
+
+    def run_ct2(ct2_dir, model_dir, lines, run, passes=1):
+        s = (200 if run.compute_type == "int8" else 120) * (1.3 if run.inter_threads > 1 else 1)
+        return list(lines), len(lines) / (s * (1.1 if run.use_vmap else 1) / run.beam / (4 if run.batch1 else 1))
+
+    monkeypatch.setattr(bench, "run_ours", run_ours)
+    monkeypatch.setattr(bench, "run_ct2", run_ct2)
+    monkeypatch.setattr(bench, "to_ctranslate2", lambda model, out: out)
+
+
+def test_summary_has_one_object_per_isa_with_our_best_over_ct2_best(shortlisted, tmp_path, monkeypatch):
+    fake_engines(monkeypatch)
+    monkeypatch.setattr(bench, "cpu_info", lambda: {"cpu": "Test CPU", "cores": 2, "flags": AVX512})
+    children = []
+
+    def child(cmd, cwd, env):  # the capped pass, in this process with its environment
+        children.append({k: env.get(k) for k in bench.CAPPED["avx2"]})
+        with monkeypatch.context() as m:
+            for k, v in bench.CAPPED["avx2"].items():
+                m.setenv(k, v)
+            bench.main(cmd[3:])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    out = str(tmp_path / "b")
+    bench.main(["--model", shortlisted, *TEST_SET, "--lines", "6", "--batch1-lines", "3", "--threads", "2",
+                "--skip", "naive,hf,ablation", "--isa", "native,avx2", "--out", out])
+    assert children == [bench.CAPPED["avx2"]]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert [s["isa"] for s in summary] == ["avx512", "avx2"]
+    for s, fam in zip(summary, ("avx512", "avx2")):
+        assert set(s) == {"isa", "cpu", "date", "model", "throughput_vs_ct2_best", "batch1_vs_ct2", "beam4_vs_ct2"}
+        rows = json.load(open(f"{out}-{fam}.json"))["rows"]
+        for g, key in bench.SUMMARY_RATIOS.items():
+            best = lambda e: max(r["src_words_per_s"] for r in rows if r["group"] == g and r["engine"] == e)  # noqa
+            assert s[key] == round(best("ours") / best("ct2"), 3)
+        assert s["cpu"] == "Test CPU" and s["model"] == os.path.abspath(shortlisted)
+
+
+def test_bench_runs_ct2_as_the_guide_says_with_vmap_beside_our_shortlist_rows(shortlisted, tmp_path, monkeypatch):
+    fake_engines(monkeypatch)
+    bench.main(["--model", shortlisted, *TEST_SET, "--lines", "6", "--batch1-lines", "3", "--threads", "2",
+                "--skip", "naive,hf,ablation", "--out", str(tmp_path / "b"), "--summary", "none"])
+    rows = json.load(open(tmp_path / "b.json"))["rows"]
+    assert not (tmp_path / "summary.json").exists()
+    ct2 = {g: [r["ct2"] for r in rows if r["engine"] == "ct2" and r["group"] == g] for g in bench.GROUPS}
+    for g, beam in (("throughput", 1), ("beam4", 4)):
+        guide = dict(compute_type="int8", beam=beam, inter_threads=2, intra_threads=1, batch_type="tokens",
+                     max_batch_size=4096, batch1=False)
+        assert {**guide, "use_vmap": False} in ct2[g] and {**guide, "use_vmap": True} in ct2[g]
+    assert all(c["intra_threads"] == 1 and c["batch1"] for c in ct2["batch1"])
+    assert any(c["use_vmap"] for c in ct2["batch1"])
+    ours = [r for r in rows if r["engine"] == "ours"]
+    assert any(r["shortlist"] for r in ours if r["group"] == "throughput")
+    assert all(r["threads"] == 1 for r in ours if r["group"] == "batch1")
