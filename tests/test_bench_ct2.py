@@ -50,6 +50,9 @@ def test_ct2_throughput_runs_are_the_guides_int8_workers_on_token_batches(group,
                              batch_type="tokens")
     assert CT2Run("int8", beam, inter_threads=1, intra_threads=4, max_batch_size=2048) in runs  # the other way
     assert not any(r.use_vmap or r.batch1 for r in runs)
+    # per-sentence caps everywhere but in the one row that shows CT2's plain one-cap use
+    assert [r for r in runs if r.one_cap] == ([CT2Run("int8", 1, inter_threads=4, max_batch_size=2048, one_cap=True)]
+                                              if group == "throughput" else [])
 
 
 def test_ct2_batch1_run_is_one_thread_one_sentence_a_call():
@@ -59,7 +62,8 @@ def test_ct2_batch1_run_is_one_thread_one_sentence_a_call():
 def test_every_ct2_run_has_a_vmap_twin_when_our_rows_use_the_shortlist():
     for g in bench.GROUPS:
         plain, runs = ct2_runs(g, 2), ct2_runs(g, 2, vmap=True)
-        assert [r for r in runs if r.use_vmap] == [CT2Run(**{**r.__dict__, "use_vmap": True}) for r in plain]
+        assert ([r for r in runs if r.use_vmap and not r.one_cap]
+                == [CT2Run(**{**r.__dict__, "use_vmap": True}) for r in plain if not r.one_cap])
 
 
 # -- vmap ------------------------------------------------------------------------------------------
@@ -110,6 +114,8 @@ def test_ct2_in_token_batches_on_parallel_workers_gives_our_greedy_output(tmp_pa
     assert any(len(tr.text.sp.encode(o)) >= c - 2 and c < max(caps) for o, c in zip(ours, caps))
     go = ct2_translator(ct2, MODEL, CT2Run("float32", inter_threads=2, max_batch_size=64))
     assert go(lines) == ours
+    longer = ct2_translator(ct2, MODEL, CT2Run("float32", inter_threads=2, max_batch_size=64, one_cap=True))(lines)
+    assert longer != ours  # the one-cap row: the capped sentences run on to the longest line's cap
 
 
 # -- ISA passes and summary.json -------------------------------------------------------------------
@@ -188,7 +194,7 @@ def test_bench_runs_ct2_as_the_guide_says_with_vmap_beside_our_shortlist_rows(sh
     ct2 = {g: [r["ct2"] for r in rows if r["engine"] == "ct2" and r["group"] == g] for g in bench.GROUPS}
     for g, beam in (("throughput", 1), ("beam4", 4)):
         guide = dict(compute_type="int8", beam=beam, inter_threads=2, intra_threads=1, batch_type="tokens",
-                     max_batch_size=4096, batch1=False)
+                     max_batch_size=4096, batch1=False, one_cap=False)
         assert {**guide, "use_vmap": False} in ct2[g] and {**guide, "use_vmap": True} in ct2[g]
     assert all(c["intra_threads"] == 1 and c["batch1"] for c in ct2["batch1"])
     assert any(c["use_vmap"] for c in ct2["batch1"])

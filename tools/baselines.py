@@ -40,6 +40,7 @@ class CT2Run:
     batch_type: str = "tokens"
     use_vmap: bool = False     # vocabulary mapping (vmap.txt in the CT2 dir, from our shortlist)
     batch1: bool = False       # one sentence per call (latency), each with its own cap
+    one_cap: bool = False      # the longest sentence's cap for all (CT2's plain use: bigger batches, more words)
 
     def label(self) -> str:
         search = "greedy" if self.beam == 1 else f"beam {self.beam}"
@@ -47,14 +48,17 @@ class CT2Run:
             how = f"batch 1, {self.intra_threads} thread"
         else:
             how = f"inter_threads {self.inter_threads}, intra_threads {self.intra_threads}"
-        return f"CTranslate2 {self.compute_type} {search}, {how}" + (", vmap" if self.use_vmap else "")
+        return (f"CTranslate2 {self.compute_type} {search}, {how}" + (", vmap" if self.use_vmap else "")
+                + (", one cap (the longest sentence's)" if self.one_cap else ""))
 
 
 def ct2_runs(group: str, cores: int, max_tokens: int = 4096, vmap: bool = False) -> list[CT2Run]:
     """The CT2 configurations of a benchmark group; the fastest is the group's denominator.
     throughput / beam4: every core, as parallel 1-thread workers (the guide's advice for
     throughput) and as one multi-threaded worker; batch1: one thread, one sentence a call.
-    With `vmap` (our shortlist rows exist) each configuration also runs with use_vmap."""
+    With `vmap` (our shortlist rows exist) each configuration also runs with use_vmap. Throughput
+    adds the guide's row with one cap for the whole input, as CT2 is plainly used: larger batches
+    than one call per cap, but longer outputs where a sentence runs into its cap (output words/s)."""
     if group == "batch1":
         base = [CT2Run(batch1=True)]
     else:
@@ -62,7 +66,8 @@ def ct2_runs(group: str, cores: int, max_tokens: int = 4096, vmap: bool = False)
         base = [CT2Run(beam=beam, inter_threads=cores, max_batch_size=max_tokens)]
         if cores > 1:
             base.append(CT2Run(beam=beam, intra_threads=cores, max_batch_size=max_tokens))
-    return base + ([replace(r, use_vmap=True) for r in base] if vmap else [])
+    runs = base + ([replace(r, use_vmap=True) for r in base] if vmap else [])
+    return runs + ([replace(runs[len(base) if vmap else 0], one_cap=True)] if group == "throughput" else [])
 
 
 def write_vmap(ct2_dir: str, model_dir: str) -> str:
@@ -113,11 +118,14 @@ def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
             for j, t in enumerate(toks):
                 res[j] = tr.translate_batch([t], max_decoding_length=max_decoding_length(len(t), P), **kw)[0]
         else:
+            groups = cap_groups(toks, P)
+            if run.one_cap:
+                groups = {max(groups, default=1): list(range(len(toks)))}
             # every cap group submitted at once, so the inter_threads workers always have batches
             pending = [(js, tr.translate_batch([toks[j] for j in js], max_batch_size=run.max_batch_size,
                                                batch_type=run.batch_type, max_decoding_length=cap,
                                                asynchronous=True, **kw))
-                       for cap, js in cap_groups(toks, P).items()]
+                       for cap, js in groups.items()]
             for js, futures in pending:
                 for j, f in zip(js, futures):
                     res[j] = f.result()
