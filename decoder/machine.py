@@ -72,12 +72,11 @@ def ct2_isa(flags: list[str]) -> str:
 
 
 def isa(flags: list[str]) -> str:
-    """The widest vector ISA, as a person would name it: AMX, AVX-512 (+VNNI/BF16), AVX2."""
+    """The widest vector ISA, as a person would name it: AMX, AVX-512(+VNNI+BF16), AVX2."""
     if "amx_tile" in flags:
         return "AMX"
     if "avx512f" in flags:
-        ext = "+".join(x for f, x in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in flags)
-        return "AVX-512" + (f" ({ext})" if ext else "")
+        return "+".join(["AVX-512"] + [x for f, x in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in flags])
     return "AVX2" if "avx2" in flags else "generic x86-64" if platform.machine() == "x86_64" else platform.machine()
 
 

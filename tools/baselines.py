@@ -18,12 +18,14 @@ def _text(model_dir):
 
 
 def ct2_translator(ct2_dir, model_dir, threads, compute_type, beam=1, max_tokens=4096, batch1=False,
-                   device="cpu"):
-    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart)."""
+                   device="cpu", inter_threads=1):
+    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart).
+    threads: intra-op threads of each of the inter_threads workers, which translate the
+    sub-batches of one call (max_tokens each) in parallel."""
     import ctranslate2
     cfg, text = _text(model_dir)
     tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=compute_type,
-                                intra_threads=threads, inter_threads=1)
+                                intra_threads=threads, inter_threads=inter_threads)
     piece = text.sp.id_to_piece
 
     def go(ls):

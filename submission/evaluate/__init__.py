@@ -123,13 +123,13 @@ def evaluate(systems: list[System], ts: TestSet, out_dir: str, *, repeats: int =
 
 
 def write_outputs(summaries, measurements, hw, tsrec, out_dir) -> None:
-    title = f"{tsrec['name']}: BLEU vs source words/s ({hw['cpu']}, {hw['cores']} cores)"
     for mode in sorted({s["mode"] for s in summaries}):
         sel = [s for s in summaries if s["mode"] == mode]
-        front = report.plot_pareto(sel, os.path.join(out_dir, "pareto.png" if mode == "throughput"
-                                                      else f"pareto-{mode}.png"), f"{title}, {mode}")
+        data = report.chart_data(sel, hw, tsrec, mode)
+        report.plot_pareto(data, os.path.join(out_dir, "pareto.png" if mode == "throughput"
+                                              else f"pareto-{mode}.png"))
         for s in sel:
-            s["on_frontier"] = any(s is f for f in front)
+            s["on_frontier"] = any(p["on_frontier"] and p["record"] is s for p in data["points"])
     report.write_jsonl(os.path.join(out_dir, "measurements.jsonl"), measurements)
     report.write_csv(os.path.join(out_dir, "measurements.csv"), measurements)
     report.write_jsonl(os.path.join(out_dir, "summary.jsonl"), summaries)

@@ -42,8 +42,9 @@ def load(spec: dict, tmp: str):
         ct2_dir = to_ctranslate2(model, os.path.join(tmp, "ct2"),
                                  quantization=None if compute == "float32" else compute)
         facts = {"convert_s": time.perf_counter() - t, "model_bytes": dir_bytes(ct2_dir)}
-        go = ct2_translator(ct2_dir, model, spec["threads"], compute, spec["beam"], spec["max_tokens"],
-                            device="cuda" if spec["device"].startswith("cuda") else "cpu")
+        inter = spec.get("extra", {}).get("ct2_inter_threads", 1)  # systems.ct2_layout
+        go = ct2_translator(ct2_dir, model, spec["threads"] // inter, compute, spec["beam"], spec["max_tokens"],
+                            device="cuda" if spec["device"].startswith("cuda") else "cpu", inter_threads=inter)
         return go, facts
     if engine == "hf":
         from tools.baselines import hf_translator
