@@ -71,6 +71,8 @@ def parse_args(argv=None):
         help="padded source tokens per batch"))
     m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
+    p.add_argument("--replot", metavar="SUMMARY", help="measure nothing: draw the charts again from a "
+                   "summary.jsonl/.csv into --out")
     return p.parse_args(argv)
 
 
@@ -137,7 +139,15 @@ def load_testset(a, models):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from . import evaluate
+    from . import evaluate, replot
+    if a.replot:
+        try:
+            paths = replot(a.replot, a.out)
+        except (EvalError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("wrote " + " ".join(paths), file=sys.stderr)
+        return 0
     try:
         systems, models = build_systems(a)
         ts = load_testset(a, models)

@@ -19,6 +19,34 @@ def flatten(rec: dict, prefix: str = "") -> dict:
     return out
 
 
+def unflatten(row: dict) -> dict:
+    """write_csv's row back to a record: dotted keys nested, numbers and lists parsed."""
+    out: dict = {}
+    for k, v in row.items():
+        *parents, leaf = k.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        if v == "":
+            continue  # a field another row has
+        if v in ("True", "False"):  # csv writes Python's bools
+            d[leaf] = v == "True"
+            continue
+        try:
+            d[leaf] = json.loads(v) if v[:1] in "[-0123456789" or v in ("true", "false") else v
+        except json.JSONDecodeError:
+            d[leaf] = v
+    return out
+
+
+def read_summaries(path: str) -> list[dict]:
+    """summary.jsonl or summary.csv, as evaluate() wrote them."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        if path.endswith(".csv"):
+            return [unflatten(r) for r in csv.DictReader(fh)]
+        return [json.loads(x) for x in fh if x.strip()]
+
+
 def write_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for r in records:
@@ -101,8 +129,8 @@ def chart_data(summaries: list[dict], hardware: dict, testset: dict, mode: str =
 
 
 def marker_area(mb: float | None, largest: float) -> float:
-    """Marker area in pt^2 proportional to model size on disk (20..400)."""
-    return 20.0 if not mb or not largest else 20.0 + 380.0 * mb / largest
+    """Marker area in pt^2 proportional to model size on disk (15..250)."""
+    return 15.0 if not mb or not largest else 15.0 + 235.0 * mb / largest
 
 
 def plot_pareto(data: dict, path: str) -> None:
