@@ -294,3 +294,21 @@ def test_container_is_measured_through_run_sh(tmp_path):
         hyps = (tmp_path / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
         assert hyps == want  # /run.sh CPU-1 is `python -m decoder --threads 1 --precision auto`
     assert rows[1]["latency_ms_p50"] > 0
+
+
+def test_replot_redraws_the_chart_from_summary_csv_and_jsonl(tmp_path, capsys):
+    from submission.evaluate.__main__ import main
+    from submission.evaluate.report import read_summaries, write_csv, write_jsonl
+    rows = [{**r, "hardware": HW, "testset": {**TESTSET, "src_lang": None, "tgt_lang": None,
+                                              "origin": "news.en news.de"}} for r in CHART_ROWS]
+    write_csv(str(tmp_path / "summary.csv"), rows)
+    write_jsonl(str(tmp_path / "summary.jsonl"), rows)
+    back = read_summaries(str(tmp_path / "summary.csv"))
+    assert [(r["system"], r.get("bleu"), r["hardware"]["flags"], r.get("config")) for r in back] == \
+        [(r["system"], r["bleu"], r["hardware"]["flags"], r.get("config")) for r in rows]
+    for name in ("summary.csv", "summary.jsonl"):
+        out = tmp_path / name.replace(".", "-")
+        assert main(["--replot", str(tmp_path / name), "--out", str(out)]) == 0
+        assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert "none.csv: no such file" in cli_error(capsys, ["--replot", str(tmp_path / "none.csv")])

@@ -55,8 +55,10 @@ def test_rebuilding_a_tag_leaves_no_dangling_image_and_labels_it(tmp_path):
     tag = f"wmt-kit-test-rebuild:{os.getpid()}"
     first = c.images.get(build(BIBLE_TINY, tag=tag, quiet=True)).id
     other = str(make_model_dir(tmp_path / "m", vocab_size=300, d_model=32, enc=1, dec=1))
+    second_key = None
     try:
-        second = c.images.get(build(other, tag=tag, quiet=True))
+        second_key = build(other, tag=tag, quiet=True)
+        second = c.images.get(second_key)
         assert second.id != first and tag in second.tags
         with pytest.raises(docker.errors.ImageNotFound):  # the image the tag left: gone, not dangling
             c.images.get(first)
@@ -69,4 +71,6 @@ def test_rebuilding_a_tag_leaves_no_dangling_image_and_labels_it(tmp_path):
         assert labels["org.opencontainers.image.revision"] == head
         assert labels["org.opencontainers.image.source"] and labels["org.opencontainers.image.created"]
     finally:
-        c.images.remove(tag)  # the key tag stays: other tests reuse the image
+        for t in (tag, second_key):  # a random model's image: of no use to another test
+            if t:
+                c.images.remove(t)

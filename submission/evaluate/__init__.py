@@ -124,6 +124,8 @@ def evaluate(systems: list[System], ts: TestSet, out_dir: str, *, repeats: int =
 
 def replot(summary_path: str, out_dir: str) -> list[str]:
     """Draw the charts again from a summary.jsonl/.csv (new chart code, same measurements)."""
+    if not os.path.isfile(summary_path):
+        raise EvalError(f"{summary_path}: no such file")
     rows = report.read_summaries(summary_path)
     ok = [r for r in rows if r.get("hardware") and r.get("testset")]
     if not ok:

@@ -23,12 +23,12 @@ def unflatten(row: dict) -> dict:
     """write_csv's row back to a record: dotted keys nested, numbers and lists parsed."""
     out: dict = {}
     for k, v in row.items():
+        if v == "":
+            continue  # a field another row has
         *parents, leaf = k.split(".")
         d = out
         for p in parents:
             d = d.setdefault(p, {})
-        if v == "":
-            continue  # a field another row has
         if v in ("True", "False"):  # csv writes Python's bools
             d[leaf] = v == "True"
             continue
