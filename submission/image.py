@@ -7,7 +7,10 @@ pull it, else `localbase:bookworm` made with debootstrap: this machine kind has
 no Docker Hub), a wheelhouse of exactly the host's versions of the run-time
 packages (the build stage installs offline from it), the model dir staged into
 the build context, and the image itself, tagged with a key over all those
-inputs so an unchanged tree skips the build entirely.
+inputs so an unchanged tree skips the build entirely. The image carries OCI labels
+(source, git revision, creation time, the model's hash); the build stage is kept
+under one `wmt-kit-build:` tag as the cache of the next build, and an image a
+rebuild takes the last tag from is removed: nothing is left dangling.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
+from datetime import datetime, timezone
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,12 +241,87 @@ def input_key(base_id: str) -> str:
     return h.hexdigest()[:16]
 
 
+def git_revision(root: str = ROOT) -> str:
+    """The commit checked out at root, "unknown" outside git (an unpacked sdist)."""
+    try:
+        r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    out = r.stdout.strip()
+    return out if r.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out) else "unknown"
+
+
+def source_url(root: str = ROOT) -> str:
+    """The git remote, else pyproject's [project.urls] (Source, Repository, Homepage)."""
+    r = subprocess.run(["git", "-C", root, "config", "--get", "remote.origin.url"], capture_output=True, text=True)
+    if r.returncode == 0 and r.stdout.strip():
+        return r.stdout.strip()
+    try:
+        with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+            urls = tomllib.load(fh).get("project", {}).get("urls", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        urls = {}
+    return next((urls[k] for k in ("Source", "Repository", "Homepage") if k in urls), "unknown")
+
+
+def model_hash(model_dir: str) -> str:
+    """sha256 over the baked model files, name and bytes: what /model holds."""
+    h = hashlib.sha256()
+    for f in MODEL_FILES:
+        h.update(f.encode() + b"\0")
+        with open(os.path.join(model_dir, f), "rb") as fh:
+            hashlib.file_digest(fh, lambda: h)
+    return h.hexdigest()
+
+
+def oci_labels(model_dir: str, root: str = ROOT) -> dict:
+    return {"org.opencontainers.image.title": "wmt-kit submission",
+            "org.opencontainers.image.source": source_url(root),
+            "org.opencontainers.image.revision": git_revision(root),
+            "org.opencontainers.image.created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "org.wmt-kit.model.sha256": model_hash(model_dir)}
+
+
+def _build(c, quiet: bool, **kw) -> None:
+    for chunk in c.api.build(path=ROOT, dockerfile="Dockerfile", rm=True, forcerm=True, decode=True, **kw):
+        if "error" in chunk:
+            raise SystemExit(f"error: docker build: {chunk['error'].strip()}")
+        if not quiet and chunk.get("stream", "").strip():
+            log(chunk["stream"].rstrip())
+
+
+def stage_tag(base_id: str) -> str:
+    """The build stage's tag: keyed on what it is built from (base and wheelhouse)."""
+    h = hashlib.sha256(base_id.encode())
+    h.update(open(os.path.join(WHEELS, "requirements.txt"), "rb").read())
+    h.update(open(os.path.join(ROOT, "Dockerfile"), "rb").read())
+    return f"wmt-kit-build:{h.hexdigest()[:16]}"
+
+
+def retag(c, image_id: str, tag: str) -> None:
+    """Point tag at image_id; the image it leaves, if no tag remains on it, goes
+    (else it would dangle: 1 GB of `<none>`)."""
+    import docker
+    repo, name = tag.rsplit(":", 1) if ":" in tag.split("/")[-1] else (tag, "latest")
+    try:
+        old = c.images.get(f"{repo}:{name}").id
+    except docker.errors.ImageNotFound:
+        old = None
+    c.images.get(image_id).tag(repo, name)
+    if old and old != image_id and not c.images.get(old).tags:
+        try:
+            c.images.remove(old)
+        except docker.errors.APIError as e:  # a container still uses it: leave it
+            log(f"kept the previous {tag} ({old[:19]}): {str(e)[:100]}")
+
+
 def prune_old_keys(c, keep: str) -> None:
     """Drop earlier key tags: each is a ~1 GB image once its layers differ."""
     import docker
-    for im in c.images.list(name="wmt-kit"):
+    repo = keep.split(":")[0]
+    for im in c.images.list(name=repo):
         for t in im.tags:
-            if t != keep and re.fullmatch(r"wmt-kit:[0-9a-f]{16}", t):
+            if t != keep and re.fullmatch(rf"{repo}:[0-9a-f]{{16}}", t):
                 try:
                     c.images.remove(t)
                 except docker.errors.APIError as e:  # in use by a container: keep it
@@ -255,20 +335,21 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
     ensure_wheelhouse()
     stage_model(model_dir)
     stage_ops()
-    key_tag = f"wmt-kit:{input_key(c.images.get(base).id)}"
+    base_id = c.images.get(base).id
+    key_tag = f"wmt-kit:{input_key(base_id)}"
     if has_image(c, key_tag):
         log(f"{key_tag} is up to date")
     else:
         log(f"building {key_tag} from {base}")
-        for chunk in c.api.build(path=ROOT, dockerfile="Dockerfile", tag=key_tag, rm=True, forcerm=True,
-                                 buildargs={"BASE_IMAGE": base}, decode=True):
-            if "error" in chunk:
-                raise SystemExit(f"error: docker build: {chunk['error'].strip()}")
-            if not quiet and chunk.get("stream", "").strip():
-                log(chunk["stream"].rstrip())
+        # the build stage first, under a tag of its own: the legacy builder would leave
+        # it untagged (a dangling 1.2 GB), and kept it is the next build's cache
+        build_tag = stage_tag(base_id)
+        _build(c, quiet, tag=build_tag, target="build", buildargs={"BASE_IMAGE": base})
+        _build(c, quiet, tag=key_tag, buildargs={"BASE_IMAGE": base}, labels=oci_labels(model_dir))
         prune_old_keys(c, key_tag)
+        prune_old_keys(c, build_tag)
     if tag:
-        c.images.get(key_tag).tag(*tag.rsplit(":", 1) if ":" in tag.split("/")[-1] else (tag,))
+        retag(c, c.images.get(key_tag).id, tag)
     return key_tag
 
 

@@ -77,21 +77,84 @@ def test_pareto_frontier_keeps_exactly_the_undominated_points():
     assert pareto_frontier([(10, 1.0)]) == [0]
 
 
-def summary(label, engine, wps, bleu):
-    return {"system": label, "engine": engine, "mode": "throughput", "src_words_per_s": wps, "bleu": bleu}
+def summary(label, engine, wps, bleu, spread=0.1, model_mb=10.0, **kw):
+    return {"system": label, "engine": engine, "mode": "throughput", "src_words_per_s": wps, "bleu": bleu,
+            "src_words_per_s_min": wps * (1 - spread), "src_words_per_s_max": wps * (1 + spread), "repeats": 3,
+            "model_mb": model_mb, **kw}
 
 
-def test_pareto_png_is_written_non_empty_and_returns_the_frontier(tmp_path):
-    from submission.evaluate.report import plot_pareto
-    rows = [summary("teacher beam 4", "decoder", 40.0, 31.0), summary("student int8", "decoder", 900.0, 28.5),
-            summary("student CT2 int8", "ct2", 1100.0, 28.4), summary("student HF", "hf", 120.0, 28.5),
-            summary("container CPU-ALL", "container", 700.0, 28.5), {**summary("broken", "hf", 0, None),
-                                                                     "error": "x"}]
+CHART_ROWS = [
+    summary("teacher beam 4", "decoder", 40.0, 31.0, model_mb=40.0),
+    summary("student int8", "decoder", 900.0, 28.5, spread=0.2, model_mb=5.0),
+    summary("student CT2 int8", "ct2", 1100.0, 28.4, model_mb=5.5),
+    summary("student HF", "hf", 120.0, 28.5),
+    summary("container CPU-1 (student)", "container", 500.0, 28.5, name="student",
+            config={"engine": "container", "hardware": "CPU-1", "cpus": 1.0}),
+    summary("container CPU-ALL (student)", "container", 700.0, 28.5, name="student",
+            config={"engine": "container", "hardware": "CPU-ALL", "cpus": 2.0}),
+    {**summary("broken", "hf", 0, None), "error": "x"}]
+HW = {"cpu": "AMD EPYC", "isa": "AVX2", "flags": ["avx2", "fma"], "cores": 2, "threads": 2, "date": "2026-11-24",
+      "versions": {"torch": "2.5.1", "ctranslate2": "4.5.0", "sacrebleu": "2.4.0"}}
+TESTSET = {"name": "newstest2019", "src_lang": "en", "tgt_lang": "de", "lines": 1997}
+
+
+def test_chart_title_names_test_set_and_pair_and_the_machine_its_isa_threads_versions_date():
+    from submission.evaluate.report import chart_data
+    d = chart_data(CHART_ROWS, HW, TESTSET)
+    assert "newstest2019" in d["title"] and "en→de" in d["title"]
+    for part in ("AMD EPYC", "AVX2", "2 threads", "torch 2.5.1", "ctranslate2 4.5.0", "2026-11-24"):
+        assert part in d["machine"], (part, d["machine"])
+    no_pair = chart_data(CHART_ROWS, HW, {**TESTSET, "src_lang": None})
+    assert "language pair not given" in no_pair["title"]
+
+
+def test_chart_points_carry_min_max_whiskers_model_size_and_the_container_track():
+    from submission.evaluate.report import chart_data, marker_area
+    d = chart_data(CHART_ROWS, HW, TESTSET)
+    pts = {p["system"]: p for p in d["points"]}
+    assert "broken" not in pts  # a failed system has no point
+    s = pts["student int8"]
+    assert (s["x_min"], s["x"], s["x_max"]) == pytest.approx((720.0, 900.0, 1080.0))
+    assert pts["container CPU-1 (student)"]["label"] == "container CPU-1, 1 CPU (student)"
+    assert pts["container CPU-ALL (student)"]["label"] == "container CPU-ALL, 2 CPU (student)"
+    assert [p["system"] for p in d["points"] if p["on_frontier"]] == \
+        ["teacher beam 4", "student int8", "student CT2 int8"]
+    # marker area grows with the model: the 40 MB teacher's is the largest
+    areas = {k: marker_area(p["model_mb"], 40.0) for k, p in pts.items()}
+    assert max(areas, key=areas.get) == "teacher beam 4" and areas["student int8"] < areas["student CT2 int8"]
+
+
+def test_pareto_png_is_written(tmp_path):
+    from submission.evaluate.report import chart_data, plot_pareto
     path = tmp_path / "pareto.png"
-    front = plot_pareto(rows, str(path), "test chart")
+    plot_pareto(chart_data(CHART_ROWS, HW, TESTSET), str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert [r["system"] for r in front] == ["teacher beam 4", "student int8", "student CT2 int8"]
+
+
+def test_default_precisions_put_ours_and_ct2_int8_on_the_chart(tiny, tmp_path):
+    from submission.evaluate.__main__ import build_systems, parse_args
+    systems, _ = build_systems(parse_args(["--model", tiny["model"], "--engines", "decoder,ct2", "--threads", "2"]))
+    assert {(s.engine, s.precision) for s in systems} >= {("decoder", "int8"), ("ct2", "int8")}
+
+
+def test_ct2_throughput_runs_one_worker_per_thread_as_its_guide_recommends():
+    from submission.evaluate.systems import grid
+    by_mode = {s.mode: s for s in grid([("m", "/m")], ["ct2"], ["int8"], [1], [4], ["throughput", "latency"])}
+    assert by_mode["throughput"].extra == {"ct2_inter_threads": 4, "ct2_intra_threads": 1}
+    assert by_mode["latency"].extra == {"ct2_inter_threads": 1, "ct2_intra_threads": 4}
+    assert "4x1t" in by_mode["throughput"].label and "4t" in by_mode["latency"].label
+
+
+def test_test_set_pair_from_file_suffixes_or_given(tiny, tmp_path, capsys):
+    from submission.evaluate.__main__ import load_testset, parse_args
+    from submission.evaluate.testsets import from_files
+    ts = from_files(tiny["src"], [tiny["ref"]])
+    assert (ts.src_lang, ts.tgt_lang) == ("en", "es")
+    txt = write(tmp_path / "src.txt", tiny["src_lines"])
+    assert from_files(txt, [tiny["ref"]]).src_lang is None
+    ts = load_testset(parse_args(["--src", txt, "--ref", tiny["ref"], "-l", "fr-de"]), [])
+    assert (ts.src_lang, ts.tgt_lang) == ("fr", "de")
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +249,7 @@ def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
                                                          "--engines", "moses"])
     assert "unknown sacreBLEU test set" in cli_error(capsys, base + ["-t", "wmt99", "-l", "en-de"])
     assert "no language pair" in cli_error(capsys, base + ["-t", "wmt22", "-l", "en-xx"])
+    assert "goes with" in cli_error(capsys, base + ["-l", "en-de"])
 
 
 def test_sacrebleu_test_set_offline_is_one_error_line(tiny, tmp_path, capsys, monkeypatch):
@@ -230,3 +294,21 @@ def test_container_is_measured_through_run_sh(tmp_path):
         hyps = (tmp_path / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
         assert hyps == want  # /run.sh CPU-1 is `python -m decoder --threads 1 --precision auto`
     assert rows[1]["latency_ms_p50"] > 0
+
+
+def test_replot_redraws_the_chart_from_summary_csv_and_jsonl(tmp_path, capsys):
+    from submission.evaluate.__main__ import main
+    from submission.evaluate.report import read_summaries, write_csv, write_jsonl
+    rows = [{**r, "hardware": HW, "testset": {**TESTSET, "src_lang": None, "tgt_lang": None,
+                                              "origin": "news.en news.de"}} for r in CHART_ROWS]
+    write_csv(str(tmp_path / "summary.csv"), rows)
+    write_jsonl(str(tmp_path / "summary.jsonl"), rows)
+    back = read_summaries(str(tmp_path / "summary.csv"))
+    assert [(r["system"], r.get("bleu"), r["hardware"]["flags"], r.get("config")) for r in back] == \
+        [(r["system"], r["bleu"], r["hardware"]["flags"], r.get("config")) for r in rows]
+    for name in ("summary.csv", "summary.jsonl"):
+        out = tmp_path / name.replace(".", "-")
+        assert main(["--replot", str(tmp_path / name), "--out", str(out)]) == 0
+        assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert "none.csv: no such file" in cli_error(capsys, ["--replot", str(tmp_path / "none.csv")])

@@ -31,13 +31,13 @@ from datetime import datetime, timezone
 
 from decoder import cliargs, textio
 from decoder.cliargs import nonneg_int, positive_int
+from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
 
 from .baselines import CT2Run, _text, ct2_runs, run_ct2, run_hf
 from .convert import to_ctranslate2
-from .machine import cpu_info, ct2_isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
@@ -133,7 +133,7 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
     if kw.get("precision") == "int8":
         return not int8_pays()
     if kw.get("precision") == "bf16":
-        return not any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+        return not has_native_bf16(flags)
     return False
 
 

@@ -15,11 +15,11 @@ import time
 import torch
 
 from decoder import cliargs
+from decoder.machine import cpu_info
 from decoder.optimisations import group, kernels_off
 from decoder.translator import Translator
 
 from .bench import add_test_set_args, read_test_set, scores
-from .machine import cpu_info
 
 PLAIN = kernels_off()  # every fused switch off, whatever the decoder's defaults: each row adds its own
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 import torch
 
+from decoder.machine import cpu_info, isa
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, lean_translator
 from student.train.evaluate import score
@@ -16,15 +16,8 @@ from student.train.evaluate import score
 def machine() -> str:
     if torch.cuda.is_available():
         return f"GPU {torch.cuda.get_device_name(0)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+    cpu = cpu_info()
+    return f"CPU {cpu['cpu']} ({isa(cpu['flags'])}), {torch.get_num_threads()} threads"
 
 
 def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dict:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from decoder import durable
+from decoder.machine import cpu_info, has_native_bf16
 from student.data import normalise, prepare
 from student.model import Transformer, preset
 from student.train.batching import collate, make_batches, shard
@@ -75,11 +76,7 @@ def cpu_has_bf16() -> bool:
     """Native bf16 arithmetic (AVX512-BF16 or AMX). Without it autocast emulates
     bf16: on an AVX2-only EPYC a forced bf16 teacher-tiny step took 57 s
     against 2.6 s in fp32, so `auto` keeps fp32 there."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_native_bf16(cpu_info()["flags"])
 
 
 def dist_info() -> tuple[int, int]:

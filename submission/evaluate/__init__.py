@@ -122,14 +122,38 @@ def evaluate(systems: list[System], ts: TestSet, out_dir: str, *, repeats: int =
     return summaries
 
 
-def write_outputs(summaries, measurements, hw, tsrec, out_dir) -> None:
-    title = f"{tsrec['name']}: BLEU vs source words/s ({hw['cpu']}, {hw['cores']} cores)"
+def replot(summary_path: str, out_dir: str) -> list[str]:
+    """Draw the charts again from a summary.jsonl/.csv (new chart code, same measurements)."""
+    if not os.path.isfile(summary_path):
+        raise EvalError(f"{summary_path}: no such file")
+    rows = report.read_summaries(summary_path)
+    ok = [r for r in rows if r.get("hardware") and r.get("testset")]
+    if not ok:
+        raise EvalError(f"{summary_path}: no summary records with hardware and test set")
+    ts = ok[0]["testset"]
+    if not ts.get("src_lang"):  # written before the pair was read from the file names
+        from .testsets import lang_suffix
+        paths = ts.get("origin", "").split()
+        if len(paths) >= 2:
+            ts = {**ts, "src_lang": lang_suffix(paths[0]), "tgt_lang": lang_suffix(paths[1])}
+    os.makedirs(out_dir, exist_ok=True)
+    return write_charts(rows, ok[0]["hardware"], ts, out_dir)
+
+
+def write_charts(summaries, hw, tsrec, out_dir) -> list[str]:
+    paths = []
     for mode in sorted({s["mode"] for s in summaries}):
         sel = [s for s in summaries if s["mode"] == mode]
-        front = report.plot_pareto(sel, os.path.join(out_dir, "pareto.png" if mode == "throughput"
-                                                      else f"pareto-{mode}.png"), f"{title}, {mode}")
+        data = report.chart_data(sel, hw, tsrec, mode)
+        paths.append(os.path.join(out_dir, "pareto.png" if mode == "throughput" else f"pareto-{mode}.png"))
+        report.plot_pareto(data, paths[-1])
         for s in sel:
-            s["on_frontier"] = any(s is f for f in front)
+            s["on_frontier"] = any(p["on_frontier"] and p["record"] is s for p in data["points"])
+    return paths
+
+
+def write_outputs(summaries, measurements, hw, tsrec, out_dir) -> None:
+    write_charts(summaries, hw, tsrec, out_dir)
     report.write_jsonl(os.path.join(out_dir, "measurements.jsonl"), measurements)
     report.write_csv(os.path.join(out_dir, "measurements.csv"), measurements)
     report.write_jsonl(os.path.join(out_dir, "summary.jsonl"), summaries)

@@ -38,9 +38,9 @@ def parse_args(argv=None):
     g.add_argument("--engines", default="decoder,ct2,hf",
                    help="comma list of decoder (ours), ct2 (CTranslate2), hf (transformers M2M100); "
                         "ct2/hf run the same weights converted (default: all three)")
-    g.add_argument("--precision", default="auto",
-                   help="comma list of auto,fp32,bf16,int8,fp16 (auto: int8 on CPU, fp16 on CUDA); "
-                        "HF always runs fp32")
+    g.add_argument("--precision", default="auto,int8",
+                   help="comma list of auto,fp32,bf16,int8,fp16 (auto: int8 on CPU where it pays, else fp32; "
+                        "fp16 on CUDA); HF always runs fp32; precisions a device cannot run are left out")
     cliargs.alias(g, "--beam", g.add_argument(
         "--beam-size", dest="beam", type=int_list(1, MAX_BEAM), default="1", metavar="N[,N...]",
         help="comma list of beam sizes (1 = greedy)"))
@@ -58,7 +58,8 @@ def parse_args(argv=None):
     t.add_argument("--src", help="source file (one sentence per line)")
     t.add_argument("--ref", action="append", default=[], help="reference file (repeatable: several references)")
     t.add_argument("-t", "--test-set", help="a sacreBLEU test set, e.g. wmt22")
-    t.add_argument("-l", "--langpair", help="its language pair, e.g. en-de")
+    t.add_argument("-l", "--langpair", help="its language pair, e.g. en-de (with --src/--ref: the pair on the "
+                                            "chart; default: the files' suffixes, test.en/test.es)")
     t.add_argument("--lines", type=nonneg_int, default=0, help="use the first N lines only (0 = all)")
     m = p.add_argument_group("measurement")
     cliargs.alias(m, "--repeats", m.add_argument(
@@ -70,6 +71,8 @@ def parse_args(argv=None):
         help="padded source tokens per batch"))
     m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
+    p.add_argument("--replot", metavar="SUMMARY", help="measure nothing: draw the charts again from a "
+                   "summary.jsonl/.csv into --out")
     return p.parse_args(argv)
 
 
@@ -112,17 +115,22 @@ def build_systems(a):
 
 def load_testset(a, models):
     from . import testsets
-    if a.test_set or a.langpair:
-        if not (a.test_set and a.langpair):
-            raise EvalError("-t/--test-set and -l/--langpair go together")
+    pair = a.langpair.split("-", 1) if a.langpair else [None, None]
+    if a.langpair and len(pair) != 2:
+        raise EvalError(f"-l/--langpair {a.langpair!r} is not SRC-TGT (e.g. en-de)")
+    if a.test_set:
+        if not a.langpair:
+            raise EvalError("-t/--test-set needs -l/--langpair")
         if a.src or a.ref:
             raise EvalError("give either --src/--ref or -t/-l, not both")
         ts = testsets.sacrebleu_set(a.test_set, a.langpair)
     elif a.src or a.ref:
         if not (a.src and a.ref):
             raise EvalError("--src and --ref go together")
-        ts = testsets.from_files(a.src, a.ref)
+        ts = testsets.from_files(a.src, a.ref, *pair)
     else:
+        if a.langpair:
+            raise EvalError("-l/--langpair goes with -t/--test-set or --src/--ref")
         from decoder.modeldir import read_config
         vocab = read_config(models[0][1]).arch.vocab_size if models else 8000
         ts = testsets.embedded(vocab)
@@ -131,7 +139,15 @@ def load_testset(a, models):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from . import evaluate
+    from . import evaluate, replot
+    if a.replot:
+        try:
+            paths = replot(a.replot, a.out)
+        except (EvalError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("wrote " + " ".join(paths), file=sys.stderr)
+        return 0
     try:
         systems, models = build_systems(a)
         ts = load_testset(a, models)

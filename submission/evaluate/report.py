@@ -19,6 +19,34 @@ def flatten(rec: dict, prefix: str = "") -> dict:
     return out
 
 
+def unflatten(row: dict) -> dict:
+    """write_csv's row back to a record: dotted keys nested, numbers and lists parsed."""
+    out: dict = {}
+    for k, v in row.items():
+        if v == "":
+            continue  # a field another row has
+        *parents, leaf = k.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        if v in ("True", "False"):  # csv writes Python's bools
+            d[leaf] = v == "True"
+            continue
+        try:
+            d[leaf] = json.loads(v) if v[:1] in "[-0123456789" or v in ("true", "false") else v
+        except json.JSONDecodeError:
+            d[leaf] = v
+    return out
+
+
+def read_summaries(path: str) -> list[dict]:
+    """summary.jsonl or summary.csv, as evaluate() wrote them."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        if path.endswith(".csv"):
+            return [unflatten(r) for r in csv.DictReader(fh)]
+        return [json.loads(x) for x in fh if x.strip()]
+
+
 def write_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for r in records:
@@ -40,7 +68,9 @@ def _f(v, fmt: str) -> str:
 
 def markdown(summaries: list[dict], hardware: dict, testset: dict) -> str:
     out = [f"Test set: {testset['name']} ({testset['lines']} lines, {testset['src_words']} source words; "
-           f"`{testset['origin']}`).", "", f"Machine: {one_line(hardware)}.", "",
+           f"`{testset['origin']}`).", "",
+           f"Machine: {one_line(hardware)}; kernel {hardware.get('kernel')}, Python {hardware.get('python')}, "
+           f"load average {hardware.get('load_avg')} at start.", "",
            "| system | mode | BLEU | chrF | src words/s (median, spread) | tgt tokens/s | load s | warm-up s | "
            "latency p50/p90/p99 ms | peak RAM MB | model MB | image MB |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -70,29 +100,66 @@ COLOURS = {"decoder": "tab:blue", "ct2": "tab:orange", "hf": "tab:green", "conta
 NAMES = {"decoder": "ours (decoder)", "ct2": "CTranslate2", "hf": "HF transformers", "container": "container"}
 
 
-def plot_pareto(summaries: list[dict], path: str, title: str) -> list[dict]:
-    """BLEU against source words/s (log axis), the frontier as a staircase, every point
-    labelled. Returns the frontier's records."""
+def chart_data(summaries: list[dict], hardware: dict, testset: dict, mode: str = "throughput") -> dict:
+    """What the chart shows, apart from drawing it: the title (test set, language pair),
+    the machine line (CPU, ISA, cores/threads, versions, date), and per point its words/s
+    with the min-max of the timed passes, BLEU, model size, frontier membership and label
+    (a container's WMT hardware track and CPU quota in it)."""
+    pair = f"{testset['src_lang']}→{testset['tgt_lang']}" if testset.get("src_lang") and testset.get("tgt_lang") \
+        else "language pair not given"
+    title = f"{testset['name']} ({pair}, {testset['lines']} lines): BLEU vs source words/s" + \
+        ("" if mode == "throughput" else f", {mode} mode")
+    v = ", ".join(f"{k} {x}" for k, x in hardware.get("versions", {}).items() if x and k in ("torch", "ctranslate2"))
+    machine = (f"{hardware['cpu']} ({hardware.get('isa') or ' '.join(hardware['flags'])}), {hardware['cores']} cores / "
+               f"{hardware.get('threads', hardware['cores'])} threads; {v}; {hardware.get('date', '')}").rstrip("; ")
+    rows = [r for r in summaries if not r.get("error") and r.get("bleu") is not None and r.get("src_words_per_s")]
+    front = set(pareto_frontier([(r["src_words_per_s"], r["bleu"]) for r in rows]))
+    points = []
+    for i, r in enumerate(rows):
+        label = r["system"]
+        if r["engine"] == "container":
+            c = r.get("config", {})
+            label = f"container {c.get('hardware')}, {c.get('cpus', 0):g} CPU ({r.get('name', '')})"
+        x = r["src_words_per_s"]
+        points.append({"system": r["system"], "label": label, "engine": r["engine"], "x": x,
+                       "x_min": r.get("src_words_per_s_min", x), "x_max": r.get("src_words_per_s_max", x),
+                       "repeats": r.get("repeats"), "bleu": r["bleu"], "model_mb": r.get("model_mb"),
+                       "peak_ram_mb": r.get("peak_ram_mb"), "on_frontier": i in front, "record": r})
+    return {"title": title, "machine": machine, "points": points}
+
+
+def marker_area(mb: float | None, largest: float) -> float:
+    """Marker area in pt^2 proportional to model size on disk (15..250)."""
+    return 15.0 if not mb or not largest else 15.0 + 235.0 * mb / largest
+
+
+def plot_pareto(data: dict, path: str) -> None:
+    """BLEU against source words/s (log axis) with the passes' min-max as whiskers, the
+    frontier as a staircase, marker area by model size, every point labelled."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    pts = [r for r in summaries if not r.get("error") and r.get("bleu") is not None
-           and r.get("src_words_per_s")]
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    front = [pts[i] for i in pareto_frontier([(r["src_words_per_s"], r["bleu"]) for r in pts])]
+    pts = data["points"]
+    largest = max((p["model_mb"] or 0 for p in pts), default=0)
+    fig, ax = plt.subplots(figsize=(10, 6.5), dpi=120)
     for engine in COLOURS:
-        sel = [r for r in pts if r["engine"] == engine]
-        if sel:
-            ax.scatter([r["src_words_per_s"] for r in sel], [r["bleu"] for r in sel], s=36,
-                       color=COLOURS[engine], label=NAMES[engine], zorder=3,
-                       edgecolors=["black" if any(r is f for f in front) else "none" for r in sel])
+        sel = [p for p in pts if p["engine"] == engine]
+        if not sel:
+            continue
+        xs, ys = [p["x"] for p in sel], [p["bleu"] for p in sel]
+        ax.errorbar(xs, ys, xerr=[[p["x"] - p["x_min"] for p in sel], [p["x_max"] - p["x"] for p in sel]],
+                    fmt="none", ecolor=COLOURS[engine], elinewidth=1, capsize=3, alpha=0.7, zorder=2)
+        ax.scatter(xs, ys, s=[marker_area(p["model_mb"], largest) for p in sel], color=COLOURS[engine],
+                   zorder=3, edgecolors=["black" if p["on_frontier"] else "none" for p in sel])
+        ax.scatter([], [], s=36, color=COLOURS[engine], label=NAMES[engine])  # legend: colour, not size
     ax.set_xscale("log")
     ax.margins(x=0.25, y=0.12)  # room for the labels right of the points
+    front = sorted((p for p in pts if p["on_frontier"]), key=lambda p: p["x"])
     if front:
         (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-        xs, ys = [r["src_words_per_s"] for r in front], [r["bleu"] for r in front]
+        xs, ys = [p["x"] for p in front], [p["bleu"] for p in front]
         # the staircase bounds the dominated region: below and left of it, something is better
         ax.step([x0] + xs + [xs[-1]], [ys[0]] + ys + [y0], where="pre", color="0.5", ls="--", lw=1,
                 label="Pareto frontier", zorder=1)
@@ -104,16 +171,18 @@ def plot_pareto(summaries: list[dict], path: str, title: str) -> list[dict]:
     ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
-    ax.set_xlabel("source words / second (log scale)")
+    ax.set_xlabel("source words / second (log scale; whiskers: min-max of the timed passes)")
     ax.set_ylabel("BLEU")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(f"{data['title']}\n{data['machine']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     if pts:
-        ax.legend(fontsize=8, loc="best")
+        if largest:  # two reference sizes, so an area can be read
+            for mb in sorted({round(largest, 1), round(largest / 4, 1)}):
+                ax.scatter([], [], s=marker_area(mb, largest), color="0.7", label=f"model {mb:g} MB")
+        ax.legend(fontsize=7, loc="best", labelspacing=1.2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return front
 
 
 def label_points(ax, fig, pts, fontsize: int = 7) -> None:
@@ -122,12 +191,12 @@ def label_points(ax, fig, pts, fontsize: int = 7) -> None:
     fig.canvas.draw()
     to_px = ax.transData.transform
     char_w, line_h = fontsize * 0.6 * fig.dpi / 72, fontsize * 1.3 * fig.dpi / 72
-    marks = [to_px((r["src_words_per_s"], r["bleu"])) for r in pts]
+    marks = [to_px((r["x"], r["bleu"])) for r in pts]
     placed = [(x - 5, y - 5, x + 5, y + 5) for x, y in marks]  # no label over another point
-    for r in sorted(pts, key=lambda r: (r["src_words_per_s"], r["bleu"])):
-        x, y = to_px((r["src_words_per_s"], r["bleu"]))
+    for r in sorted(pts, key=lambda r: (r["x"], r["bleu"])):
+        x, y = to_px((r["x"], r["bleu"]))
         own = (x - 5, y - 5, x + 5, y + 5)
-        w = char_w * len(r["system"])
+        w = char_w * len(r["label"])
         for k in range(12):
             dy = (k + 1) // 2 * (1 if k % 2 == 0 else -1) * line_h  # 0, -1, +1, -2, +2 lines
             box = (x + 4, y + 3 + dy, x + 4 + w, y + 3 + dy + line_h)
@@ -135,6 +204,6 @@ def label_points(ax, fig, pts, fontsize: int = 7) -> None:
                        for b in placed if b != own):
                 break
         placed.append(box)
-        ax.annotate(r["system"], (r["src_words_per_s"], r["bleu"]), textcoords="offset pixels",
+        ax.annotate(r["label"], (r["x"], r["bleu"]), textcoords="offset pixels",
                     xytext=(4, 3 + dy), fontsize=fontsize,
                     arrowprops=dict(arrowstyle="-", color="0.6", lw=0.5) if dy else None)

@@ -39,7 +39,9 @@ class System:
         search = "greedy" if self.beam == 1 else f"beam {self.beam}"
         engine = {"decoder": "ours", "ct2": "CT2", "hf": "HF"}[self.engine]
         dev = "" if self.device == "cpu" else f" {self.device}"
-        return (f"{self.name} {engine} {self.precision} {search} {self.threads}t{dev}"
+        inter = self.extra.get("ct2_inter_threads", 1)
+        threads = f"{inter}x{self.threads // inter}t" if inter > 1 else f"{self.threads}t"
+        return (f"{self.name} {engine} {self.precision} {search} {threads}{dev}"
                 + (" latency" if self.mode == "latency" else ""))
 
     def config(self) -> dict:
@@ -98,8 +100,18 @@ def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str
                             if key in seen:
                                 continue
                             seen.add(key)
-                            out.append(System(engine, name, mode, path, prec, beam, t, dev))
+                            out.append(System(engine, name, mode, path, prec, beam, t, dev,
+                                              extra=ct2_layout(mode, t, dev) if engine == "ct2" else {}))
     return out
+
+
+def ct2_layout(mode: str, threads: int, device: str) -> dict:
+    """CTranslate2's performance guide: for throughput on CPU, one worker per core
+    (inter_threads = cores, intra_threads = 1), each on its own sub-batch; one
+    sentence at a time (latency) can only use threads inside one worker."""
+    if mode == "throughput" and device == "cpu" and threads > 1:
+        return {"ct2_inter_threads": threads, "ct2_intra_threads": 1}
+    return {"ct2_inter_threads": 1, "ct2_intra_threads": threads}
 
 
 def container_systems(image: str, name: str, hardware: list[str], modes: list[str],

@@ -3,6 +3,7 @@ files, or a sacreBLEU named test set (downloaded, so only when online)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from decoder import textio
@@ -40,7 +41,16 @@ def from_files(src: str, refs: list[str], src_lang: str | None = None, tgt_lang:
     for path, r in zip(refs, rs):
         if len(r) != len(s):
             raise EvalError(f"{path} has {len(r)} lines but the source {src} has {len(s)}")
+    if not (src_lang or tgt_lang):  # test.en + test.es: the pair is in the suffixes
+        src_lang, tgt_lang = lang_suffix(src), lang_suffix(refs[0]) if refs else None
     return TestSet(os.path.basename(src), s, rs, src_lang, tgt_lang, " ".join([src, *refs]))
+
+
+def lang_suffix(path: str) -> str | None:
+    """`newstest2019.en` -> en, `test.pt_BR` -> pt_BR; `test.txt` -> None."""
+    ext = os.path.splitext(path)[1][1:]
+    return ext if re.fullmatch(r"[a-z]{2,3}([_-][A-Za-z]{2,4})?", ext) and ext not in ("txt", "src", "ref", "tgt") \
+        else None
 
 
 def embedded(vocab_size: int) -> TestSet:

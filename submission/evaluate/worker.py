@@ -43,9 +43,10 @@ def load(spec: dict, tmp: str):
                                  quantization=None if compute == "float32" else compute)
         facts = {"convert_s": time.perf_counter() - t, "model_bytes": dir_bytes(ct2_dir)}
         cpu = not spec["device"].startswith("cuda")
-        # throughput on CPU: parallel 1-thread workers, as CT2's performance guide advises (tools/baselines.py)
-        threads = {"inter_threads": spec["threads"]} if cpu and not latency else {"intra_threads": spec["threads"]}
-        run = CT2Run(compute, spec["beam"], max_batch_size=spec["max_tokens"], **threads)
+        # the thread layout systems.ct2_layout chose (CT2's guide: parallel 1-thread workers for throughput)
+        extra = spec.get("extra", {})
+        inter, intra = extra.get("ct2_inter_threads", 1), extra.get("ct2_intra_threads", spec["threads"])
+        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"])
         go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda")
         return go, facts
     if engine == "hf":
