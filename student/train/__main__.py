@@ -81,9 +81,12 @@ def _value(v: str):
 def average_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
                                 description="Average the weights of the last N step checkpoints of a run.")
-    p.add_argument("--run", required=True, help="run dir of student.train (holds ckpt-*.pt)")
-    p.add_argument("--last", type=positive_int, default=4, help="how many of the latest step checkpoints")
-    p.add_argument("--out", required=True, help="checkpoint file to write (export it with student.export)")
+    p.add_argument("--run", required=True, metavar="DIR", help="run dir of student.train (holds ckpt-*.pt)")
+    p.add_argument("--last", type=positive_int, default=4, metavar="N",
+                   help="how many of the latest step checkpoints; a run with fewer (--keep-last, a short run) "
+                        "averages those it has and says so")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="checkpoint file to write (export it with student.export)")
     return p
 
 
