@@ -57,7 +57,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
-    amp: str = "off"  # off | auto | bf16 | fp16: fp32 is what was measured; auto is untested for BLEU
+    amp: str = "off"  # off | auto | bf16 | fp16; fp32 is what docs/training.md measured
     seed: int = 1
     # stopping
     max_steps: int = 0        # 0 = no limit
