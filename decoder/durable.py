@@ -9,12 +9,15 @@ flushed, reads back empty. A completion marker (a stage's done.json) is
 written this way only after `fsync_tree` of everything it vouches for.
 
 Temp names are `TARGET.tmp.PID`: a later run can tell a dead writer's leftover
-from a live one's (student/train/trainer.py:remove_stale_tmp).
+from a live one's (student/train/trainer.py:remove_stale_tmp). Files and dirs
+get the modes the user's umask gives, as any other file they create (not
+mkstemp's 0600 or mkdtemp's 0700): a model dir is meant to be shared.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from typing import Callable, Iterable
 
@@ -47,12 +50,50 @@ def fsync_tree(path: str) -> None:
         fsync_path(root)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux shows it."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(mask)
+    return mask
+
+
+def user_modes(path: str) -> None:
+    """Give a file, or a dir and all under it, the modes the umask gives to what
+    the user creates: some writers make 0600 files (safetensors' save_file,
+    mkstemp) or 0700 dirs (mkdtemp). Executable bits stay executable."""
+    mask = umask()
+
+    def fix(p: str, st_mode: int) -> None:
+        want = (0o777 if st_mode & 0o100 else 0o666) & ~mask
+        if st_mode & 0o7777 != want:
+            os.chmod(p, want)
+    if os.path.islink(path):
+        return
+    if not os.path.isdir(path):
+        fix(path, os.stat(path).st_mode)
+        return
+    for root, dirs, files in os.walk(path):
+        fix(root, os.stat(root).st_mode | 0o100)
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                fix(p, os.stat(p).st_mode)
+
+
 def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
 def publish(tmp: str, path: str) -> None:
     """Rename a finished temp file (or symlink) over `path`, durably."""
+    user_modes(tmp)
     fsync_tree(tmp)
     os.replace(tmp, path)
     fsync_path(_parent(path))
@@ -94,6 +135,7 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
     """Rename a finished temp dir to `path`, durably. An existing dir `path`
     is swapped out (`replace`), or else kept: another writer got there first
     with the same contents, and the caller removes `tmp`."""
+    user_modes(tmp)
     fsync_tree(tmp)
     parent = _parent(path)
     if os.path.isdir(path) and not os.path.islink(path):
@@ -113,3 +155,29 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
             raise
         return  # a concurrent writer published it between the check and the rename
     fsync_path(parent)
+
+
+def make_tmp_dir(path: str) -> str:
+    """A new empty dir next to `path` (hidden, unique to this call) to build it in."""
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    while True:
+        tmp = os.path.join(parent, f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            os.mkdir(tmp, 0o777)  # the umask applies, as to every dir the user creates
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def write_dir(path: str, write: Callable[[str], object], replace: bool = True) -> str:
+    """`write(tmp)` fills a new temp dir; then it becomes `path` (publish_dir: an
+    existing `path` is swapped out, or with `replace=False` kept). On an
+    exception the temp dir goes and `path` stays as it was."""
+    tmp = make_tmp_dir(path)
+    try:
+        write(tmp)
+        publish_dir(tmp, path, replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
+    return path

@@ -9,12 +9,12 @@ it into place, so a half-written model dir never exists under OUT_DIR.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
 import shutil
 import sys
-import tempfile
 import warnings
 
 import torch
@@ -35,11 +35,7 @@ def model_config(args: ModelArgs, meta: dict, provenance: dict | None = None) ->
 
 def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
                     provenance: dict | None = None) -> str:
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    def write(tmp: str) -> None:
         cfg = model_config(model.args, meta, provenance)
         with open(os.path.join(tmp, modeldir.CONFIG), "w", encoding="utf-8") as fh:
             json.dump(cfg.to_json(), fh, indent=2, ensure_ascii=False)
@@ -48,10 +44,7 @@ def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
         save_file(sd, os.path.join(tmp, modeldir.WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         modeldir.load(tmp)  # refuse to publish a dir the decoder cannot read
-        durable.publish_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return durable.write_dir(os.path.abspath(out_dir), write)
 
 
 def load_model_dir(model_dir: str) -> tuple[Transformer, modeldir.ModelConfig]:
@@ -73,6 +66,15 @@ class CheckpointError(ValueError):
 
 
 def read_checkpoint(path: str) -> dict:
+    ckpt = load_weights_only(path)
+    missing = [k for k in ("model_args", "model", "meta") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a student.train checkpoint (no {missing[0]!r})")
+    return ckpt
+
+
+def load_weights_only(path: str):
+    """torch.load of a file we wrote, refusing arbitrary pickles; CheckpointError names the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
@@ -86,9 +88,6 @@ def read_checkpoint(path: str) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{path}: not a torch checkpoint ({why})") from None
-    missing = [k for k in ("model_args", "model", "meta") if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path}: not a student.train checkpoint (no {missing[0]!r})")
     return ckpt
 
 
@@ -98,10 +97,47 @@ def export_checkpoint(ckpt_path: str, out_dir: str) -> str:
     model = Transformer(args)
     model.load_state_dict(ckpt["model"])
     meta = ckpt["meta"]
-    provenance = {"checkpoint": os.path.abspath(ckpt_path), "step": ckpt.get("step"),
-                  "preset": meta.get("preset"), "torch": torch.__version__,
-                  "dev_bleu": ckpt.get("best_bleu")}
-    return write_model_dir(model, meta["spm_model"], out_dir, meta, provenance)
+    return write_model_dir(model, meta["spm_model"], out_dir, meta, provenance(ckpt_path, ckpt))
+
+
+# TrainConfig fields naming files: recorded relative to the run dir, never as host paths
+PATH_FIELDS = ("src", "tgt", "train_src", "train_tgt", "dev_src", "dev_tgt", "test_src", "test_tgt")
+
+
+def provenance(ckpt_path: str, ckpt: dict) -> dict:
+    """What a model dir came from: the checkpoint relative to its run dir (the dir
+    holding it), the preset, every --set override and every training option that
+    differs from student.train's defaults, with file paths relative to the run dir."""
+    from student.train.trainer import TrainConfig  # not at the top: the trainer imports this module
+    run_dir = os.path.dirname(os.path.abspath(ckpt_path))
+    cfg = ckpt.get("config") or {}
+    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(out_dir="")), default=list))
+    options = {k: v for k, v in cfg.items()
+               if k not in ("out_dir", "preset", "model_overrides") and v != defaults.get(k)}
+    cwd = _training_cwd(run_dir, cfg.get("out_dir") or "")
+    for k in PATH_FIELDS:
+        if options.get(k):
+            p = options[k] if os.path.isabs(options[k]) or cwd is None else os.path.join(cwd, options[k])
+            options[k] = os.path.relpath(p, run_dir) if os.path.isabs(p) else p
+    out = {"checkpoint": os.path.basename(ckpt_path), "step": ckpt.get("step"),
+           "preset": ckpt["meta"].get("preset"), "set": cfg.get("model_overrides", {}),
+           "options": options, "torch": torch.__version__, "dev_bleu": ckpt.get("best_bleu")}
+    if ckpt.get("averaged_from"):
+        out["averaged_from"] = ckpt["averaged_from"]
+    return out
+
+
+def _training_cwd(run_dir: str, out_dir: str) -> str | None:
+    """The dir training ran in, from its --out as given and where the run dir is now
+    (None when they do not match: the run dir was moved)."""
+    if not out_dir or os.path.isabs(out_dir):
+        return None
+    tail = os.path.normpath(out_dir)
+    if tail == ".":
+        return run_dir
+    if run_dir.endswith(os.sep + tail):
+        return run_dir[:-len(tail) - 1]
+    return None
 
 
 def main(argv=None):

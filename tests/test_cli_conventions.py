@@ -201,7 +201,7 @@ HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5
         "submission.evaluate": {"--passes": "(default: 3)"},
         "submission.image": {"--tag": "(default: wmt-kit:latest)"},
         "student.data prepare": {"--vocab-size": "(default: 8000)"},
-        "student.train": {"--lr": "(default: 0.001)", "--dev-src": "newstest"},
+        "student.train": {"--lr": "(default: 0.002)", "--dev-src": "newstest"},
         "student.train average": {"--last": "(default: 4)", "--run": "ckpt-", "--out": "checkpoint"},
         "student.distill": {"--student-lr": "(default 0.002)"},
         "student.shortlist": {"--k": "(default 100)"}}
@@ -243,6 +243,25 @@ def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "has 2 step checkpoints, not 4" in err and "ckpt-0000100.pt, ckpt-0000200.pt" in err
     assert torch.load(tmp_path / "avg.pt", weights_only=True)["model"]["w"].tolist() == [2.0, 2.0]
+
+
+def test_average_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys):
+    from student.train.__main__ import main
+    (tmp_path / "run").mkdir()
+    out = ["--out", str(tmp_path / "avg.pt")]
+    assert main(["average", "--run", str(tmp_path / "run"), *out]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'run'}: no ckpt-*.pt step checkpoints to average\n"
+    (tmp_path / "run" / "ckpt-0000100.pt").write_bytes(b"not a checkpoint")
+    assert main(["average", "--run", str(tmp_path / "run"), "--last", "1", *out]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'run' / 'ckpt-0000100.pt'}: "), err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    # the command itself, as a shell sees it (the same path as every other entry point)
+    r = subprocess.run([sys.executable, "-m", "student.train", "average", "--run", str(tmp_path / "none"), *out],
+                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (2, "", 1), r.stderr
+    assert main(["--out", str(tmp_path / "o"), "--dev-src", "x.en"]) == 2  # and student.train's own
+    assert "come in pairs" in capsys.readouterr().err
 
 
 def test_a_truncated_gzip_input_is_one_error_line_and_no_output_file(fake, tmp_path, capsys):

@@ -186,3 +186,55 @@ def test_stray_files_in_the_shard_dir_are_left_alone_and_a_killed_writers_temp_r
     translate_shards(Teacher(), src, str(tmp_path), 3, verbose=False)
     assert sorted(os.listdir(tmp_path)) == ["notes.tmp.txt", "shard-00000.txt", "shard-00001.txt"]
     assert assemble(str(tmp_path), len(src), 3) == [s.upper() for s in src]
+
+
+@pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
+def umask(request):
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)
+
+
+def _modes(root) -> dict:
+    out = {".": os.stat(root).st_mode & 0o7777}
+    for base, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(base, n)
+            out[os.path.relpath(p, root)] = os.stat(p).st_mode & 0o7777
+    return out
+
+
+def test_published_files_and_dirs_get_the_modes_of_the_users_umask(tmp_path, umask):
+    import tempfile
+
+    from safetensors.torch import save_file
+    f, d = 0o666 & ~umask, 0o777 & ~umask
+    # safetensors writes 0600, mkstemp 0600, mkdtemp 0700: published, they follow the umask
+    durable.atomic_write(str(tmp_path / "w.safetensors"), lambda tmp: save_file({"w": torch.zeros(2)}, tmp))
+    assert os.stat(tmp_path / "w.safetensors").st_mode & 0o7777 == f
+
+    def write(tmp):
+        save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))
+        fd, _ = tempfile.mkstemp(dir=tmp)
+        os.close(fd)
+        tempfile.mkdtemp(dir=tmp)
+        with open(os.path.join(tmp, "run.sh"), "w") as fh:
+            fh.write("#!/bin/sh\n")
+        os.chmod(os.path.join(tmp, "run.sh"), 0o700)
+    out = durable.write_dir(str(tmp_path / "out"), write)
+    modes = _modes(out)
+    assert modes.pop("run.sh") == d  # executable stays executable
+    assert sorted(set(modes.values())) == sorted({f, d}) and modes["."] == d and modes["model.safetensors"] == f
+    assert sorted(os.listdir(tmp_path)) == ["out", "w.safetensors"]  # no temp dir left
+
+
+def test_write_dir_failure_leaves_the_previous_dir_and_no_temp(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+
+    def write(tmp):
+        open(os.path.join(tmp, "half"), "w").close()
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        durable.write_dir(str(tmp_path / "out"), write)
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(tmp_path / "out") == ["old.txt"]

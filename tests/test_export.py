@@ -111,3 +111,39 @@ def test_export_cli_missing_checkpoint_is_one_error_line(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert r.stderr.strip() == f"error: {tmp_path / 'nope.pt'}: no such checkpoint"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_model_dir_gets_the_modes_of_the_users_umask(tmp_path, tiny_spm, umask):
+    old = os.umask(umask)
+    try:
+        out = write_model_dir(Transformer(ModelArgs(**ARGS)), tiny_spm, str(tmp_path / "model"), {})
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(os.path.join(out, n)).st_mode & 0o7777 for n in (".", *os.listdir(out))}
+    f = 0o666 & ~umask
+    assert modes == {".": 0o777 & ~umask, "config.json": f, "model.safetensors": f, "spm.model": f}
+
+
+def test_provenance_records_paths_relative_to_the_run_dir_and_every_override(tmp_path, tiny_spm):
+    import dataclasses
+
+    from student.export import export_checkpoint
+    from student.train.trainer import TrainConfig
+    work = tmp_path / "work"  # where training ran: --out runs/t, --dev-src given relative to it
+    run = work / "runs" / "t"
+    run.mkdir(parents=True)
+    cfg = TrainConfig(out_dir="runs/t", model_overrides={"dropout": 0.2}, lr=3e-3,
+                      src=str(tmp_path / "corpus" / "x.en"), tgt=str(tmp_path / "corpus" / "x.es"),
+                      dev_src="dev/nt.en", dev_tgt="dev/nt.es")
+    m = Transformer(ModelArgs(**ARGS))
+    torch.save({"model": m.state_dict(), "model_args": dataclasses.asdict(m.args), "step": 7, "best_bleu": 1.5,
+                "meta": {"spm_model": tiny_spm, "preset": "student-tiny"},
+                "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=list))}, run / "best.pt")
+    out = export_checkpoint(str(run / "best.pt"), str(tmp_path / "model"))
+    prov = json.load(open(os.path.join(out, "config.json")))["provenance"]
+    assert str(tmp_path) not in json.dumps(prov)  # no host path
+    assert (prov["checkpoint"], prov["step"], prov["preset"], prov["set"]) == ("best.pt", 7, "student-tiny",
+                                                                              {"dropout": 0.2})
+    assert prov["options"] == {"lr": 3e-3, "src": "../../../corpus/x.en", "tgt": "../../../corpus/x.es",
+                               "dev_src": "../../dev/nt.en", "dev_tgt": "../../dev/nt.es"}

@@ -1,4 +1,6 @@
 """Unit behaviour of the trainer's parts: loss, batches, LR schedule, averaging."""
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,8 @@ from student.model import ModelArgs, Transformer
 from student.train.batching import collate, make_batches, shard
 from student.train.loss import label_smoothed_nll
 from student.train.trainer import inv_sqrt_lr
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_label_smoothed_loss_matches_direct_formula():
@@ -75,6 +79,55 @@ def test_inverse_sqrt_schedule_peaks_at_warmup():
     assert inv_sqrt_lr(50, 1e-3, 100) == 5e-4
     assert inv_sqrt_lr(100, 1e-3, 100) == 1e-3
     assert abs(inv_sqrt_lr(400, 1e-3, 100) - 5e-4) < 1e-12
+
+
+def test_lr_schedule_placed_at_a_resumed_step_continues_the_uninterrupted_one():
+    from student.train.trainer import TrainConfig, lr_schedule
+    cfg = TrainConfig(out_dir="", lr=2e-3, warmup=4)
+
+    def lrs(start, n):
+        opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=123.0)  # a resumed optimiser's stale lr
+        sched, out = lr_schedule(opt, cfg, start), []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+    whole = lrs(0, 10)
+    assert whole == [inv_sqrt_lr(s, 2e-3, 4) for s in range(1, 11)]  # step s runs at the schedule's value for s
+    assert max(whole) == whole[3] == 2e-3
+    assert lrs(6, 4) == whole[6:]
+
+
+def _command_options(path: str, marker: str) -> dict:
+    """The options of the first `.venv/bin/python -m student.train` command line of a markdown file."""
+    import re
+    import shlex
+    from student.train.__main__ import train_parser
+    text = open(os.path.join(ROOT, path)).read().replace("\\\n", " ")  # joins continued lines
+    line = re.search(r"^\.venv/bin/python -m student\.train (.*)$", text, re.M)
+    assert line and marker in line.group(0), path
+    opts = vars(train_parser().parse_args(shlex.split(line.group(1))))
+    del opts["out"]
+    return opts
+
+
+def test_readme_teacher_command_is_the_measured_recipe_of_docs_training():
+    readme = _command_options("README.md", "--preset teacher-tiny")
+    measured = _command_options("docs/training.md", "--lr 2e-3")
+    assert readme == measured
+
+
+def test_student_train_and_distill_share_one_set_of_training_defaults():
+    from student.distill.pipeline import PRESETS, DistillConfig, train_config
+    from student.train.__main__ import train_parser
+    a = train_parser().parse_args(["--out", "x"])
+    want = (2e-3, 400, 3072, "off")  # docs/training.md's measured teacher-tiny recipe
+    assert (a.lr, a.warmup, a.max_tokens, a.amp) == want
+    for role in ("teacher", "student"):
+        tc = train_config(DistillConfig(), role, "teacher-tiny", "a.src", "a.tgt")
+        assert (tc.lr, tc.warmup, tc.max_tokens, tc.amp, tc.seed) == want + (a.seed,), role
+    assert DistillConfig.from_preset("wmt").amp == "auto"  # the GPU preset: fp16 autocast
 
 
 def test_padding_does_not_change_encoder_output_of_real_tokens():

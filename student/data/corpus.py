@@ -5,7 +5,6 @@ import functools
 import os
 import shutil
 import subprocess
-import tempfile
 import zlib
 
 from tqdm import tqdm
@@ -116,19 +115,8 @@ def extract_bible(out_dir: str, verbose: bool = True) -> str:
                 lines["en"].append(" ".join(en.get(**ref).split()))
                 lines["es"].append(" ".join(es.get(**ref).split()))
                 lines["book"].append(book.name)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-bible-", dir=parent)
-    try:
+
+    def write(tmp: str) -> None:
         for name, content in lines.items():
             write_lines(os.path.join(tmp, f"{name}.txt"), content)
-        _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Rename a finished temp dir into place; a concurrent run that got there first wins."""
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
-    durable.publish_dir(tmp, final, replace=False)
+    return durable.write_dir(out_dir, write, replace=False)  # a concurrent run that got there first wins

@@ -7,16 +7,16 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from decoder import durable
+
 from .clean import clean_pairs, normalise, normaliser_settings
-from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, _publish,
+from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError,
                      extract_bible, read_lines, read_parallel, write_lines)
 
 FORMAT = 1  # bump when the output changes for the same inputs, so old caches are not reused
@@ -88,13 +88,8 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
 
     if not os.path.isfile(os.path.join(out, "prepared.json")):
         t0 = time.time()
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=os.path.dirname(out))
-        try:
-            _build(tmp, files, s_lang, t_lang, options, verbose)
-            _publish(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # a concurrent run that got there first wins
+        durable.write_dir(out, lambda tmp: _build(tmp, files, s_lang, t_lang, options, verbose), replace=False)
         log(f"prepared in {time.time() - t0:.1f} s: {out}")
         hit = False
     else:

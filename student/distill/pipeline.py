@@ -50,7 +50,7 @@ class DistillConfig:
     dev_tgt: str | None = None
     test_src: str | None = None
     test_tgt: str | None = None
-    vocab_size: int = 8000
+    vocab_size: int = TrainConfig.vocab_size
     train_limit: int = 0        # first N training pairs only (smoke runs); 0 = all
     test_limit: int = 0         # first N test pairs in the report; 0 = all
     # teacher: one of these, or none to train our own
@@ -61,8 +61,10 @@ class DistillConfig:
     teacher_minutes: float = 60.0
     teacher_steps: int = 0
     teacher_set: dict = field(default_factory=dict)
-    teacher_lr: float = 2e-3    # the measured teacher-tiny recipe (docs/training.md)
-    teacher_warmup: int = 400
+    # lr, warmup, batch size, precision, seed: student.train's defaults, the measured
+    # teacher-tiny recipe (docs/training.md), for the teacher and the students alike
+    teacher_lr: float = TrainConfig.lr
+    teacher_warmup: int = TrainConfig.warmup
     average_last: int = 4       # average the last N step checkpoints (1 = the best checkpoint)
     teacher_beam: int = 4
     engine: str = "auto"        # auto | decoder | reference (see teachers.ModelTeacher)
@@ -78,21 +80,21 @@ class DistillConfig:
     student_minutes: float = 40.0
     student_steps: int = 0
     student_set: dict = field(default_factory=dict)
-    student_lr: float = 2e-3
-    student_warmup: int = 400
+    student_lr: float = TrainConfig.lr
+    student_warmup: int = TrainConfig.warmup
     student_beam: int = 1
     baseline_student: bool = False
     # lexical shortlist of each exported student, from the corpus it was trained on (0 = none)
     shortlist_k: int = 100
     shortlist_frequent: int = 100
     # training shared by teacher and students
-    max_tokens: int = 3072
-    eval_every: int = 400
-    save_every: int = 100
+    max_tokens: int = TrainConfig.max_tokens
+    eval_every: int = 400       # and 300 dev sentences: evaluation time fits the two-hour run
+    save_every: int = TrainConfig.save_every
     dev_max: int = 300
     patience: int = 0
-    amp: str = "auto"
-    seed: int = 1
+    amp: str = TrainConfig.amp
+    seed: int = TrainConfig.seed
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> "DistillConfig":
@@ -108,7 +110,8 @@ PRESETS = {
     "wmt": dict(teacher_preset="teacher-big", vocab_size=32000, teacher_minutes=0.0, teacher_steps=100_000,
                 teacher_lr=7e-4, teacher_warmup=4000, max_tokens=16384, eval_every=2000, save_every=1000,
                 dev_max=0, patience=10, shard_size=20_000, student_preset="student-12-1", student_minutes=0.0,
-                student_steps=100_000, student_lr=7e-4, student_warmup=4000, baseline_student=True),
+                student_steps=100_000, student_lr=7e-4, student_warmup=4000, baseline_student=True,
+                amp="auto"),  # fp16 autocast with a gradient scaler on CUDA
 }
 
 

@@ -78,28 +78,46 @@ def _value(v: str):
         return v
 
 
-def main(argv=None):
+def average_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
+                                description="Average the weights of the last N step checkpoints of a run.")
+    p.add_argument("--run", required=True, metavar="DIR", help="run dir of student.train (holds ckpt-*.pt)")
+    p.add_argument("--last", type=positive_int, default=4, metavar="N",
+                   help="how many of the latest step checkpoints; a run with fewer (--keep-last, a short run) "
+                        "averages those it has and says so")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="checkpoint file to write (export it with student.export)")
+    return p
+
+
+def average_main(argv) -> int:
+    a = average_parser().parse_args(argv)
+    try:
+        paths = last_checkpoints(a.run, a.last)
+        if len(paths) < a.last:  # --keep-last or a short run left fewer: say so, average what is there
+            print(f"note: {a.run} has {len(paths)} step checkpoint{'s' * (len(paths) != 1)}, not {a.last}; "
+                  f"averaging {', '.join(os.path.basename(x) for x in paths)}", file=sys.stderr)
+        out = average(paths, a.out)
+    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+        return _error(e)
+    print(out)
+    return 0
+
+
+def _error(e) -> int:
+    """Bad input: one line on stderr and exit 2, as every command of the kit."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
-        p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
-                                    description="Average the weights of the last N step checkpoints of a run.")
-        p.add_argument("--run", required=True, help="run dir of student.train (holds ckpt-*.pt)")
-        p.add_argument("--last", type=positive_int, default=4, help="how many of the latest step checkpoints")
-        p.add_argument("--out", required=True, help="checkpoint file to write (export it with student.export)")
-        a = p.parse_args(argv[1:])
-        try:
-            paths = last_checkpoints(a.run, a.last)
-            if len(paths) < a.last:  # --keep-last or a short run left fewer: say so, average what is there
-                print(f"note: {a.run} has {len(paths)} step checkpoint{'s' * (len(paths) != 1)}, not {a.last}; "
-                      f"averaging {', '.join(os.path.basename(x) for x in paths)}", file=sys.stderr)
-            print(average(paths, a.out))
-        except (FileNotFoundError, ValueError) as e:
-            sys.exit(f"error: {e}")
-        return
+        return average_main(argv[1:])
     a = train_parser().parse_args(argv)
     if any(bool(getattr(a, f"{x}src")) != bool(getattr(a, f"{x}tgt")) for x in ("", "train_", "dev_", "test_")):
-        sys.exit("error: --src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
-                 "come in pairs")
+        return _error("--src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
+                      "come in pairs")
     overrides = {}
     for kv in a.set:
         k, _, v = kv.partition("=")
@@ -117,9 +135,10 @@ def main(argv=None):
     try:
         result = train(cfg)
     except (DataError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        return _error(e)
     if int(os.environ.get("RANK", "0")) == 0:
         print(final_words(cfg.out_dir, result), flush=True)
+    return 0
 
 
 def final_words(out: str, m: dict) -> str:
@@ -153,4 +172,4 @@ def final_words(out: str, m: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cliargs.run(main))

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from student.export import CheckpointError, load_weights_only
 from student.train.trainer import atomic_save
 
 
@@ -16,13 +17,21 @@ def last_checkpoints(run_dir: str, n: int) -> list[str]:
     return cks[-n:]
 
 
+def _weights(path: str) -> dict:
+    ck = load_weights_only(path)
+    if not isinstance(ck, dict) or not isinstance(ck.get("model"), dict):
+        raise CheckpointError(f"{path}: not a student.train checkpoint (no 'model')")
+    return ck
+
+
 def average(paths: list[str], out: str) -> str:
-    """Writes a checkpoint whose weights are the mean of `paths` (same architecture)."""
-    base = torch.load(paths[0], map_location="cpu", weights_only=True)
+    """Writes a checkpoint whose weights are the mean of `paths` (same architecture).
+    Raises CheckpointError (a ValueError) naming a file that is no checkpoint."""
+    base = _weights(paths[0])
     acc = {k: v.double().clone() for k, v in base["model"].items()}
     for p in paths[1:]:
-        sd = torch.load(p, map_location="cpu", weights_only=True)["model"]
-        if sd.keys() != acc.keys():
+        sd = _weights(p)["model"]
+        if sd.keys() != acc.keys() or any(v.shape != acc[k].shape for k, v in sd.items()):
             raise ValueError(f"{p}: parameters differ from {paths[0]}")
         for k, v in sd.items():
             acc[k] += v.double()

@@ -8,14 +8,15 @@ import torch.nn.functional as F
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int):
     """(smoothed loss sum, nll sum, n tokens) over non-pad targets.
 
-    logits: (B, T, V), target: (B, T). The smoothing mass eps is spread
-    uniformly over the vocabulary, the true class keeping 1 - eps + eps/V.
+    logits: (B, T, V), target: (B, T). torch's label smoothing spreads eps
+    uniformly over the whole vocabulary, the target included (it keeps
+    1 - eps + eps/V), as fairseq's label_smoothed_cross_entropy does.
+    The nll is for reporting only: it carries no gradient.
     """
-    lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])  # (N, V)
-    target = target.reshape(-1)
-    keep = target != pad_id
-    lprobs, target = lprobs[keep], target[keep]
-    nll = -lprobs.gather(1, target[:, None]).squeeze(1)  # (n,)
-    smooth = -lprobs.mean(-1)                            # (n,) cross-entropy with uniform
-    loss = (1.0 - eps) * nll + eps * smooth
-    return loss.sum(), nll.sum(), int(keep.sum())
+    logits = logits.float().flatten(0, 1)  # (N, V)
+    target = target.reshape(-1)            # (N,)
+    loss = F.cross_entropy(logits, target, ignore_index=pad_id, label_smoothing=eps, reduction="sum")
+    with torch.no_grad():
+        nll = loss.detach() if eps == 0 else F.cross_entropy(logits, target, ignore_index=pad_id,
+                                                              reduction="sum")
+    return loss, nll, int((target != pad_id).sum())

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import sentencepiece as spm
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from decoder import durable
@@ -46,17 +47,18 @@ class TrainConfig:
     dev_tgt: str | None = None    # default: the corpus' own (student.data)
     test_src: str | None = None
     test_tgt: str | None = None
-    # optimisation
-    max_tokens: int = 4096
+    # optimisation: the defaults are the measured teacher-tiny recipe of docs/training.md
+    # (student.distill takes its teacher and student defaults from here)
+    max_tokens: int = 3072
     max_sentences: int = 256
     accum: int = 1
-    lr: float = 1e-3
-    warmup: int = 1000
+    lr: float = 2e-3
+    warmup: int = 400
     betas: tuple = (0.9, 0.98)
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
-    amp: str = "auto"  # auto | bf16 | fp16 | off
+    amp: str = "off"  # off | auto | bf16 | fp16; fp32 is what docs/training.md measured
     seed: int = 1
     # stopping
     max_steps: int = 0        # 0 = no limit
@@ -122,6 +124,16 @@ def release_memory():
 def inv_sqrt_lr(step: int, peak: float, warmup: int) -> float:
     step = max(step, 1)
     return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
+def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> LambdaLR:
+    """Linear warm-up then inverse square root, peaking at cfg.lr, positioned after
+    `step` optimiser steps. Recomputed from the step on resume (no state of its
+    own in the checkpoint), so a resumed run and an uninterrupted one agree."""
+    for g in opt.param_groups:
+        g["initial_lr"] = cfg.lr  # the peak of this run's config, not of a resumed optimiser state
+    # LambdaLR's epoch e is the number of steps done; step e + 1 runs at this factor
+    return LambdaLR(opt, lambda e: inv_sqrt_lr(e + 1, 1.0, cfg.warmup), last_epoch=step - 1)
 
 
 class Corpus:
@@ -262,6 +274,7 @@ class Trainer:
                 print(f"removed {f}: a save cut short by an earlier run", flush=True)
         if os.path.exists(self.last_path):
             self.resume()
+        self.schedule = lr_schedule(self.opt, cfg, self.state["step"])
         self.net = self.model
         if ddp:
             self.net = torch.nn.parallel.DistributedDataParallel(
@@ -344,9 +357,7 @@ class Trainer:
         src_ids, tgt_ids = self.corpus.train["src"], self.corpus.train["tgt"]
         micro = [collate(src_ids, tgt_ids, idx, a.pad_id, a.decoder_start_id, a.eos_id) for idx in group]
         ntok = sum(int((to != a.pad_id).sum()) for _, _, to in micro)
-        lr = inv_sqrt_lr(self.state["step"] + 1, cfg.lr, cfg.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = self.schedule.get_last_lr()[0]
         loss_total = 0.0
         for k, batch in enumerate(micro):
             s, ti, to = (t.to(self.device) for t in batch)
@@ -367,6 +378,7 @@ class Trainer:
             scaler.update()
         else:
             opt.step()
+        self.schedule.step()
         opt.zero_grad(set_to_none=True)
         return ntok, loss_total, lr
 

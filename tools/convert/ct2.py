@@ -90,16 +90,11 @@ def to_ctranslate2(model_dir: str, out_dir: str, quantization: str | None = None
     spec.config.add_source_bos = False
     spec.validate()
     spec.optimize(quantization=quantization)
-    tmp = durable.tmp_name(out_dir.rstrip("/"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+
+    def write(tmp: str) -> None:
         spec.save(tmp)
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         write_usage(tmp, out_dir, cfg, "ct2", ctranslate2=ctranslate2.__version__, quantization=quantization)
-        durable.publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    durable.write_dir(out_dir, write)
     return out_dir
 

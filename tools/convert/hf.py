@@ -83,19 +83,7 @@ def save_hf(model_dir: str, out_dir: str) -> str:
         tok.save_pretrained(tmp)
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         write_usage(tmp, out_dir, cfg, "hf")
-    return _publish(out_dir, write)
-
-
-def _publish(out_dir: str, write) -> str:
-    tmp = durable.tmp_name(out_dir.rstrip("/"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        write(tmp)
-        durable.publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    durable.write_dir(out_dir, write)
     return out_dir
 
 
@@ -175,7 +163,8 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         durable.write_json(os.path.join(tmp, modeldir.CONFIG), cfg.to_json())
         modeldir.load(tmp)  # the contract, checked before the dir is published
-    return _publish(out_dir, write)
+    durable.write_dir(out_dir, write)
+    return out_dir
 
 
 def _unk_id(spm_path: str) -> int:
