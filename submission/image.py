@@ -273,9 +273,10 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import HelpFormatter
+    from decoder.cliargs import HelpFormatter, add_version
     ap = argparse.ArgumentParser(prog="python -m submission.image", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
+    add_version(ap)
     ap.add_argument("--model", help="model dir to bake at /model (default: latest student under runs/)")
     ap.add_argument("--tag", default="wmt-kit:latest", help="image tag to give the build")
     ap.add_argument("--base", help=f"base image (default {PUBLIC_BASE}, else {LOCAL_BASE})")
