@@ -2,6 +2,7 @@
 the fused C++ ops from any directory, its console scripts are the `python -m`
 commands, and every command says its version."""
 import glob
+import json
 import os
 import shutil
 import site
@@ -13,6 +14,7 @@ from importlib import metadata
 import pytest
 
 from decoder import cliargs
+from submission.image import sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "model")
@@ -61,8 +63,13 @@ def test_installed_package_ships_the_op_sources_the_payload_and_the_license(venv
     site_dir = glob.glob(str(env_dir / "lib" / "python*" / "site-packages"))[0]
     for f in ("decoder/csrc/fused_cpu.cpp", "decoder/csrc/int8_linear.cpp", "decoder/csrc/checks.h",
               "decoder/csrc/multiversion.h", "decoder/csrc/fused_cuda.cu", "submission/container/run.sh",
-              "tools/convert/__main__.py"):
+              "submission/docker/Dockerfile", "submission/docker/.dockerignore", "tools/convert/__main__.py"):
         assert os.path.isfile(os.path.join(site_dir, f)), f
+    # the image's build context from the installed package: the checkout's, file for file
+    probe = "from submission import image; print(*(f for f in image.sources() if f[:6] != 'build/'))"
+    r = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], cwd=tmp, capture_output=True, text=True,
+                       env=clean_env())
+    assert r.stdout.split() == [f for f in sources() if not f.startswith("build/")], r.stderr[-2000:]
     dist = glob.glob(os.path.join(site_dir, "wmt_efficiency_kit-*.dist-info"))[0]
     meta = open(os.path.join(dist, "METADATA")).read()
     assert "License-Expression: Apache-2.0" in meta
@@ -121,7 +128,6 @@ print(json.dumps(out))
 """
     r = subprocess.run([py, "-c", check], cwd=tmp, capture_output=True, text=True, env=clean_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
     out = json.loads(r.stdout)
     assert {k.split()[0] for k in out} == set(SCRIPTS)
     for key, (value, code, text) in out.items():
