@@ -34,6 +34,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned resolve pulls the multi-GB CUDA build
 	$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" || $(VPY) -m pip install -q "torch>=2.4"
 	$(VPY) -m pip install -q -e ".[test,baselines]"
+	# the fused C++ ops now, not in the first decode (20-45 s); no compiler: a warning, the references run
+	$(VPY) -c "from decoder import ops; ops.available()"
 	touch $@
 
 # The submission image; MODEL defaults to the latest exported student under runs/.
@@ -41,6 +43,7 @@ $(STAMP): pyproject.toml
 MODEL ?=
 IMAGE ?= wmt-kit:latest
 image: setup
+	$(VPY) -c "import docker" 2>/dev/null || $(VPY) -m pip install -q -e ".[image]"
 	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --tag $(call shq,$(IMAGE))
 
 # make distill [PRESET=default|wmt] [NAME=run] [NPROC=N] [TEACHER_CMD="apertium -u eng-spa" |

@@ -25,6 +25,7 @@ CHUNK_LINES = 20000
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=cliargs.HelpFormatter)
+    cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
     p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")
     p.add_argument("-o", "--output", default="-",
@@ -158,5 +159,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """`python -m decoder` and the `wmt-kit-translate` console script."""
+    return cliargs.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(cliargs.run(main))
+    sys.exit(cli())

@@ -9,7 +9,8 @@ exit 2) before any model is loaded, instead of a traceback, an empty output or
 a search that runs for minutes.
 
 And `run(main)`, the `__main__` wrapper that ends quietly when the reader of
-stdout goes away (`... | head -1`), as Unix tools do.
+stdout goes away (`... | head -1`), as Unix tools do; `add_version(p)`, the
+`--version` every command has.
 """
 from __future__ import annotations
 
@@ -118,6 +119,33 @@ def alias(parser, old: str, action: argparse.Action) -> None:
     else:
         kw.update(type=action.type, metavar=action.metavar, choices=action.choices, nargs=action.nargs)
     parser.add_argument(old, **kw)
+
+
+DIST = "wmt-efficiency-kit"
+
+
+def version() -> str:
+    """`wmt-efficiency-kit 0.1.0`: the installed distribution's version, else
+    pyproject.toml's (a checkout run without `pip install`)."""
+    from importlib import metadata
+    try:
+        return f"{DIST} {metadata.version(DIST)}"
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return f"{DIST} unknown"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(path, "rb") as fh:
+            return f"{DIST} {tomllib.load(fh)['project']['version']}"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return f"{DIST} unknown"
+
+
+def add_version(parser) -> None:
+    parser.add_argument("--version", action="version", version=version())
 
 
 def run(main) -> int:

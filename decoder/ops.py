@@ -1,7 +1,8 @@
 """Fused C++ ops (decoder/csrc), compiled on first use and cached.
 
 Built with torch.utils.cpp_extension into $TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), or loaded prebuilt from $DECODER_OPS_LIBRARY (the
+~/.cache/torch_extensions; `make setup` builds it, else the first decode does,
+saying so in one stderr line), or loaded prebuilt from $DECODER_OPS_LIBRARY (the
 submission image: it has no compiler, so `make image` builds the library on
 the host, which runs the same torch and glibc). Where neither works
 `available()` is False and callers use the plain PyTorch reference
@@ -9,6 +10,7 @@ the host, which runs the same torch and glibc). Where neither works
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -17,6 +19,7 @@ import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("int8_linear.cpp", "fused_cpu.cpp")
+CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -131,20 +134,38 @@ def _register_fakes() -> None:
                 logits.new_empty((S, n), dtype=torch.int64))
 
 
-def build_library(build_dir: str | None = None) -> str | None:
-    """Compile (or find cached) decoder/csrc and load it; returns the .so path
-    when `build_dir` is given (torch's JIT cache otherwise).
+def build_library(build_dir: str | None = None) -> str:
+    """Compile (or find cached) decoder/csrc and load it; returns the .so path.
 
     No -march: the kernels pick their ISA at run time (target_clones), so a
     library built here runs on any x86-64 that runs torch."""
     from torch.utils.cpp_extension import load
-    if build_dir:
-        os.makedirs(build_dir, exist_ok=True)
-    load(name="decoder_ops", sources=[os.path.join(_HERE, f) for f in SOURCES],
-         extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"],
+    build_dir = build_dir or default_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    so = os.path.join(build_dir, "decoder_ops.so")
+    if _stale(so):  # ninja decides for real; this only warns of the wait
+        print("building the fused C++ ops (once, ~30 s) ...", file=sys.stderr, flush=True)
+    load(name="decoder_ops", sources=[os.path.join(_HERE, f) for f in SOURCES], extra_cflags=CFLAGS,
          build_directory=build_dir, is_python_module=False, verbose=False)
-    # the .so path matters only to `make image`, which passes its own build_dir
-    return os.path.join(build_dir, "decoder_ops.so") if build_dir else None
+    return so
+
+
+def default_build_dir() -> str:
+    """torch's extension cache, one folder per copy of csrc, torch and flags:
+    a shared folder would make two checkouts (or a checkout and an installed
+    copy) rebuild each other's library at every switch, since ninja sees the
+    source paths change."""
+    from torch.utils.cpp_extension import _get_build_directory
+    key = hashlib.sha256("\0".join([_HERE, torch.__version__, *CFLAGS]).encode()).hexdigest()[:12]
+    return _get_build_directory(f"decoder_ops-{key}", verbose=False)
+
+
+def _stale(so: str) -> bool:
+    """Whether `so` is missing or older than a file of csrc."""
+    if not os.path.exists(so):
+        return True
+    newest = max(os.path.getmtime(os.path.join(_HERE, f)) for f in os.listdir(_HERE))
+    return os.path.getmtime(so) < newest
 
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False):

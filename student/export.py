@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from decoder import durable, modeldir
+from decoder.cliargs import add_version
 from student.model import ModelArgs, Transformer
 
 
@@ -144,6 +145,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m student.export",
                                 description="Write a model dir (config.json, model.safetensors, "
                                             "spm.model) from a student.train checkpoint.")
+    add_version(p)
     p.add_argument("checkpoint", help="checkpoint written by student.train (best.pt / last.pt)")
     p.add_argument("out_dir", help="model dir to create (replaced atomically if it exists)")
     a = p.parse_args(argv)

@@ -2,6 +2,11 @@
 
     python -m submission.image [--model DIR] [--tag wmt-kit:latest] [--base IMAGE]
 
+Works from a checkout and from an installed package alike: the Dockerfile
+and .dockerignore ship in submission/docker/, the build context is sent as a
+tar of exactly the files .dockerignore admits, and the staged inputs go to
+build/ of the checkout (installed: of the current directory).
+
 Steps, each cached: a base image (the public slim Python image when docker can
 pull it, else `localbase:bookworm` made with debootstrap: this machine kind has
 no Docker Hub), a wheelhouse of exactly the host's versions of the run-time
@@ -27,9 +32,13 @@ import tempfile
 import tomllib
 from datetime import datetime, timezone
 from importlib import metadata
+from typing import IO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGE = os.path.join(ROOT, "build", "image")          # the Dockerfile COPYs from here
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout, or site-packages
+DOCKER = os.path.join(ROOT, "submission", "docker")  # Dockerfile and .dockerignore
+# where runs/ and build/ are: the checkout, or (installed) the current directory
+HOME = ROOT if os.path.isfile(os.path.join(ROOT, "pyproject.toml")) else os.getcwd()
+STAGE = os.path.join(HOME, "build", "image")          # the Dockerfile COPYs from here
 WHEELS, MODEL = os.path.join(STAGE, "wheelhouse"), os.path.join(STAGE, "model")
 OPS = os.path.join(STAGE, "ops")  # the prebuilt fused-ops library (decoder/csrc)
 PUBLIC_BASE, LOCAL_BASE = "python:3.11-slim-bookworm", "localbase:bookworm"
@@ -100,8 +109,8 @@ def debootstrap_base(c) -> None:
         raise SystemExit("error: no public base image reachable and no debootstrap "
                          "(apt-get install debootstrap, or pass --base IMAGE)")
     log(f"building {LOCAL_BASE} with debootstrap from {apt_mirror()}")
-    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-    rootfs = tempfile.mkdtemp(prefix="rootfs-", dir=os.path.join(ROOT, "build"))
+    os.makedirs(os.path.join(HOME, "build"), exist_ok=True)
+    rootfs = tempfile.mkdtemp(prefix="rootfs-", dir=os.path.join(HOME, "build"))
     try:
         subprocess.run(["debootstrap", "--variant=minbase",
                         "--include=python3,python3-venv,ca-certificates",
@@ -174,7 +183,7 @@ def stage_ops() -> bool:
     image still works, on the references, and says so once on stderr."""
     shutil.rmtree(OPS, ignore_errors=True)
     os.makedirs(OPS)
-    work = os.path.join(ROOT, "build", "ops-build")
+    work = os.path.join(HOME, "build", "ops-build")
     r = subprocess.run([sys.executable, "-c", "import sys; from decoder.ops import build_library; "
                         "print(build_library(sys.argv[1]))", work],
                        cwd=ROOT, capture_output=True, text=True)
@@ -189,8 +198,8 @@ def stage_ops() -> bool:
 
 def default_model() -> str:
     """The most recently exported student under runs/."""
-    found = [os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "runs", "**", "model.safetensors"),
-                                                    recursive=True) if "student" in os.path.relpath(p, ROOT)]
+    found = [os.path.dirname(p) for p in glob.glob(os.path.join(HOME, "runs", "**", "model.safetensors"),
+                                                    recursive=True) if "student" in os.path.relpath(p, HOME)]
     if not found:
         raise SystemExit("error: no exported student under runs/ (make distill), "
                          "or pass MODEL=DIR")
@@ -212,21 +221,39 @@ def stage_model(model_dir: str) -> None:
 
 def image_paths() -> list[str]:
     """The paths the image is built from: the `!` lines of .dockerignore, the one list."""
-    with open(os.path.join(ROOT, ".dockerignore")) as fh:
+    with open(os.path.join(DOCKER, ".dockerignore")) as fh:
         return [ln.strip()[1:] for ln in fh if ln.strip().startswith("!")]
 
 
+def where(rel: str) -> str:
+    """The file here of the build-context path `rel`."""
+    if rel == "Dockerfile":
+        return os.path.join(DOCKER, rel)
+    return os.path.join(HOME if rel.startswith("build/") else ROOT, rel)
+
+
 def sources() -> list[str]:
-    """Every build-context file the image depends on."""
+    """Every build-context file the image depends on, as the context names it."""
     files = []
     for top in image_paths():
-        path = os.path.join(ROOT, top)
+        path = where(top)
         if os.path.isfile(path):
             files.append(top)
         for d, dirs, names in os.walk(path):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")
-            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in sorted(names) if not n.endswith(".pyc")]
+            files += [os.path.join(top, os.path.relpath(os.path.join(d, n), path))
+                      for n in sorted(names) if not n.endswith(".pyc")]
     return files
+
+
+def context() -> IO[bytes]:
+    """The build context: a tar of sources(), which is all the Dockerfile may COPY."""
+    fh = tempfile.TemporaryFile()
+    with tarfile.open(fileobj=fh, mode="w") as tar:
+        for f in sources():
+            tar.add(where(f), arcname=f, recursive=False)
+    fh.seek(0)
+    return fh
 
 
 def input_key(base_id: str) -> str:
@@ -234,9 +261,9 @@ def input_key(base_id: str) -> str:
     for f in sources():
         h.update(f.encode() + b"\0")
         if f.startswith("build/image/wheelhouse/"):
-            h.update(str(os.path.getsize(os.path.join(ROOT, f))).encode())  # names carry versions
+            h.update(str(os.path.getsize(where(f))).encode())  # names carry versions
         else:
-            with open(os.path.join(ROOT, f), "rb") as fh:
+            with open(where(f), "rb") as fh:
                 hashlib.file_digest(fh, lambda: h)  # streams the file into the running key
     return h.hexdigest()[:16]
 
@@ -283,7 +310,13 @@ def oci_labels(model_dir: str, root: str = ROOT) -> dict:
 
 
 def _build(c, quiet: bool, **kw) -> None:
-    for chunk in c.api.build(path=ROOT, dockerfile="Dockerfile", rm=True, forcerm=True, decode=True, **kw):
+    with context() as ctx:
+        _stream(c.api.build(fileobj=ctx, custom_context=True, dockerfile="Dockerfile", rm=True, forcerm=True,
+                            decode=True, **kw), quiet)
+
+
+def _stream(chunks, quiet: bool) -> None:
+    for chunk in chunks:
         if "error" in chunk:
             raise SystemExit(f"error: docker build: {chunk['error'].strip()}")
         if not quiet and chunk.get("stream", "").strip():
@@ -294,7 +327,7 @@ def stage_tag(base_id: str) -> str:
     """The build stage's tag: keyed on what it is built from (base and wheelhouse)."""
     h = hashlib.sha256(base_id.encode())
     h.update(open(os.path.join(WHEELS, "requirements.txt"), "rb").read())
-    h.update(open(os.path.join(ROOT, "Dockerfile"), "rb").read())
+    h.update(open(os.path.join(DOCKER, "Dockerfile"), "rb").read())
     return f"wmt-kit-build:{h.hexdigest()[:16]}"
 
 
@@ -354,9 +387,10 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import HelpFormatter
+    from decoder.cliargs import HelpFormatter, add_version
     ap = argparse.ArgumentParser(prog="python -m submission.image", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
+    add_version(ap)
     ap.add_argument("--model", help="model dir to bake at /model (default: latest student under runs/)")
     ap.add_argument("--tag", default="wmt-kit:latest", help="image tag to give the build")
     ap.add_argument("--base", help=f"base image (default {PUBLIC_BASE}, else {LOCAL_BASE})")

@@ -4,7 +4,7 @@ each in a place of its own; the image is built from the first two only."""
 import ast
 import os
 
-from submission.image import image_paths, sources
+from submission.image import DOCKER, image_paths, sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ def test_image_sources_are_the_runtime_and_the_payload_only():
 
 
 def test_image_is_built_from_the_one_list_in_dockerignore():
-    dockerfile = open(os.path.join(ROOT, "Dockerfile")).read()
+    dockerfile = open(os.path.join(DOCKER, "Dockerfile")).read()
     copied = {ln.split()[1] for ln in dockerfile.splitlines() if ln.startswith("COPY ") and "--from" not in ln}
     listed = image_paths()
     assert copied and all(any(c == p or c.startswith(p + "/") for p in listed) for c in copied), copied

@@ -148,6 +148,7 @@ NOT_CAPPED = ("not capped: fbgemm (torch's quantized int8 ops) and decoder/csrc'
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=cliargs.HelpFormatter)
+    cliargs.add_version(p)
     p.add_argument("--model", default=os.path.join(DEFAULT_DATA, "model"))
     cliargs.alias(p, "--input", p.add_argument(
         "--src", default=None, help="source lines (default: test.en next to the model: the Bible test split "

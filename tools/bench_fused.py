@@ -44,6 +44,7 @@ def rows() -> tuple[dict, dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
+    cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)
     a = p.parse_args(argv)

@@ -83,6 +83,7 @@ def gemm_profile(tr, lines: list[str]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
+    cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
     a = p.parse_args(argv)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from decoder.cliargs import add_version
+
 # int8_linear is the CPU int8 GEMM; every other op has a CUDA kernel
 CPU_ONLY = {"int8_linear"}
 SYSTEM_CUDA = "/usr/local/cuda"
@@ -137,6 +139,7 @@ def check(arch: str, build_dir: str | None, verbose: bool) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.cuda_check", description=__doc__.split("\n\n")[1])
+    add_version(p)
     p.add_argument("--venv", help="when this torch has no CUDA: make/use this venv with the CUDA build and nvcc")
     p.add_argument("--arch", default="8.0;9.0",
                    help="targets without a GPU (TORCH_CUDA_ARCH_LIST wins when set; default: %(default)s)")

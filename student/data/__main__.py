@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoder.cliargs import HelpFormatter, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import HelpFormatter, add_version, nonneg_float, nonneg_int, positive_float, positive_int
 
 from . import DataError, prepare
 
@@ -12,6 +12,7 @@ from . import DataError, prepare
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m student.data",
                                  description="Prepare a parallel corpus: clean, split, normalise, SentencePiece.")
+    add_version(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", formatter_class=HelpFormatter,
                        description="Clean and split a corpus and train its joint SentencePiece model. "

@@ -28,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Defaults shown are the 'default' preset's (2 CPU cores, about 2 hours); "
                f"--preset wmt changes them: {json.dumps(PRESETS['wmt'])}",
         argument_default=None)
+    cliargs.add_version(p)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS),
                    help="default: embedded Bible en-es on CPU; wmt: the GPU-scale recipe")
     p.add_argument("--name", help="run name: everything goes to RUNS_DIR/NAME (default: the preset's name)")
@@ -148,5 +149,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """`python -m student.distill` and the `wmt-kit-distill` console script."""
+    return cliargs.run(main)  # `| head` on the report ends quietly
+
+
 if __name__ == "__main__":
-    sys.exit(cliargs.run(main))  # `| head` on the report ends quietly
+    sys.exit(cli())

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from decoder.cliargs import HelpFormatter, nonneg_int, positive_int
+from decoder.cliargs import HelpFormatter, add_version, nonneg_int, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.shortlist import add_to_model_dir
@@ -17,6 +17,7 @@ def parse_args(argv=None):
         description="Build a lexical shortlist from a parallel corpus (the student's distilled training "
                     "data) and add it to a model dir: shortlist.safetensors, listed in config.json. "
                     "The decoder uses it with --shortlist.")
+    add_version(p)
     p.add_argument("--model", required=True, help="model dir (config.json, spm.model); the file is written here")
     p.add_argument("--src", required=True, help="source side of the corpus, one sentence per line (plain or .gz)")
     p.add_argument("--tgt", required=True, help="target side, line-aligned with --src")

@@ -24,6 +24,7 @@ def train_parser() -> argparse.ArgumentParser:
         description="Train a Transformer (teacher or student) on a prepared corpus. Rerunning the same "
                     "command resumes from OUT/last.pt. Launch with torchrun for DDP "
                     "(gloo on CPU, NCCL on GPU). Subcommand: 'average' (checkpoint averaging).")
+    cliargs.add_version(p)
     p.add_argument("--out", required=True, help="run dir: checkpoints, metrics.json, test.hyp")
     p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -81,6 +82,7 @@ def _value(v: str):
 def average_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
                                 description="Average the weights of the last N step checkpoints of a run.")
+    cliargs.add_version(p)
     p.add_argument("--run", required=True, metavar="DIR", help="run dir of student.train (holds ckpt-*.pt)")
     p.add_argument("--last", type=positive_int, default=4, metavar="N",
                    help="how many of the latest step checkpoints; a run with fewer (--keep-last, a short run) "

@@ -30,6 +30,7 @@ def parse_args(argv=None):
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = argparse.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=_Help)
+    cliargs.add_version(p)
     g = p.add_argument_group("systems")
     g.add_argument("--model", action="append", default=[], metavar="[NAME=]DIR",
                    help="a model dir to measure (repeatable); NAME labels it")
@@ -165,6 +166,10 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def cli() -> int:
+    """`python -m submission.evaluate` and the `wmt-kit-evaluate` console script."""
+    return cliargs.run(main)  # `| head` on the report ends quietly
+
+
 if __name__ == "__main__":
-    from decoder.cliargs import run
-    sys.exit(run(main))  # `| head` on the report ends quietly
+    sys.exit(cli())

@@ -19,6 +19,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int16", "float16", "bf
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cliargs.add_version(p)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["ct2", "hf"], help="convert the model dir IN_DIR to this engine's format")
     way.add_argument("--from-hf", action="store_true",
@@ -70,5 +71,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """`python -m tools.convert` and the `wmt-kit-convert` console script."""
+    return cliargs.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(cliargs.run(main))
+    sys.exit(cli())
