@@ -2,7 +2,6 @@
 are copied, the extra encoder layers are identities, so the untrained student's encoder is
 the teacher's bit for bit; presets that do not map are one clear error; the trainer and
 the distill pipeline apply and record it."""
-import json
 import os
 import subprocess
 import sys
