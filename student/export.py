@@ -48,16 +48,20 @@ def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
     return durable.write_dir(os.path.abspath(out_dir), write)
 
 
-def load_model_dir(model_dir: str) -> tuple[Transformer, modeldir.ModelConfig]:
-    """Model dir -> training-time model (for continued training and round-trip tests)."""
-    cfg, weights, _ = modeldir.load(model_dir)
+def model_args(cfg: modeldir.ModelConfig) -> ModelArgs:
+    """The training-time arguments of a model dir's config (model_config's inverse)."""
     a = cfg.arch
-    args = ModelArgs(vocab_size=a.vocab_size, d_model=a.d_model, n_heads=a.n_heads, ffn_dim=a.ffn_dim,
+    return ModelArgs(vocab_size=a.vocab_size, d_model=a.d_model, n_heads=a.n_heads, ffn_dim=a.ffn_dim,
                      encoder_layers=a.encoder_layers, decoder_layers=a.decoder_layers,
                      max_positions=a.max_positions, activation=a.activation,
                      tie_embeddings=a.tie_embeddings, layer_norm_eps=a.layer_norm_eps,
                      pad_id=cfg.pad_id, eos_id=cfg.eos_id, decoder_start_id=cfg.decoder_start_id)
-    model = Transformer(args)
+
+
+def load_model_dir(model_dir: str) -> tuple[Transformer, modeldir.ModelConfig]:
+    """Model dir -> training-time model (for continued training and round-trip tests)."""
+    cfg, weights, _ = modeldir.load(model_dir)
+    model = Transformer(model_args(cfg))
     model.load_state_dict(weights, strict=True)
     return model.eval(), cfg
 

@@ -49,7 +49,8 @@ def test_every_trainconfig_field_changes_the_stage_key_but_the_documented_exclus
         if _student_key(tc) == _student_key(base):
             unkeyed.add(f.name)
     # the documented list, and exactly it: paths whose content upstream keys fix, and where the run writes
-    assert pipeline.NOT_IN_STAGE_KEY == ("out_dir", "train_src", "train_tgt", "src", "tgt")
+    # (init_from: the teacher's dir; the student stages key the resolved init and the teacher upstream)
+    assert pipeline.NOT_IN_STAGE_KEY == ("out_dir", "train_src", "train_tgt", "src", "tgt", "init_from")
     assert unkeyed == set(pipeline.NOT_IN_STAGE_KEY)
 
 

@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--student-set", action="append", metavar="KEY=VALUE", help="override a student model field")
     g.add_argument("--student-lr", type=positive_float, help=f"(default {d.student_lr})")
     g.add_argument("--student-warmup", type=positive_int, help=f"(default {d.student_warmup})")
+    g.add_argument("--student-init", choices=["auto", "teacher", "random"],
+                   help="start the students from the teacher's weights (embeddings, encoder, first decoder "
+                        "layer; docs/distill.md) or from random ones; auto: the teacher's where the teacher is "
+                        f"one model dir of ours whose shapes map onto the student's (default {d.student_init})")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help=f"lean-decoder precision for the students in the report (default {d.precision})")
     g.add_argument("--student-beam", type=int_range(1, MAX_BEAM),

@@ -17,6 +17,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
+import sentencepiece as spm
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
@@ -30,9 +31,11 @@ from student.distill.shards import assemble, translate_shards
 from student.distill.stages import Run, barrier
 from student.distill.teachers import TeacherError, make_teacher
 from student.export import export_checkpoint
+from student.model import preset
 from student.shortlist import add_to_model_dir
 from student.train import TrainConfig, train
 from student.train.average import average, last_checkpoints
+from student.train.init import InitError, compatible
 
 
 @dataclass
@@ -83,6 +86,7 @@ class DistillConfig:
     student_lr: float = TrainConfig.lr
     student_warmup: int = TrainConfig.warmup
     student_beam: int = 1
+    student_init: str = "auto"  # teacher | random | auto: teacher where our teacher's model dir maps
     baseline_student: bool = False
     # lexical shortlist of each exported student, from the corpus it was trained on (0 = none)
     shortlist_k: int = 100
@@ -130,7 +134,7 @@ def _dist_setup() -> tuple[int, int]:
 # TrainConfig fields left out of a training stage's key, as they cannot change the model it
 # trains: where it writes, and input paths whose content the upstream stages' keys fix
 # (the data stage keys the prepared corpus by content; teacher/corpus stages their files)
-NOT_IN_STAGE_KEY = ("out_dir", "train_src", "train_tgt", "src", "tgt")
+NOT_IN_STAGE_KEY = ("out_dir", "train_src", "train_tgt", "src", "tgt", "init_from")
 
 
 def train_stage_options(tc: TrainConfig, **extra) -> dict:
@@ -176,6 +180,9 @@ def _training_result(d: str, **more) -> dict:
             **{k: m[k] for k in ("stop_reason", "step", "train_minutes", "best_dev_bleu")}}
 
 
+NOT_OURS = "the teacher is not one model dir of ours (a command, an HF model or an ensemble)"
+
+
 def check(cfg: DistillConfig) -> None:
     teachers = [x for x in (cfg.teacher_cmd, cfg.teacher_hf, cfg.teacher_model) if x]
     if len(teachers) > 1:
@@ -189,6 +196,10 @@ def check(cfg: DistillConfig) -> None:
             raise ValueError(f"--{x.replace('_', '-')}src and --{x.replace('_', '-')}tgt go together")
     if cfg.shard_size < 1:
         raise ValueError("--shard-size must be at least 1")
+    if cfg.student_init not in ("auto", "teacher", "random"):
+        raise ValueError(f"--student-init must be auto, teacher or random, not {cfg.student_init!r}")
+    if cfg.student_init == "teacher" and (cfg.teacher_cmd or cfg.teacher_hf or len(cfg.teacher_model) > 1):
+        raise InitError(f"--student-init teacher: {NOT_OURS}")
     if cfg.shortlist_k < 0 or cfg.shortlist_frequent < 0:
         raise ValueError("--shortlist-k and --shortlist-frequent must be >= 0")
 
@@ -198,12 +209,14 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
     p = Pipeline(cfg, verbose)
     data_key, train_src, train_tgt = p.data()
     upstream_teacher = []
+    teacher_dir = cfg.teacher_model[0] if len(cfg.teacher_model) == 1 else None
     if p.teacher is None:
         tkey, teacher_dir = p.own_teacher(data_key, train_src, train_tgt)
         p.teacher = make_teacher(model_dirs=[teacher_dir], beam=cfg.teacher_beam, engine=cfg.engine,
                                  device=p.device)
         upstream_teacher = [tkey]
     p.record_teacher()
+    p.choose_student_init(teacher_dir)
     src_lines = _read(train_src)
     dkey, ddir = p.distill(src_lines, [data_key] + upstream_teacher)
     ckey, cdir = p.corpus(src_lines, train_tgt, dkey, ddir)
@@ -308,6 +321,30 @@ class Pipeline:
         if self.rank == 0 and (self.cfg.teacher_model or self.cfg.teacher_hf):
             self.runner.manifest["inputs"]["teacher"] = self.teacher.identity
 
+    def choose_student_init(self, teacher_dir: str | None):
+        """Where the students start (cfg.student_init, resolved): the teacher's weights when its
+        model dir maps onto the student preset (student/train/init.py), else random, saying why."""
+        cfg, why = self.cfg, None
+        if cfg.student_init == "random":
+            why = "--student-init random"
+        elif teacher_dir is None:
+            why = NOT_OURS
+        else:
+            vocab = spm.SentencePieceProcessor(model_file=self.prep.spm_model).get_piece_size()
+            student = preset(cfg.student_preset, vocab_size=vocab, **cfg.student_set)
+            why = compatible(student, teacher_dir, self.prep.spm_model)
+        if why and cfg.student_init == "teacher":
+            raise InitError(f"--student-init teacher: {why}")
+        if why:
+            self.init = {"mode": "random", "reason": why}
+            if cfg.student_init == "auto":
+                self.log(f"[student] random initialisation: {why}")
+        else:
+            self.init = {"mode": "teacher", "from": os.path.abspath(teacher_dir)}
+        if self.rank == 0:
+            self.runner.manifest["student_init"] = self.init
+            self.runner.save()
+
     def distill(self, src_lines: list[str], upstream: list[str]) -> tuple[str, str]:
         """The teacher's translation of the training source: each rank its own shards,
         rank 0 assembles once all are through. (key, dir holding distilled.txt)"""
@@ -353,12 +390,14 @@ class Pipeline:
     def student(self, name: str, train_src: str, train_tgt: str, upstream: list[str]) -> tuple[str, str]:
         """Train and export a student: (key, model dir)."""
         tc = train_config(self.cfg, "student", self.cfg.student_preset, train_src, train_tgt)
+        # keyed by the mode: the teacher's dir is a path, its content is fixed by the upstream keys
+        tc = dataclasses.replace(tc, init_from=self.init.get("from"))
 
         def finish(d):
             export_checkpoint(f"{d}/train/best.pt", f"{d}/model")
-            return _training_result(d)
+            return _training_result(d, init=self.init["mode"])
 
-        key, d = self._train_stage(name, tc, upstream, finish)
+        key, d = self._train_stage(name, tc, upstream, finish, init=self.init["mode"])
         self.runner.link(f"{name}-model", f"{d}/model")
         return key, f"{d}/model"
 

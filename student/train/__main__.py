@@ -14,6 +14,7 @@ from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int
 from student.data import DataError
 from student.model import PRESETS
 from student.train.average import average, last_checkpoints
+from student.train.init import InitError
 from student.train.trainer import TrainConfig, train
 
 
@@ -69,6 +70,10 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=nonneg_int, default=d.save_every)
     g.add_argument("--keep-last", type=nonneg_int, default=d.keep_last)
     g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
+    p.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="start from this teacher model dir (its embeddings, encoder, decoder layers and final "
+                        "norms; shrink-and-fine-tune, docs/distill.md) instead of random weights; a resumed "
+                        "run keeps its own (default: random)")
     return p
 
 
@@ -133,10 +138,10 @@ def main(argv=None) -> int:
                       amp=a.amp, seed=a.seed, max_steps=a.max_steps, max_epochs=a.max_epochs,
                       max_minutes=a.max_minutes, patience=a.patience, eval_every=a.eval_every,
                       dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
-                      test_at_end=not a.no_test)
+                      test_at_end=not a.no_test, init_from=a.init_from)
     try:
         result = train(cfg)
-    except (DataError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError, InitError) as e:
         return _error(e)
     if int(os.environ.get("RANK", "0")) == 0:
         print(final_words(cfg.out_dir, result), flush=True)

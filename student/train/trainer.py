@@ -26,6 +26,7 @@ from student.data import normalise, prepare
 from student.model import Transformer, preset
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
+from student.train.init import init_from_teacher
 from student.train.loss import label_smoothed_nll
 
 
@@ -72,6 +73,7 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 4        # step checkpoints kept for averaging
     test_at_end: bool = True
+    init_from: str | None = None  # a teacher model dir the model starts from (student/train/init.py)
 
 
 def cpu_has_bf16() -> bool:
@@ -274,6 +276,8 @@ class Trainer:
                 print(f"removed {f}: a save cut short by an earlier run", flush=True)
         if os.path.exists(self.last_path):
             self.resume()
+        elif cfg.init_from:  # before step 0 only: a resumed run already holds its own weights
+            self.initialise(cfg.init_from)
         self.schedule = lr_schedule(self.opt, cfg, self.state["step"])
         self.net = self.model
         if ddp:
@@ -294,6 +298,11 @@ class Trainer:
             st = self.state
             print(f"resuming from {self.last_path} at step {st['step']} (epoch {st['epoch']}, "
                   f"batch {st['batch_idx']})", flush=True)
+
+    def initialise(self, model_dir: str):
+        p = init_from_teacher(self.model, model_dir, spm_model=self.corpus.prep.spm_model)
+        if self.verbose:
+            print(f"initialised from {model_dir}: {p.describe()}", flush=True)
 
     def save(self, paths: list[str]):
         if self.rank != 0:
