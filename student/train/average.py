@@ -4,7 +4,6 @@ from __future__ import annotations
 import glob
 import os
 
-
 from student.export import CheckpointError, load_weights_only
 from student.train.trainer import atomic_save
 
