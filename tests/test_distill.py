@@ -327,6 +327,26 @@ def test_reference_search_with_beam_one_is_exactly_the_training_models_greedy(ti
     assert EnsembleSearch([model], beam=1)(s) == ref
 
 
+def test_a_model_teacher_distils_at_the_decoders_auto_precision_with_one_worker_per_core(tiny_spm, tmp_path,
+                                                                                          monkeypatch):
+    from decoder.translator import resolve_device_precision
+    from student.distill import teachers
+    d, _ = _random_model_dir(tiny_spm, tmp_path / "m", 0)
+    monkeypatch.setattr(teachers.os, "sched_getaffinity", lambda pid: {0, 1})
+    t = teachers.make_teacher(model_dirs=[d], beam=3, device="cpu")
+    auto = resolve_device_precision("cpu", "auto")[1]
+    assert (t.precision, t.workers, t.identity["precision"]) == (auto, 2, auto)  # the key names what runs
+    assert teachers.make_teacher(model_dirs=[d], beam=3, device="cpu", world=2).workers == 0  # a core per rank
+    # workers do not change the output: fp32 in 2 worker processes is today's one-process fp32 beam
+    src, _ = toy_parallel(40, seed=8)
+    one = teachers.ModelTeacher([d], beam=3, engine="decoder", device="cpu", precision="fp32").translate(src)
+    two = teachers.ModelTeacher([d], beam=3, engine="decoder", device="cpu", precision="fp32", workers=2)
+    try:
+        assert two.translate(src) == one and two.engine_label() == "decoder fp32, 2 workers"
+    finally:
+        two.close()
+
+
 def test_ensemble_averages_member_log_probabilities_per_step(tiny_spm, tmp_path):
     from student.distill.beam import EnsembleSearch
     from student.distill.teachers import ModelTeacher
@@ -435,8 +455,31 @@ def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_s
     assert v[0] == "KD student vs teacher: -5.50 BLEU (misses the 0.5 aim)."
     assert v[1].startswith("KD student vs the same student without KD: +3.40 BLEU (distillation helps")
     assert "still rising" in v[2] and "still rising" not in v[3]
+    # which budget stopped it, and whether that budget was the limit
+    assert "stopped by the step budget (--student-steps)" in v[2] and "the step budget (--student-steps) limited it" in v[2]
+    assert "levelled off" in v[3] and "not the budget" in v[3]
+    training["student"]["stop_reason"] = "max_minutes"
+    assert "the time budget (--student-minutes) limited it" in verdict(rows, training)[2]
     assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})[0].endswith(
         "(within the 0.5 aim).")
+
+
+def test_report_compares_each_student_row_with_the_teacher_row_of_the_same_search():
+    from student.distill.report import add_speed_ratios, summary, verdict
+    rows = [{"system": "teacher", "beam": 4, "headline": True, "bleu": 18.0, "words_per_second": 400.0},
+            {"system": "teacher", "beam": 1, "headline": False, "bleu": 17.0, "words_per_second": 1000.0},
+            {"system": "student", "beam": 1, "headline": True, "bleu": 17.5, "words_per_second": 3000.0},
+            {"system": "student", "beam": 4, "headline": False, "bleu": 0.5, "words_per_second": 1200.0}]
+    add_speed_ratios(rows)
+    assert [r.get("over_teacher_words_s") for r in rows] == [None, None, 3.0, 3.0]
+    assert summary(rows) == {"teacher_bleu": 18.0, "student_bleu": 17.5, "student_over_teacher_words_s": 7.5}
+    v = verdict(rows, {})
+    # the headline rows are compared (a non-headline row's BLEU is no verdict on the student)
+    assert v[0] == "KD student vs teacher: -0.50 BLEU (within the 0.5 aim)."
+    assert v[1] == ("Speed: the student (greedy) translates 7.5x the teacher's (beam 4) words/s; "
+                    "at the same search: greedy 3.0x, beam 4 3.0x.")
+    rows[2]["bleu"] = 0.3  # a student that failed to learn is never within the aim
+    assert "within" not in " ".join(verdict(rows, {}))
 
 
 def _tiny_m2m100_dir(tmp_path, seed: int = 0):
