@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import sys
 import threading
+import time
 from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable
 
@@ -96,6 +97,21 @@ class WorkerPool:
         for _ in range(n):  # start (and load) every worker now, while the parent reads its input
             ex.submit(int)
         return ex
+
+    def wait_started(self, timeout: float = 300.0) -> None:
+        """Returns once every worker has loaded its translator (ran a task), so that timing
+        a translation does not time the workers' start-up."""
+        if self._local is not None:
+            return
+        seen, end = set(), time.monotonic() + timeout
+        while len(seen) < self.n and time.monotonic() < end:
+            # a task runs only after its process's initializer: n distinct pids = n loaded workers
+            try:
+                seen.update(f.result() for f in [self._executor.submit(os.getpid) for _ in range(self.n)])
+            except BrokenExecutor:  # a worker died starting: the first job's result() recovers
+                return
+            if len(seen) < self.n:
+                time.sleep(0.05)
 
     def pids(self) -> list[int]:
         """The worker processes' ids (none once the parent translates itself)."""

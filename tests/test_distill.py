@@ -1,5 +1,6 @@
 """`make distill` pieces and the pipeline end to end on a toy corpus: teachers, resumable
 shards (kill + rerun, torchrun ranks), keyed stages, teacher errors, the report."""
+import dataclasses
 import glob
 import importlib.metadata
 import json
@@ -139,19 +140,47 @@ def test_apertium_teacher_end_to_end_with_baseline_student(env):
     assert "el" in " ".join(distilled).lower().split()
 
 
-def test_own_teacher_is_trained_averaged_exported_and_distills_with_beam_search(env):
-    distill(env, "own", "--teacher-steps", "30", "--average-last", "3", "--teacher-beam", "2",
-            "--shard-size", "100", "--student-steps", "10", "--test-limit", "10")
+def test_own_teacher_exports_its_best_dev_candidate_including_the_steps_after_the_last_evaluation(env):
+    # 33 steps, evaluations every 10, step checkpoints every 5: the last evaluation is at step 30
+    # a 33-step teacher translates badly: cleaning keeps its output, this test is about the mechanics
+    distill(env, "own", "--teacher-steps", "33", "--average-last", "3", "--teacher-beam", "2",
+            "--shard-size", "100", "--student-steps", "10", "--test-limit", "10", "--min-ratio", "0",
+            "--max-ratio", "1000", "--max-repeat", "1000")
     run = env / "runs" / "own"
     m = manifest(env, "own")
     teacher = m["stages"]["teacher"]["result"]
-    assert teacher["averaged_from"] == ["ckpt-0000010.pt", "ckpt-0000020.pt", "ckpt-0000030.pt"]
-    assert teacher["step"] == 30 and os.path.isdir(run / "teacher-model")
+    export = teacher["export"]
+    cands = {c["name"]: c for c in export["candidates"]}
+    assert [c["name"] for c in export["candidates"]][:3] == ["last", "avg-2", "avg-3"]
+    assert cands["last"]["steps"] == [33] and cands["avg-2"]["steps"] == [30, 33]
+    assert cands["avg-3"]["steps"] == [25, 30, 33]  # every average ends at the final step
+    assert export["chosen"] == max(export["candidates"], key=lambda c: c["dev_bleu"])["name"]
+    assert all(isinstance(c["dev_bleu"], float) for c in export["candidates"])
+    tdir = stage_dir(env, "own", "teacher")
+    chosen = cands[export["chosen"]]
+    ck = f"{tdir}/train/{chosen['name']}.pt" if len(chosen["steps"]) == 1 else f"{tdir}/candidates/{chosen['name']}.pt"
+    from safetensors.torch import load_file
+    want = torch.load(ck, weights_only=True)["model"]
+    got = load_file(str(run / "teacher-model" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k].float()) for k in got)  # the exported weights are the chosen ones
+    assert teacher["step"] == 33 and os.path.isdir(run / "teacher-model")
     assert m["stages"]["distill"]["upstream"][1] == m["stages"]["teacher"]["key"]
     n = len(lines(os.path.join(stage_dir(env, "own", "data"), "train.src")))
     assert len(lines(os.path.join(stage_dir(env, "own", "distill"), "distilled.txt"))) == n
+    distilled = m["stages"]["distill"]["result"]  # the decoder's fastest configuration, and its speed
+    assert distilled["precision"] in ("fp32", "int8") and distilled["workers"] == (
+        len(os.sched_getaffinity(0)) if len(os.sched_getaffinity(0)) > 1 else 0)
+    assert distilled["rank0"]["words_per_second"] > 0
     rep = json.load(open(run / "report.json"))
-    assert rep["systems"][0]["beam"] == 2 and rep["systems"][0]["size_params"] > rep["systems"][1]["size_params"]
+    rows = [(r["system"], r["beam"], r["headline"]) for r in rep["systems"]]
+    assert rows == [("teacher", 2, True), ("teacher", 1, False), ("student", 1, True), ("student", 2, False)]
+    assert rep["systems"][0]["size_params"] > rep["systems"][2]["size_params"]
+    t = {r["beam"]: r["words_per_second"] for r in rep["systems"][:2]}
+    for r in rep["systems"][2:]:  # each student row against the teacher row with its search
+        assert r["over_teacher_words_s"] == round(r["words_per_second"] / t[r["beam"]], 2)
+    assert rep["summary"]["student_over_teacher_words_s"] == round(
+        rep["systems"][2]["words_per_second"] / rep["systems"][0]["words_per_second"], 2)
+    assert {"teacher", "student"} <= set(rep["training"])
 
 
 def test_kill_during_distillation_then_rerun_loses_and_duplicates_no_shard(env):
@@ -222,6 +251,56 @@ def test_teacher_exiting_nonzero_fails_with_its_status_and_stderr(env):
     assert "exited with status 3 on shard 0" in err[0] and "teacher: model file missing" in err[0]
 
 
+# -- the teacher's export ------------------------------------------------------------------------------
+
+def _fake_run(tiny_spm, d, final: int, steps: list[int], best: int):
+    """A run dir like the trainer's: ckpt-STEP.pt, last.pt (step `final`) and best.pt,
+    each a tiny model whose every weight is its step number."""
+    from student.model import Transformer, preset
+    m = Transformer(preset("student-tiny", vocab_size=64, d_model=16, n_heads=2, ffn_dim=32, encoder_layers=1,
+                           decoder_layers=1, dropout=0.0))
+    os.makedirs(d, exist_ok=True)
+    meta = {"spm_model": tiny_spm, "src_lang": "en", "tgt_lang": "es", "normaliser": {}}
+    for name, step in [*((f"ckpt-{s:07d}.pt", s) for s in steps), ("last.pt", final), ("best.pt", best)]:
+        sd = {k: torch.full_like(v, float(step)) for k, v in m.state_dict().items()}
+        torch.save({"model": sd, "model_args": dataclasses.asdict(m.args), "meta": meta, "step": step,
+                    "optimizer": {}, "scaler": None}, os.path.join(d, name))
+
+
+def test_export_candidates_are_the_final_weights_and_averages_ending_at_the_final_step(tiny_spm, tmp_path):
+    from student.train.average import candidates
+    _fake_run(tiny_spm, tmp_path, final=635, steps=[300, 400, 500, 600], best=400)
+    got = [(c["name"], c["steps"]) for c in candidates(str(tmp_path), 4)]
+    assert got == [("last", [635]), ("avg-2", [600, 635]), ("avg-4", [400, 500, 600, 635]), ("best", [400])]
+    # a step checkpoint at the final step is the final weights: never averaged in twice
+    _fake_run(tiny_spm, tmp_path / "b", final=600, steps=[500, 600], best=600)
+    assert [(c["name"], c["steps"]) for c in candidates(str(tmp_path / "b"), 4)] == [
+        ("last", [600]), ("avg-2", [500, 600])]
+
+
+def test_the_teacher_stage_exports_the_candidate_with_the_highest_dev_bleu(tiny_spm, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from student.distill import pipeline
+    _fake_run(tiny_spm, tmp_path / "train", final=635, steps=[300, 400, 500, 600], best=400)
+    injected = {"last": 5.0, "avg-2": 7.5, "avg-4": 7.0, "best": 7.5}  # a tie goes to the earlier one
+    monkeypatch.setattr(pipeline, "dev_bleu", lambda path, src, ref, work: injected[
+        os.path.basename(path).removesuffix(".pt")])
+
+    class Prep:
+        def read(self, split):
+            assert split == "dev"
+            return ["a"] * 5, ["b"] * 5
+
+    p = object.__new__(pipeline.Pipeline)
+    p.cfg, p.prep, p.log = pipeline.DistillConfig(average_last=4, dev_max=3), Prep(), lambda m: None
+    export = p.export_best(str(tmp_path / "train"), str(tmp_path / "model"))
+    assert export["chosen"] == "avg-2" and export["averaged_from"] == ["ckpt-0000600.pt", "last.pt"]
+    assert [(c["name"], c["dev_bleu"]) for c in export["candidates"]] == list(injected.items())
+    assert export["dev_sentences"] == 3
+    w = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert all(torch.all(v == (600 + 635) / 2) for v in w.values())  # the mean of steps 600 and 635
+
+
 # -- teachers and search as a library ----------------------------------------------------------------
 
 def _random_model_dir(tiny_spm, out, seed):
@@ -248,6 +327,26 @@ def test_reference_search_with_beam_one_is_exactly_the_training_models_greedy(ti
     ref = model.greedy(s)
     assert all(1 not in r for r in ref)  # greedy never chose padding, so the searches are comparable
     assert EnsembleSearch([model], beam=1)(s) == ref
+
+
+def test_a_model_teacher_distils_at_the_decoders_auto_precision_with_one_worker_per_core(tiny_spm, tmp_path,
+                                                                                          monkeypatch):
+    from decoder.translator import resolve_device_precision
+    from student.distill import teachers
+    d, _ = _random_model_dir(tiny_spm, tmp_path / "m", 0)
+    monkeypatch.setattr(teachers.os, "sched_getaffinity", lambda pid: {0, 1})
+    t = teachers.make_teacher(model_dirs=[d], beam=3, device="cpu")
+    auto = resolve_device_precision("cpu", "auto")[1]
+    assert (t.precision, t.workers, t.identity["precision"]) == (auto, 2, auto)  # the key names what runs
+    assert teachers.make_teacher(model_dirs=[d], beam=3, device="cpu", world=2).workers == 0  # a core per rank
+    # workers do not change the output: fp32 in 2 worker processes is today's one-process fp32 beam
+    src, _ = toy_parallel(40, seed=8)
+    one = teachers.ModelTeacher([d], beam=3, engine="decoder", device="cpu", precision="fp32").translate(src)
+    two = teachers.ModelTeacher([d], beam=3, engine="decoder", device="cpu", precision="fp32", workers=2)
+    try:
+        assert two.translate(src) == one and two.engine_label() == "decoder fp32, 2 workers"
+    finally:
+        two.close()
 
 
 def test_ensemble_averages_member_log_probabilities_per_step(tiny_spm, tmp_path):
@@ -358,8 +457,31 @@ def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_s
     assert v[0] == "KD student vs teacher: -5.50 BLEU (misses the 0.5 aim)."
     assert v[1].startswith("KD student vs the same student without KD: +3.40 BLEU (distillation helps")
     assert "still rising" in v[2] and "still rising" not in v[3]
+    # which budget stopped it, and whether that budget was the limit
+    assert "stopped by the step budget (--student-steps)" in v[2] and "the step budget (--student-steps) limited it" in v[2]
+    assert "levelled off" in v[3] and "not the budget" in v[3]
+    training["student"]["stop_reason"] = "max_minutes"
+    assert "the time budget (--student-minutes) limited it" in verdict(rows, training)[2]
     assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})[0].endswith(
         "(within the 0.5 aim).")
+
+
+def test_report_compares_each_student_row_with_the_teacher_row_of_the_same_search():
+    from student.distill.report import add_speed_ratios, summary, verdict
+    rows = [{"system": "teacher", "beam": 4, "headline": True, "bleu": 18.0, "words_per_second": 400.0},
+            {"system": "teacher", "beam": 1, "headline": False, "bleu": 17.0, "words_per_second": 1000.0},
+            {"system": "student", "beam": 1, "headline": True, "bleu": 17.5, "words_per_second": 3000.0},
+            {"system": "student", "beam": 4, "headline": False, "bleu": 0.5, "words_per_second": 1200.0}]
+    add_speed_ratios(rows)
+    assert [r.get("over_teacher_words_s") for r in rows] == [None, None, 3.0, 3.0]
+    assert summary(rows) == {"teacher_bleu": 18.0, "student_bleu": 17.5, "student_over_teacher_words_s": 7.5}
+    v = verdict(rows, {})
+    # the headline rows are compared (a non-headline row's BLEU is no verdict on the student)
+    assert v[0] == "KD student vs teacher: -0.50 BLEU (within the 0.5 aim)."
+    assert v[1] == ("Speed: the student (greedy) translates 7.5x the teacher's (beam 4) words/s; "
+                    "at the same search: greedy 3.0x, beam 4 3.0x.")
+    rows[2]["bleu"] = 0.3  # a student that failed to learn is never within the aim
+    assert "within" not in " ".join(verdict(rows, {}))
 
 
 def _tiny_m2m100_dir(tmp_path, seed: int = 0):

@@ -63,8 +63,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-set", action="append", metavar="KEY=VALUE", help="override a teacher model field")
     g.add_argument("--teacher-lr", type=positive_float, help=f"(default {d.teacher_lr})")
     g.add_argument("--teacher-warmup", type=positive_int, help=f"(default {d.teacher_warmup})")
-    g.add_argument("--average-last", type=positive_int, help="average the teacher's last N step checkpoints; "
-                                                    f"1 = use the best one (default {d.average_last})")
+    g.add_argument("--average-last", type=positive_int,
+                   help="the exported teacher is the best on dev of its final weights, averages of them with up "
+                        f"to N-1 recent step checkpoints, and best.pt (default {d.average_last})")
     g.add_argument("--teacher-beam", type=int_range(1, MAX_BEAM), help=f"teacher beam size (default {d.teacher_beam})")
     g.add_argument("--engine", choices=["auto", "decoder", "reference"],
                    help="how our model dirs are decoded: the lean decoder, the reference ensemble search in "
@@ -113,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
         help=f"padded tokens per batch (default {d.max_tokens})"))
     g.add_argument("--eval-every", type=nonneg_int,
                    help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
-    g.add_argument("--save-every", type=nonneg_int, help=f"steps between resume checkpoints (default {d.save_every})")
+    g.add_argument("--save-every", type=nonneg_int,
+                   help=f"steps between resume and step checkpoints (default {d.save_every})")
     g.add_argument("--dev-max", type=nonneg_int, help=f"dev sentences for BLEU, 0 = all (default {d.dev_max})")
     g.add_argument("--patience", type=nonneg_int, help="stop after N evaluations without dev BLEU gain (0 = off)")
     g.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], help=f"(default {d.amp})")

@@ -34,7 +34,7 @@ from student.export import export_checkpoint
 from student.model import preset
 from student.shortlist import add_to_model_dir
 from student.train import TrainConfig, train
-from student.train.average import average, last_checkpoints
+from student.train.average import candidates, choose, dev_bleu, materialise
 from student.train.init import InitError, compatible
 
 
@@ -68,7 +68,7 @@ class DistillConfig:
     # teacher-tiny recipe (docs/training.md), for the teacher and the students alike
     teacher_lr: float = TrainConfig.lr
     teacher_warmup: int = TrainConfig.warmup
-    average_last: int = 4       # average the last N step checkpoints (1 = the best checkpoint)
+    average_last: int = 4       # the teacher's export candidates average up to N recent step checkpoints
     teacher_beam: int = 4
     engine: str = "auto"        # auto | decoder | reference (see teachers.ModelTeacher)
     precision: str = "auto"     # the lean decoder's precision for the students in the report
@@ -213,7 +213,7 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
     if p.teacher is None:
         tkey, teacher_dir = p.own_teacher(data_key, train_src, train_tgt)
         p.teacher = make_teacher(model_dirs=[teacher_dir], beam=cfg.teacher_beam, engine=cfg.engine,
-                                 device=p.device)
+                                 device=p.device, world=p.world)
         upstream_teacher = [tkey]
     p.record_teacher()
     p.choose_student_init(teacher_dir)
@@ -248,7 +248,8 @@ class Pipeline:
         self.teacher = None
         if cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model:  # a plugged-in teacher fails before any work
             self.teacher = make_teacher(cmd=cfg.teacher_cmd, hf_dir=cfg.teacher_hf, model_dirs=cfg.teacher_model,
-                                        beam=cfg.teacher_beam, engine=cfg.engine, device=self.device)
+                                        beam=cfg.teacher_beam, engine=cfg.engine, device=self.device,
+                                        world=self.world)
         self.prep = self._prepare()
         if hasattr(self.teacher, "set_languages"):  # a multilingual HF teacher needs the pair
             self.teacher.set_languages(self.prep.src_lang, self.prep.tgt_lang)
@@ -294,20 +295,36 @@ class Pipeline:
         tc = train_config(cfg, "teacher", preset, train_src, train_tgt)
 
         def finish(d):
-            ck, averaged = f"{d}/train/best.pt", []
-            if cfg.average_last > 1:
-                try:
-                    paths = last_checkpoints(f"{d}/train", cfg.average_last)
-                    ck = average(paths, f"{d}/averaged.pt")
-                    averaged = [os.path.basename(p) for p in paths]
-                except FileNotFoundError:
-                    self.log("[teacher] no step checkpoints to average (no evaluation ran); exporting best.pt")
-            export_checkpoint(ck, f"{d}/model")
-            return _training_result(d, averaged_from=averaged, preset=preset)
+            export = self.export_best(f"{d}/train", f"{d}/model")
+            return _training_result(d, averaged_from=export["averaged_from"], export=export, preset=preset)
 
-        key, d = self._train_stage("teacher", tc, [data_key], finish, average_last=cfg.average_last)
+        key, d = self._train_stage("teacher", tc, [data_key], finish, average_last=cfg.average_last,
+                                   export="best dev BLEU of last.pt and recent averages")
         self.runner.link("teacher-model", f"{d}/model")
         return key, f"{d}/model"
+
+    def export_best(self, run_dir: str, out_dir: str) -> dict:
+        """Export the candidate (average.candidates: the final weights, averages of the
+        recent step checkpoints ending at the final step, best.pt) with the best greedy
+        dev BLEU; returns every candidate with its score and the choice."""
+        src, ref = self.prep.read("dev")
+        n = self.cfg.dev_max or len(src)
+        work = os.path.join(os.path.dirname(run_dir), "candidates")
+        os.makedirs(work, exist_ok=True)
+        files = {}
+
+        def scorer(c):
+            files[c["name"]] = materialise(c, work)
+            bleu = dev_bleu(files[c["name"]], src[:n], ref[:n], work)
+            self.log(f"[teacher] candidate {c['name']} (steps {', '.join(map(str, c['steps']))}): dev BLEU {bleu:.2f}")
+            return bleu
+
+        best, scored = choose(candidates(run_dir, self.cfg.average_last), scorer)
+        export_checkpoint(files[best["name"]], out_dir)
+        self.log(f"[teacher] exporting {best['name']}")
+        return {"chosen": best["name"], "dev_sentences": len(src[:n]),
+                "averaged_from": [os.path.basename(p) for p in best["paths"]] if len(best["paths"]) > 1 else [],
+                "candidates": [{k: c[k] for k in ("name", "steps", "dev_bleu")} for c in scored]}
 
     def _train_stage(self, name: str, tc: TrainConfig, upstream: list[str], finish, **extra) -> tuple[str, str]:
         """A stage that trains exactly `tc` (in its dir's train/), keyed by train_stage_options(tc)."""
@@ -348,17 +365,20 @@ class Pipeline:
     def distill(self, src_lines: list[str], upstream: list[str]) -> tuple[str, str]:
         """The teacher's translation of the training source: each rank its own shards,
         rank 0 assembles once all are through. (key, dir holding distilled.txt)"""
-        cfg, teacher = self.cfg, self.teacher
+        cfg, teacher, speed = self.cfg, self.teacher, {}
 
         def work(d):
-            return translate_shards(teacher, src_lines, f"{d}/shards", cfg.shard_size, self.rank, self.world,
-                                    verbose=self.verbose and self.rank == 0)
+            teacher.load()  # loading (and starting worker processes) is not translation speed
+            speed.update(translate_shards(teacher, src_lines, f"{d}/shards", cfg.shard_size, self.rank,
+                                          self.world, verbose=self.verbose and self.rank == 0))
+            if hasattr(teacher, "close"):  # its worker processes would sit on memory while students train
+                teacher.close()
 
         def finish(d):
             hyp = assemble(f"{d}/shards", len(src_lines), cfg.shard_size)
             durable.write_lines(f"{d}/distilled.txt", hyp)
             return {"sentences": len(hyp), "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
-                    "world": self.world}
+                    "world": self.world, **_decoding(teacher), "rank0": speed}
 
         key, d, _ = self.runner.stage("distill", {"teacher": teacher.identity, "shard_size": cfg.shard_size},
                                       upstream, work, finish)
@@ -420,7 +440,8 @@ class Pipeline:
         """Score every system on the test split; the report is copied to the run dir and returned (rank 0)."""
         cfg = self.cfg
         opts = {"test_limit": cfg.test_limit, "teacher_beam": cfg.teacher_beam, "student_beam": cfg.student_beam,
-                "engine": cfg.engine, "precision": cfg.precision, "teacher": self.teacher.identity}
+                "engine": cfg.engine, "precision": cfg.precision, "teacher": self.teacher.identity,
+                "searches": "headline + greedy and teacher beam for our teacher and KD student"}
 
         def finish(d):
             return report_mod.evaluate(d, self.prep, systems, cfg, self.runner.manifest, self.log)
@@ -435,6 +456,17 @@ class Pipeline:
                 result = json.load(fh)
         barrier()
         return result
+
+
+def _decoding(teacher) -> dict:
+    """How a model teacher decodes (its precision as measured by the decoder's `auto`, and
+    its worker processes), for the manifest."""
+    if not hasattr(teacher, "workers"):
+        return {"engine": teacher.engine}
+    out = {"engine": teacher.engine, "precision": teacher.precision, "workers": teacher.workers}
+    if teacher.precision == "int8":  # not the fp32 of earlier runs: say why
+        out["precision_note"] = "int8: the decoder's precision auto measured int8 products faster than fp32 here"
+    return out
 
 
 def _no_work(d):

@@ -9,7 +9,7 @@ import torch
 
 from decoder.machine import cpu_info, isa
 from student.distill.stages import write_json
-from student.distill.teachers import ModelTeacher, lean_translator
+from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator
 from student.train.evaluate import score
 
 
@@ -21,27 +21,55 @@ def machine() -> str:
 
 
 def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dict:
-    """Translate the test split with each system; writes report.md/report.json into out_dir."""
+    """Translate the test split with each system, greedy and with beam where it is a model of
+    ours (searches()); writes report.md/report.json into out_dir."""
     src, ref = prep.read("test")
     if cfg.test_limit:
         src, ref = src[:cfg.test_limit], ref[:cfg.test_limit]
     n_words = sum(len(x.split()) for x in src)
     rows = []
     for name, system, _ in systems:
-        if isinstance(system, str):  # a student model dir: decoded the way a submission would
-            system = ModelTeacher([system], beam=cfg.student_beam, engine=cfg.engine,
-                                  precision=cfg.precision)
-        rows.append(measure(name, system, src, ref, out_dir, log))
+        for label, decoder, headline in searches(name, system, cfg):
+            rows.append({**measure(label, decoder, src, ref, out_dir, log), "system": name, "headline": headline})
+            if hasattr(decoder, "close"):
+                decoder.close()  # worker processes and model copies go before the next system loads
+    add_speed_ratios(rows)
     stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
     training = training_facts(systems)
     rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
                                      "prepared": prep.dir, "set": prep.held_out.get("test")},
            "machine": machine(), "lean_decoder": lean_translator() is not None,
-           "systems": rows, "stages": stages, "training": training, "verdict": verdict(rows, training)}
+           "systems": rows, "summary": summary(rows), "stages": stages, "training": training,
+           "verdict": verdict(rows, training)}
     write_json(os.path.join(out_dir, "report.json"), rep)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(rep))
-    return {"systems": [{k: r[k] for k in ("system", "bleu", "chrf", "words_per_second")} for r in rows]}
+    return {"systems": [{k: r[k] for k in ("system", "beam", "bleu", "chrf", "words_per_second")} for r in rows]}
+
+
+def searches(name: str, system, cfg) -> list[tuple]:
+    """(hyp file label, translator, headline?) per search a system is scored with.
+
+    Our models get greedy and beam `--teacher-beam` alike, decoded the same way (lean
+    decoder, the same precision rule, one worker process per core), so each student row
+    has a teacher row with the same search to compare with. The headline row is the
+    teacher as it distilled, and each student at `--student-beam` (a submission's search).
+    The baseline student, and teachers that are not our models, get their headline only."""
+    beams = [cfg.teacher_beam] if name == "teacher" else [cfg.student_beam]
+    if name in ("teacher", "student") and (isinstance(system, str) or isinstance(system, ModelTeacher)):
+        beams += [b for b in (1, cfg.teacher_beam) if b not in beams]
+    out = []
+    for i, beam in enumerate(beams):
+        label = name if i == 0 else f"{name}.{'greedy' if beam == 1 else f'beam{beam}'}"
+        if isinstance(system, str):  # a student model dir: decoded the way a submission would
+            out.append((label, ModelTeacher([system], beam=beam, engine=cfg.engine, precision=cfg.precision,
+                                            workers=cpu_workers()), i == 0))
+        elif i == 0:
+            out.append((label, system, True))
+        else:  # our teacher with another beam, its precision and workers unchanged
+            out.append((label, ModelTeacher(system.dirs, beam=beam, engine=system.engine, device=str(system.device),
+                                            precision=system.precision, workers=system.workers), False))
+    return out
 
 
 def measure(name: str, system, src: list[str], ref: list[str], out_dir: str, log=print) -> dict:
@@ -62,13 +90,39 @@ def measure(name: str, system, src: list[str], ref: list[str], out_dir: str, log
             "bleu_signature": m["bleu_signature"], "chrf_signature": m["chrf_signature"]}
 
 
+def add_speed_ratios(rows: list[dict]) -> None:
+    """Each non-teacher row's words/s over the teacher row's with the same search (beam)."""
+    teacher = {r["beam"]: r["words_per_second"] for r in rows if r["system"] == "teacher"}
+    for r in rows:
+        if r["system"] != "teacher" and teacher.get(r["beam"]):
+            r["over_teacher_words_s"] = round(r["words_per_second"] / teacher[r["beam"]], 2)
+
+
+def _headline(rows: list[dict]) -> dict:
+    """system -> its headline row (rows without the flag are headlines)."""
+    return {r["system"]: r for r in rows if r.get("headline", True)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """The run in three numbers: the teacher's BLEU as it distilled, the student's at its
+    search, and the student's words/s over the teacher's (those two searches)."""
+    h = _headline(rows)
+    t, s = h.get("teacher"), h.get("student")
+    return {"teacher_bleu": t and t["bleu"], "student_bleu": s and s["bleu"],
+            "student_over_teacher_words_s": round(s["words_per_second"] / t["words_per_second"], 2)
+            if t and s and t.get("words_per_second") else None}
+
+
 def training_facts(systems) -> dict:
-    """The students' training facts (their stage's train/metrics.json), for the verdict."""
+    """The training facts (train/metrics.json beside the model dir) of the students, and of
+    a teacher that is one of our model dirs, for the verdict."""
     out = {}
     for name, system, _ in systems:
-        if not isinstance(system, str):  # a teacher object, not a student's model dir
+        model_dir = system if isinstance(system, str) else \
+            (system.dirs[0] if isinstance(system, ModelTeacher) and len(system.dirs) == 1 else None)
+        if model_dir is None:
             continue
-        metrics = os.path.join(os.path.dirname(system), "train", "metrics.json")
+        metrics = os.path.join(os.path.dirname(os.path.realpath(model_dir)), "train", "metrics.json")
         if os.path.exists(metrics):
             with open(metrics, encoding="utf-8") as fh:
                 m = json.load(fh)
@@ -82,13 +136,18 @@ def training_facts(systems) -> dict:
 # 0-0.5 against any reference, so a gap between two such systems means nothing.
 LEARNED_BLEU = 1.0
 
+# what stopped a training run (metrics.json's stop_reason), as its budget's name
+BUDGETS = {"max_steps": "the step budget (--{role}-steps)", "max_minutes": "the time budget (--{role}-minutes)",
+           "max_epochs": "the epoch limit", "patience": "patience (dev BLEU had stopped improving)"}
+
 
 def verdict(rows: list[dict], training: dict) -> list[str]:
     """The acceptance questions in words: is the KD student within 0.5 BLEU of
-    its teacher, does it beat the same student without KD, and, where not,
-    whether its dev BLEU was still rising (the budget, not the recipe, limits it).
+    its teacher, does it beat the same student without KD, how much faster it is,
+    and which budget stopped each training run with its dev BLEU still rising or not.
     A system that did not learn is said to have failed, and no comparison with it is made."""
-    bleu = {r["system"]: r["bleu"] for r in rows}
+    head = _headline(rows)
+    bleu = {n: r["bleu"] for n, r in head.items()}
     failed = [n for n, b in bleu.items() if b < LEARNED_BLEU]
     out = [f"{n} failed to learn: test BLEU {bleu[n]:.2f} (below {LEARNED_BLEU}); it needs more training "
            "steps (or a look at its data) before any comparison means something." for n in failed]
@@ -103,15 +162,37 @@ def verdict(rows: list[dict], training: dict) -> list[str]:
             lambda d: f"{'within' if d >= -0.5 else 'misses'} the 0.5 aim")
     compare("student", "baseline", "KD student vs the same student without KD",
             lambda d: f"{'distillation helps' if d > 0 else 'distillation does not help'} at this budget")
-    for name, t in training.items():
-        curve = t["dev_bleu"]
-        line = f"{name}: {t['steps']} steps, {t['minutes']:.0f} training minutes ({t['stop_reason']})"
-        if curve:
-            line += ", dev BLEU " + " -> ".join(f"{b:.1f}" for b in curve)
-            if len(curve) > 1 and curve[-1] > curve[-2]:
-                line += ", still rising at the end: more steps would raise it"
-        out.append(line + ".")
+    s, t = head.get("student"), head.get("teacher")
+    if s and t and s.get("words_per_second") and t.get("words_per_second"):
+        same = [r for r in rows if r["system"] == "student" and r.get("over_teacher_words_s")]
+        out.append(f"Speed: the student ({_search(s)}) translates {s['words_per_second'] / t['words_per_second']:.1f}x "
+                   f"the teacher's ({_search(t)}) words/s" + ("; at the same search: " + ", ".join(
+                       f"{_search(r)} {r['over_teacher_words_s']:.1f}x" for r in same) if same else "") + ".")
+    for name, tr in training.items():
+        out.append(_training_line(name, tr))
     return out
+
+
+def _training_line(name: str, t: dict) -> str:
+    """What stopped a training run, and whether its dev BLEU was still rising then."""
+    budget = BUDGETS.get(t["stop_reason"], t["stop_reason"]).format(role="teacher" if name == "teacher" else "student")
+    line = f"{name}: {t['steps']} steps, {t['minutes']:.0f} training minutes, stopped by {budget}"
+    curve = t["dev_bleu"]
+    if curve:
+        line += ", dev BLEU " + " -> ".join(f"{b:.1f}" for b in curve)
+    if len(curve) < 2:
+        return line + " (too few dev evaluations to tell whether it was still rising)."
+    if curve[-1] > curve[-2]:
+        if t["stop_reason"] == "patience":
+            return line + ", rising again at the end."
+        return line + f", still rising at the end: {budget} limited it; more would raise it."
+    return line + f"; dev BLEU had levelled off ({curve[-1] - curve[-2]:+.1f} at the last evaluation): " \
+                  "not the budget; more of the same training would add little."
+
+
+def _search(r: dict) -> str:
+    b = r.get("beam")
+    return "-" if b is None else ("greedy" if b == 1 else f"beam {b}")
 
 
 def markdown(rep: dict) -> str:
@@ -119,18 +200,18 @@ def markdown(rep: dict) -> str:
     lines = [f"# Distillation report: {rep['run']}", "",
              f"Test set: {t['sentences']} sentences, {t['words']} source words ({t['pair']})"
              + (f", from {t['set']}" if t.get("set") else "") + f". Machine: {rep['machine']}.", "",
-             "| system | BLEU | chrF | words/s | search | engine | parameters | size (MB) |",
-             "|---|---:|---:|---:|---|---|---:|---:|"]
+             "| system | BLEU | chrF | words/s | × teacher | search | engine | parameters | size (MB) |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for r in rep["systems"]:
-        beam = "" if r["beam"] is None else ("greedy" if r["beam"] == 1 else f"beam {r['beam']}")
         params = f"{r['size_params'] / 1e6:.3g} M" if r.get("size_params") else "-"
         size = f"{r['size_bytes'] / 2**20:.3g}" if r.get("size_bytes") else "-"
+        ratio = f"{r['over_teacher_words_s']:.2f}" if r.get("over_teacher_words_s") else "-"
         lines.append(f"| {r['system']} | {r['bleu']:.2f} | {r['chrf']:.2f} | {r['words_per_second']:.0f} | "
-                     f"{beam or '-'} | {r['engine']} | {params} | {size} |")
+                     f"{ratio} | {_search(r)} | {r['engine']} | {params} | {size} |")
     if rep.get("verdict"):
         lines += [""] + [f"- {v}" for v in rep["verdict"]]
     lines += ["", "Systems:"]
-    lines += [f"- {r['system']}: {r['description']}" for r in rep["systems"]]
+    lines += [f"- {r['system']} ({_search(r)}): {r['description']}" for r in rep["systems"]]
     if not rep["lean_decoder"]:
         lines += ["", "Note: decoder.Translator is not available yet; our models were decoded with the "
                       "reference search in student/distill/beam.py (words/s are not the lean decoder's)."]

@@ -78,7 +78,10 @@ def translate_shards(teacher, src: list[str], shard_dir: str, size: int, rank: i
             bar.update(len(lines))
     finally:
         bar.close()  # ends the bar's line, so an error message starts on its own
-    return {"translated_shards": len(todo), "sentences": remaining, "seconds": round(time.time() - t0, 2)}
+    secs = time.time() - t0
+    words = sum(len(x.split()) for i in todo for x in src[i * size:(i + 1) * size])
+    return {"translated_shards": len(todo), "sentences": remaining, "words": words, "seconds": round(secs, 2),
+            "words_per_second": round(words / secs, 1) if todo and secs > 0 else None}
 
 
 def assemble(shard_dir: str, n_lines: int, size: int) -> list[str]:

@@ -67,7 +67,8 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--dev-decoder", default=d.dev_decoder, choices=["lean", "reference"],
                    help="dev BLEU with the lean decoder (default; same tokens, faster) or the training model's "
                         "plain greedy")
-    g.add_argument("--save-every", type=nonneg_int, default=d.save_every)
+    g.add_argument("--save-every", type=nonneg_int, default=d.save_every,
+                   help="steps between checkpoints: last.pt (resume) and a step checkpoint ckpt-STEP.pt")
     g.add_argument("--keep-last", type=nonneg_int, default=d.keep_last)
     g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
     p.add_argument("--init-from", metavar="MODEL_DIR",

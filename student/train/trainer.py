@@ -311,6 +311,15 @@ class Trainer:
         for p in paths:
             atomic_save(ck, p)
 
+    def save_step(self, also: list[str] = ()):
+        """A step checkpoint ckpt-STEP.pt (and the files in `also`), keeping the last cfg.keep_last:
+        at each evaluation and every save_every steps, so that averages of recent steps
+        (average.py) never leave out the steps since the last evaluation."""
+        if self.rank != 0:
+            return
+        self.save([*also, os.path.join(self.cfg.out_dir, f"ckpt-{self.state['step']:07d}.pt")])
+        _prune_step_checkpoints(self.cfg.out_dir, self.cfg.keep_last)
+
     def stop_reason(self) -> str | None:
         cfg, st = self.cfg, self.state
         if cfg.max_steps and st["step"] >= cfg.max_steps:
@@ -352,7 +361,7 @@ class Trainer:
             if cfg.eval_every and st["step"] % cfg.eval_every == 0:
                 self.evaluate()
             if cfg.save_every and st["step"] % cfg.save_every == 0:
-                self.save([self.last_path])
+                self.save_step(also=[self.last_path])
             if st["step"] % 50 == 0:
                 release_memory()
             reason = self.stop_reason()
@@ -427,8 +436,7 @@ class Trainer:
             tqdm.write(f"step {m['step']}  dev loss {m['dev_loss']:.3f}  BLEU {m['dev_bleu']:.2f}  "
                        f"chrF {m['dev_chrf']:.2f}  ({m['minutes']} min){'  *best*' if improved else ''}")
             self.save([self.best_path] if improved else [])
-            self.save([os.path.join(self.cfg.out_dir, f"ckpt-{st['step']:07d}.pt")])
-            _prune_step_checkpoints(self.cfg.out_dir, self.cfg.keep_last)
+            self.save_step()
         if self.ddp:
             obj = [st["bad_evals"], st["best_bleu"]]
             dist.broadcast_object_list(obj, src=0)
