@@ -143,7 +143,7 @@ class Model:
         self.device = torch.device(device)
         self.dtype = DTYPES[precision]  # activations: fp32 around int8 matmuls
         w = {k: v.to(self.device) for k, v in w.items()}
-        linear = lambda wt, b: make_linear(wt, b, precision, plan.int8_fused)  # noqa: E731
+        linear = lambda wt, b: make_linear(wt, b, precision, plan)  # noqa: E731
         self.n_heads, self.d = a.n_heads, a.d_model
         self.embed_scale = math.sqrt(a.d_model)
         self.emb = w["shared.weight"].to(self.dtype)  # (V, d)

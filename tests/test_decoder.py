@@ -289,7 +289,7 @@ def test_fixed_shape_state_with_fused_kernels_gives_same_tokens(model_dir, srcs,
 def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypatch, int8_s, fp32_s, want):
     from decoder import quant
     from decoder.translator import resolve_device_precision
-    monkeypatch.setattr(quant, "_int8_pays", {})
-    monkeypatch.setattr(quant, "_time_int8", lambda: int8_s)
-    monkeypatch.setattr(quant, "_time_fp32", lambda: fp32_s)
+    monkeypatch.setattr(quant, "_probes", {})
+    monkeypatch.setattr(quant, "_time_int8", lambda p: int8_s)
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: fp32_s)
     assert resolve_device_precision("cpu", "auto") == ("cpu", want)
