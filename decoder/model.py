@@ -187,6 +187,7 @@ class Model:
             return fused.linear_argmax(y, lin.w, lin.b, chunk)
         return fused.argmax_rows(lin(y))
 
-    def output_rows(self, vocab):
-        """The output projection restricted to the ids `vocab` (C,), once per batch."""
-        return self.out_proj.rows(vocab)
+    def output_rows(self, vocab, batch_rows: int = 64):
+        """The output projection restricted to the ids `vocab` (C,), once per batch
+        of `batch_rows` rows a step (int8 picks its sliced layout by it)."""
+        return self.out_proj.rows(vocab, batch_rows)

@@ -1,13 +1,14 @@
 """Linear layers per precision, built once at load time.
 
-int8 is our own dynamic quantisation on `torch._int_mm`: weights int8 with one
-scale per output row (symmetric), activations int8 with one scale per input
-row computed on the fly, int32 accumulation, one fused rescale + bias. Why this
-path and not the others is measured in decoder/README.md ("int8"): fbgemm's
-`quantized::linear_dynamic` was as fast but needs the deprecated quantized
-tensor types; `_weight_int8pack_mm` (weight-only) and oneDNN `qlinear_pointwise`
-(per-tensor activation scale) were 2-5x slower at our shapes. `_int_mm`
-dispatches to oneDNN, which picks VNNI/AVX-512/AVX2 kernels at run time.
+int8 is dynamic quantisation: weights int8 with one symmetric scale per output
+row (at load time), activations quantised per call, int32 accumulation. Two
+kernels (decoder/optimisations.py `fbgemm_int8` picks one): fbgemm's prepacked
+`quantized::linear_dynamic` (`FbgemmLinear`, the default: u8 x s8 kernels for
+AVX2 and AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm`
+path (`Int8Linear`: one scale per activation row, oneDNN's int8 product, which
+is fast only with VNNI: 13-30x slower than fp32 on AVX2). The measurements
+behind the choice are in decoder/README.md ("int8 on every x86 CPU").
+`auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Linear:
         """x @ w.T without the bias: a fused op downstream adds it."""
         return F.linear(x, self.w)
 
-    def rows(self, idx: torch.Tensor) -> "Linear":
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Linear":
         """This layer restricted to the output features idx (C,): a shortlist's projection."""
         new = Linear.__new__(Linear)
         new.w = self.w.index_select(0, idx)  # (C, in)
@@ -69,7 +70,7 @@ class Int8Linear:
     def out_features(self) -> int:
         return self.wq_t.shape[1]
 
-    def rows(self, idx: torch.Tensor) -> "Int8Linear":
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Int8Linear":
         """This layer restricted to the output features idx (C,): weights, scales and
         bias sliced together, so the result equals those columns of the full output."""
         new = Int8Linear.__new__(Int8Linear)
@@ -133,9 +134,18 @@ class FbgemmLinear:
     def out_features(self) -> int:
         return self.wq.shape[0]
 
-    def rows(self, idx: torch.Tensor) -> "FbgemmLinear":
-        """The output features idx (C,) only, repacked: a shortlist's projection,
-        once per batch (2000x256 packs in ~0.1 ms, decoder/README.md)."""
+    REPACK_ROWS = 8  # below this many rows a step, the sliced projection runs in fp32
+
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "FbgemmLinear | Linear":
+        """The output features idx (C,) only: a shortlist's projection, once per
+        batch. Packing costs ~1.5 us per row of C (decoder/README.md), which a
+        batch of `batch_rows` >= REPACK_ROWS rows earns back within a few steps;
+        one sentence does not, so it gets those int8 rows dequantised to fp32
+        (same weights, no packing: 1.1 ms against 2.4 ms repacked for 30 steps
+        over 1000 candidates at d256)."""
+        if batch_rows < self.REPACK_ROWS:
+            w = self.wq.index_select(0, idx).float().mul_(self.w_scale.index_select(0, idx)[:, None])  # (C, in)
+            return Linear(w, None if self.b is None else self.b.index_select(0, idx), torch.float32)
         new = FbgemmLinear.__new__(FbgemmLinear)
         new.w_scale, new.wq = self.w_scale.index_select(0, idx), self.wq.index_select(0, idx)
         new.b = None if self.b is None else self.b.index_select(0, idx)
@@ -248,11 +258,15 @@ def probe(p: Probe) -> tuple[float, float]:
     return _probes[p]
 
 
-def int8_pays(p: Probe | None = None) -> bool:
-    """Whether int8 beats fp32 here at the probe's shapes (default: 64 rows, d256, 8k vocabulary)."""
+def int8_pays(p: Probe | None = None, margin: float = 0.9) -> bool:
+    """Whether int8 beats fp32 here at the probe's shapes (default: 64 rows, d256,
+    8k vocabulary) by more than timing noise: fp32 is the model's own output, so
+    a near tie (tiny models, where neither product is bound by anything) stays
+    fp32 rather than flipping from run to run. At the students' shapes the gap
+    is 2-20x either way."""
     p = p or Probe(kernel="fbgemm" if fbgemm_available() else "int_mm")
     t8, t32 = probe(p)
-    return t8 < t32
+    return t8 < margin * t32
 
 
 def _best_of(f, n: int = 3) -> float:

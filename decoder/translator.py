@@ -163,7 +163,7 @@ class Translator:
         vocab = out = None
         if self.shortlist is not None:  # one candidate set and one sliced projection per batch
             vocab = self.shortlist.candidates(src)  # (C,)
-            out = self.model.output_rows(vocab)
+            out = self.model.output_rows(vocab, len(srcs) * o.beam)
         kind = self.state_kind()
         kw = {"graphs": self.model.device.type == "cuda" and self.plan.cuda_graphs} if kind == "static" else {}
         state = new_state(self.model, kind, enc, mask, o.beam, int(limits.max()), out, self.phase, **kw)

@@ -44,7 +44,20 @@ def test_fbgemm_sliced_projection_equals_those_columns_of_the_full_one():
     g = torch.Generator().manual_seed(1)
     lin, x = FbgemmLinear(torch.randn(8000, 256, generator=g) * 0.05, None), torch.randn(3, 256, generator=g)
     idx = torch.tensor([0, 7, 100, 4095, 7999])
-    assert torch.equal(lin.rows(idx)(x), lin(x)[:, idx])
+    assert torch.equal(lin.rows(idx, batch_rows=64)(x), lin(x)[:, idx])
+
+
+@fbgemm
+def test_fbgemm_sliced_projection_of_one_sentence_is_its_int8_rows_in_fp32():
+    """Repacking costs more than one sentence's steps save: below REPACK_ROWS the
+    slice is the same int8 weights, dequantised, run in fp32."""
+    g = torch.Generator().manual_seed(1)
+    lin, x = FbgemmLinear(torch.randn(8000, 256, generator=g) * 0.05, None), torch.randn(1, 256, generator=g)
+    idx = torch.tensor([0, 7, 100, 4095, 7999])
+    small = lin.rows(idx, batch_rows=1)
+    assert isinstance(small, quant.Linear)
+    assert torch.allclose(small(x), F.linear(x, lin.wq[idx].float() * lin.w_scale[idx, None]))
+    assert (small(x) - lin(x)[:, idx]).abs().max() < 0.05 * lin(x).abs().max()
 
 
 @fbgemm
@@ -63,7 +76,9 @@ def test_fbgemm_shortlist_of_every_id_gives_the_full_vocabulary_tokens(model_dir
     shutil.copytree(model_dir, d)
     V = modeldir.read_config(d).arch.vocab_size
     modeldir.write_shortlist(d, torch.arange(V + 1) * V, torch.arange(V).repeat(V), torch.tensor([], dtype=torch.long))
-    lines = ["the dog runs", "a cat", "hello world again and again"]
+    # >= REPACK_ROWS sentences: the slice is repacked int8 (one sentence's is fp32, tested above)
+    lines = ["the dog runs", "a cat", "hello world again and again", "dog", "the cat sees the dog",
+             "world", "again the dog", "a hello", "cat and dog"]
     full = Translator(d, precision="int8", beam=beam).translate(lines)
     assert Translator(d, precision="int8", beam=beam, shortlist=True).translate(lines) == full
 
