@@ -32,6 +32,9 @@ def add_norm_plain(x, lin, inp, norm):
 
 
 def add_norm_fused(x, lin, inp, norm):
+    if lin.b is not None and getattr(lin, "zero_b", None) is not None:
+        # fbgemm adds the bias in its epilogue: its whole output and a zero bias round as the plain path
+        return fused.add_bias_residual_layernorm(x, lin(inp), lin.zero_b, norm.w, norm.b, norm.eps)
     return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
 
 

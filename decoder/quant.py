@@ -128,6 +128,7 @@ class FbgemmLinear:
         self.b = None if b is None else b.float().contiguous()
         self.packed = _pack(self.wq, self.w_scale, self.b)
         self._packed_nobias = None
+        self.zero_b = None if b is None else torch.zeros_like(self.b)  # fused ops downstream: bias already in
         self.reduce_range = not fbgemm_vnni()
 
     @property
@@ -150,6 +151,7 @@ class FbgemmLinear:
         new.w_scale, new.wq = self.w_scale.index_select(0, idx), self.wq.index_select(0, idx)
         new.b = None if self.b is None else self.b.index_select(0, idx)
         new.packed, new._packed_nobias = _pack(new.wq, new.w_scale, new.b), None
+        new.zero_b = None if new.b is None else torch.zeros_like(new.b)
         new.reduce_range = self.reduce_range
         return new
 
