@@ -174,3 +174,16 @@ def test_container_leaves_a_listed_but_missing_shortlist_off(model_dir, tmp_path
     modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
     os.remove(os.path.join(d, modeldir.read_config(d).shortlist))
     assert serve.settings("CPU-1", d, "latency")["shortlist"] is False
+
+
+def test_auto_keeps_fp32_where_int8_is_within_noise_or_the_products_are_tiny(monkeypatch):
+    """A toy model's 1-row step is ~10 us either way: a timing that flips from run
+    to run must not flip the output with it (the container's two runs differed)."""
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: 20e-6)
+    monkeypatch.setattr(quant, "_time_int8", lambda p: 5e-6)
+    monkeypatch.setattr(quant, "_probes", {})
+    assert not quant.int8_pays(Probe(rows=1, d=64, vocab=333))
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: 1000e-6)
+    monkeypatch.setattr(quant, "_time_int8", lambda p: 950e-6)
+    monkeypatch.setattr(quant, "_probes", {})
+    assert not quant.int8_pays(Probe(rows=1))
