@@ -143,7 +143,7 @@ class Model:
         self.device = torch.device(device)
         self.dtype = DTYPES[precision]  # activations: fp32 around int8 matmuls
         w = {k: v.to(self.device) for k, v in w.items()}
-        linear = lambda wt, b: make_linear(wt, b, precision, plan.int8_fused)  # noqa: E731
+        linear = lambda wt, b: make_linear(wt, b, precision, plan)  # noqa: E731
         self.n_heads, self.d = a.n_heads, a.d_model
         self.embed_scale = math.sqrt(a.d_model)
         self.emb = w["shared.weight"].to(self.dtype)  # (V, d)
@@ -187,6 +187,7 @@ class Model:
             return fused.linear_argmax(y, lin.w, lin.b, chunk)
         return fused.argmax_rows(lin(y))
 
-    def output_rows(self, vocab):
-        """The output projection restricted to the ids `vocab` (C,), once per batch."""
-        return self.out_proj.rows(vocab)
+    def output_rows(self, vocab, batch_rows: int = 64):
+        """The output projection restricted to the ids `vocab` (C,), once per batch
+        of `batch_rows` rows a step (int8 picks its sliced layout by it)."""
+        return self.out_proj.rows(vocab, batch_rows)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
+from .quant import fbgemm_available
 
 
 # -- the plain pieces and their optimised replacements ------------------------------------------
@@ -31,6 +32,9 @@ def add_norm_plain(x, lin, inp, norm):
 
 
 def add_norm_fused(x, lin, inp, norm):
+    if lin.b is not None and getattr(lin, "zero_b", None) is not None:
+        # fbgemm adds the bias in its epilogue: its whole output and a zero bias round as the plain path
+        return fused.add_bias_residual_layernorm(x, lin(inp), lin.zero_b, norm.w, norm.b, norm.eps)
     return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
 
 
@@ -129,6 +133,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_ops", True, "int8 linear as one C++ call", "int8_fused", True, False,
                  "`Int8Linear.reference`: the same math as ~8 tensor ops", "int8",
                  detail="quantise rows, `_int_mm`, rescale, bias and relu in decoder/csrc/int8_linear.cpp"),
+    Optimisation("fbgemm_int8", True, "fbgemm prepacked int8 linear", "int8_kernel", "fbgemm", "int_mm",
+                 "our `_int_mm` int8 linear (`Int8Linear`; `fused_ops` picks its C++ or tensor-op form)", "int8",
+                 needs=lambda o: fbgemm_available(),
+                 detail="`quantized::linear_dynamic` on weights packed at load time (u8 x s8: `vpmaddubsw` on "
+                 "AVX2, VNNI on AVX-512), for the layer linears, the output projection and the shortlist's "
+                 "sliced projection (repacked per batch); `_int_mm` is 13-30x slower than fp32 without VNNI"),
     Optimisation("fused_norm", False, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
@@ -205,6 +215,7 @@ class Plan:
     pipeline: bool
     retain_memory: bool
     int8_fused: bool
+    int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)

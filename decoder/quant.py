@@ -1,17 +1,21 @@
 """Linear layers per precision, built once at load time.
 
-int8 is our own dynamic quantisation on `torch._int_mm`: weights int8 with one
-scale per output row (symmetric), activations int8 with one scale per input
-row computed on the fly, int32 accumulation, one fused rescale + bias. Why this
-path and not the others is measured in decoder/README.md ("int8"): fbgemm's
-`quantized::linear_dynamic` was as fast but needs the deprecated quantized
-tensor types; `_weight_int8pack_mm` (weight-only) and oneDNN `qlinear_pointwise`
-(per-tensor activation scale) were 2-5x slower at our shapes. `_int_mm`
-dispatches to oneDNN, which picks VNNI/AVX-512/AVX2 kernels at run time.
+int8 is dynamic quantisation: weights int8 with one symmetric scale per output
+row (at load time), activations quantised per call, int32 accumulation. Two
+kernels (decoder/optimisations.py `fbgemm_int8` picks one): fbgemm's prepacked
+`quantized::linear_dynamic` (`FbgemmLinear`, the default: u8 x s8 kernels for
+AVX2 and AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm`
+path (`Int8Linear`: one scale per activation row, oneDNN's int8 product, which
+is fast only with VNNI: 13-30x slower than fp32 on AVX2). The measurements
+behind the choice are in decoder/README.md ("int8 on every x86 CPU").
+`auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +45,7 @@ class Linear:
         """x @ w.T without the bias: a fused op downstream adds it."""
         return F.linear(x, self.w)
 
-    def rows(self, idx: torch.Tensor) -> "Linear":
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Linear":
         """This layer restricted to the output features idx (C,): a shortlist's projection."""
         new = Linear.__new__(Linear)
         new.w = self.w.index_select(0, idx)  # (C, in)
@@ -66,7 +70,7 @@ class Int8Linear:
     def out_features(self) -> int:
         return self.wq_t.shape[1]
 
-    def rows(self, idx: torch.Tensor) -> "Int8Linear":
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Int8Linear":
         """This layer restricted to the output features idx (C,): weights, scales and
         bias sliced together, so the result equals those columns of the full output."""
         new = Int8Linear.__new__(Int8Linear)
@@ -104,10 +108,110 @@ class Int8Linear:
         return y.view(*shape[:-1], -1)
 
 
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, fused_ops: bool = True):
-    if precision == "int8":
-        return Int8Linear(w, b, fused=fused_ops)
-    return Linear(w, b, DTYPES[precision])
+class FbgemmLinear:
+    """Dynamic int8 through fbgemm's prepacked `quantized::linear_dynamic`.
+
+    Same weights as `Int8Linear` (int8, one symmetric scale per output row),
+    packed once at load time into fbgemm's blocked layout. Activations are
+    quantised per call to uint8 with one scale and zero point per tensor, and
+    multiplied u8 x s8: `vpmaddubsw` on AVX2 and AVX-512, `vpdpbusd` with VNNI,
+    picked by fbgemm from its own cpuinfo (`FBGEMM_ENABLE_INSTRUCTIONS=AVX2`
+    caps it). `vpmaddubsw` adds pairs of products into int16 and saturates past
+    32767, so without VNNI the activations use 7 bits (`reduce_range`, as
+    torch.ao's dynamic Linear does); VNNI accumulates in int32 and keeps 8."""
+    dense = False  # the bias is in the packed weight, relu in fbgemm's epilogue
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        w = w.float()
+        self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127.0  # (out,)
+        self.wq = torch.round(w / self.w_scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (out, in)
+        self.b = None if b is None else b.float().contiguous()
+        self.packed = _pack(self.wq, self.w_scale, self.b)
+        self._packed_nobias = None
+        self.zero_b = None if b is None else torch.zeros_like(self.b)  # fused ops downstream: bias already in
+        self.reduce_range = not fbgemm_vnni()
+
+    @property
+    def out_features(self) -> int:
+        return self.wq.shape[0]
+
+    REPACK_ROWS = 8  # below this many rows a step, the sliced projection runs in fp32
+
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "FbgemmLinear | Linear":
+        """The output features idx (C,) only: a shortlist's projection, once per
+        batch. Packing costs ~1.5 us per row of C (decoder/README.md), which a
+        batch of `batch_rows` >= REPACK_ROWS rows earns back within a few steps;
+        one sentence does not, so it gets those int8 rows dequantised to fp32
+        (same weights, no packing: 1.1 ms against 2.4 ms repacked for 30 steps
+        over 1000 candidates at d256)."""
+        if batch_rows < self.REPACK_ROWS:
+            w = self.wq.index_select(0, idx).float().mul_(self.w_scale.index_select(0, idx)[:, None])  # (C, in)
+            return Linear(w, None if self.b is None else self.b.index_select(0, idx), torch.float32)
+        new = FbgemmLinear.__new__(FbgemmLinear)
+        new.w_scale, new.wq = self.w_scale.index_select(0, idx), self.wq.index_select(0, idx)
+        new.b = None if self.b is None else self.b.index_select(0, idx)
+        new.packed, new._packed_nobias = _pack(new.wq, new.w_scale, new.b), None
+        new.zero_b = None if new.b is None else torch.zeros_like(new.b)
+        new.reduce_range = self.reduce_range
+        return new
+
+    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+        return op(x, self.packed, self.reduce_range)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """Without the bias (a fused op downstream adds it): a second packing, made on first use."""
+        if self._packed_nobias is None:
+            self._packed_nobias = _pack(self.wq, self.w_scale, None)
+        return torch.ops.quantized.linear_dynamic(x, self._packed_nobias, self.reduce_range)
+
+
+def _pack(wq: torch.Tensor, w_scale: torch.Tensor, b: torch.Tensor | None):
+    """fbgemm's packed weight for int8 wq (out, in) with per-row scales."""
+    with warnings.catch_warnings():
+        # quantised tensor types are deprecated (pytorch#184982), but this one is
+        # a transient handle for linear_prepack, which is how fbgemm takes weights
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            wq, w_scale.double(), torch.zeros(wq.shape[0], dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qw, b)
+
+
+def fbgemm_available() -> bool:
+    """fbgemm is in this torch build (x86); sets it as the quantised engine, once."""
+    if "fbgemm" not in _fbgemm:
+        engines = torch.backends.quantized.supported_engines
+        ok = "x86" in engines or "fbgemm" in engines
+        if ok:  # "x86" is fbgemm for dynamic linears; pre-2.0 builds only name fbgemm
+            torch.backends.quantized.engine = "x86" if "x86" in engines else "fbgemm"
+        _fbgemm["fbgemm"] = ok
+    return _fbgemm["fbgemm"]
+
+
+def fbgemm_vnni() -> bool:
+    """Whether fbgemm runs VNNI kernels here: its cpuinfo sees avx512_vnni and
+    FBGEMM_ENABLE_INSTRUCTIONS does not force an older ISA."""
+    forced = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+    if forced in ("AVX2", "AVX512", "AVX512_256"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and " avx512_vnni" in ln for ln in f)
+    except OSError:
+        return False  # 7-bit activations: correct on every kernel
+
+
+_fbgemm: dict = {}
+
+
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=None):
+    """The linear layer of `precision`; int8 runs the kernel the plan chose
+    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op)."""
+    if precision != "int8":
+        return Linear(w, b, DTYPES[precision])
+    if plan is not None and plan.int8_kernel == "fbgemm" and fbgemm_available():
+        return FbgemmLinear(w, b)
+    return Int8Linear(w, b, fused=plan is None or plan.int8_fused)
 
 
 def int8_available() -> bool:
@@ -118,27 +222,54 @@ def int8_available() -> bool:
         return False
 
 
-_int8_pays: dict = {}
+@dataclass(frozen=True)
+class Probe:
+    """The products `auto` times: those of one decode step of a model of width d
+    (a q|k|v linear, d -> 3d, and the output projection, d -> vocab) at `rows`
+    rows: 1 for batch-1 latency, a batch for throughput. One probe shape
+    mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
+    (1, 256, 256) half of it (decoder/README.md "int8 on every x86 CPU")."""
+    rows: int = 64
+    kernel: str = "fbgemm"  # "fbgemm" | "int_mm"
+    d: int = 256
+    vocab: int = 8000
+
+    def describe(self, int8_s: float, fp32_s: float) -> str:
+        return (f"{self.rows}-row step probe, int8 ({self.kernel}) {int8_s * 1e6:.0f} us "
+                f"vs fp32 {fp32_s * 1e6:.0f} us")
 
 
-def int8_pays() -> bool:
-    """Whether int8 beats fp32 here, measured once per process on a decode-sized product.
+_probes: dict = {}
 
-    `_int_mm` is fast only where oneDNN takes it (VNNI / AVX-512: 2.6x faster
-    than fp32 at (64, 256, 768), decoder/README.md); on an AVX2-only EPYC it
-    ran a plain loop, 13x slower than fp32. CPU flags do not say which path a
-    given torch build takes, so measure: the gap is an order of magnitude either
-    way, far beyond timing noise, so the choice is stable from run to run."""
-    if "v" not in _int8_pays:
-        # one thread: on a busy machine a 2-thread fp32 product waits on its
-        # slowest thread (16 ms instead of 0.5 ms measured), which hides the gap
+
+def probe(p: Probe) -> tuple[float, float]:
+    """(int8 seconds, fp32 seconds) for the products of `p`, measured once per
+    process and shape, one thread: on a busy machine a 2-thread fp32 product
+    waits on its slowest thread (16 ms instead of 0.5 ms measured), which hides
+    the gap. Without VNNI `_int_mm` ran a plain loop, 13-30x slower than fp32,
+    while fbgemm's AVX2 kernels beat fp32; CPU flags do not say which path a
+    torch build takes, so it is timed, not guessed."""
+    if p not in _probes:
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            _int8_pays["v"] = int8_available() and _time_int8() < _time_fp32()
+            t8 = _time_int8(p) if int8_available() else float("inf")
+            _probes[p] = (t8, _time_fp32(p))
         finally:
             torch.set_num_threads(n)
-    return _int8_pays["v"]
+    return _probes[p]
+
+
+def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-6) -> bool:
+    """Whether int8 beats fp32 here at the probe's shapes (default: 64 rows, d256,
+    8k vocabulary) by more than timing noise: fp32 is the model's own output, so
+    a near tie (tiny models, where neither product is bound by anything) stays
+    fp32 rather than flipping from run to run. At the students' shapes the gap
+    is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
+    the timing decides nothing worth an output change: fp32."""
+    p = p or Probe(kernel="fbgemm" if fbgemm_available() else "int_mm")
+    t8, t32 = probe(p)
+    return t32 > floor_s and t8 < margin * t32
 
 
 def _best_of(f, n: int = 3) -> float:
@@ -151,12 +282,22 @@ def _best_of(f, n: int = 3) -> float:
     return best
 
 
-def _time_int8() -> float:
-    xq = torch.ones(64, 256, dtype=torch.int8)
-    wq = torch.ones(256, 768, dtype=torch.int8)
-    return _best_of(lambda: torch._int_mm(xq, wq))
+def _weights(p: Probe) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, p.d, generator=g) * 0.05 for n in (3 * p.d, p.vocab)]  # (out, in) each
 
 
-def _time_fp32() -> float:
-    x, w = torch.ones(64, 256), torch.ones(768, 256)
-    return _best_of(lambda: F.linear(x, w))
+def _time_int8(p: Probe) -> float:
+    x = torch.randn(p.rows, p.d)
+    if p.kernel == "fbgemm" and fbgemm_available():
+        lins = [FbgemmLinear(w, None) for w in _weights(p)]
+        return _best_of(lambda: [lin(x) for lin in lins])
+    # the bare int8 product: quantisation passes are small beside it
+    xq = torch.ones(p.rows, p.d, dtype=torch.int8)
+    wq = [torch.ones(p.d, w.shape[0], dtype=torch.int8) for w in _weights(p)]
+    return _best_of(lambda: [torch._int_mm(xq, w) for w in wq])
+
+
+def _time_fp32(p: Probe) -> float:
+    x, ws = torch.randn(p.rows, p.d), _weights(p)
+    return _best_of(lambda: [F.linear(x, w) for w in ws])

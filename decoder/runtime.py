@@ -41,4 +41,5 @@ def describe(tr, requested: str | None = None) -> str:
         par = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
     where = (f"cuda {torch.cuda.get_device_name(tr.device)}" if tr.device.startswith("cuda")
              else f"cpu ISA {torch.backends.cpu.get_cpu_capability()}")
-    return f"decoder: precision {precision}, {par}, {where}"
+    why = getattr(tr, "auto_choice", lambda: None)() if requested == "auto" else None
+    return f"decoder: precision {precision}, {par}, {where}" + (f"; auto timed {why}" if why else "")

@@ -17,7 +17,7 @@ from .cache import new_state
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
 from .pipeline import Text, run
-from .quant import int8_pays
+from .quant import Probe, int8_pays, probe as time_probe
 from .runtime import retain_freed_memory
 from .search import Search
 from .shortlist import Shortlist
@@ -52,8 +52,10 @@ class Options:
         return {**d, **asdict(self.switches)}
 
 
-def resolve_device_precision(device: str, precision: str) -> tuple[str, str]:
-    """(device, precision) that will actually run; falls back to CPU without CUDA."""
+def resolve_device_precision(device: str, precision: str, probe: Probe | None = None) -> tuple[str, str]:
+    """(device, precision) that will actually run; falls back to CPU without CUDA.
+    CPU `auto` times `probe` (decoder/quant.py: the model's step products at the
+    rows the run will have) in int8 and fp32 and takes the faster."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("warning: CUDA is not available; running on CPU", file=sys.stderr, flush=True)
         device = "cpu"
@@ -63,7 +65,7 @@ def resolve_device_precision(device: str, precision: str) -> tuple[str, str]:
         if device.startswith("cuda"):
             precision = "fp16"
         else:  # int8 where this CPU runs int8 products fast (VNNI/AVX-512), measured once
-            precision = "int8" if int8_pays() else "fp32"
+            precision = "int8" if int8_pays(probe) else "fp32"
     if device == "cpu" and precision == "fp16":
         raise ValueError("fp16 is a GPU precision; use bf16 or int8 on CPU")
     if device.startswith("cuda") and precision == "int8":
@@ -93,8 +95,9 @@ class Translator:
             retain_freed_memory()
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
-        self.device, self.precision = resolve_device_precision(device, precision)
         cfg, weights, spm_path = modeldir.load(model_dir)
+        self.probe = self.probe_for(cfg) if precision == "auto" else None
+        self.device, self.precision = resolve_device_precision(device, precision, self.probe)
         self.cfg = cfg
         self.text = Text(cfg, spm_path, cfg.arch.max_positions)
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
@@ -115,6 +118,19 @@ class Translator:
         if self.plan.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
                                        device=self.model.device)
+
+    def probe_for(self, cfg) -> Probe:
+        """What `auto` times: this model's step products at the rows a step will
+        have: 1 where batches are single sentences (latency), else a batch
+        (64 rows: products are throughput-bound from there on)."""
+        return Probe(rows=min(self.opts.max_sentences, 64), kernel=self.plan.int8_kernel,
+                     d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
+
+    def auto_choice(self) -> str | None:
+        """Why `auto` chose the precision that runs, in words (None without `auto` on CPU)."""
+        if self.probe is None or self.device != "cpu":
+            return None
+        return self.probe.describe(*time_probe(self.probe))
 
     def state_kind(self) -> str:
         """The decoder cache this translator's steps run through (decoder/cache.py)."""
@@ -147,7 +163,7 @@ class Translator:
         vocab = out = None
         if self.shortlist is not None:  # one candidate set and one sliced projection per batch
             vocab = self.shortlist.candidates(src)  # (C,)
-            out = self.model.output_rows(vocab)
+            out = self.model.output_rows(vocab, len(srcs) * o.beam)
         kind = self.state_kind()
         kw = {"graphs": self.model.device.type == "cuda" and self.plan.cuda_graphs} if kind == "static" else {}
         state = new_state(self.model, kind, enc, mask, o.beam, int(limits.max()), out, self.phase, **kw)

@@ -209,12 +209,14 @@ def default_model() -> str:
 def stage_model(model_dir: str) -> None:
     from decoder.modeldir import ModelDirError, load
     try:
-        load(model_dir)  # refuse to bake a broken model into an image
+        cfg = load(model_dir)[0]  # refuse to bake a broken model into an image
     except ModelDirError as e:
         raise SystemExit(f"error: {e}")
     shutil.rmtree(MODEL, ignore_errors=True)
     os.makedirs(MODEL)
-    for f in MODEL_FILES:
+    # the shortlist too where the dir lists and has one: the container turns it on (serve.py)
+    extra = (cfg.shortlist,) if cfg.shortlist and os.path.isfile(os.path.join(model_dir, cfg.shortlist)) else ()
+    for f in MODEL_FILES + extra:
         shutil.copyfile(os.path.join(model_dir, f), os.path.join(MODEL, f))
         os.chmod(os.path.join(MODEL, f), 0o644)  # the image runs as a non-root user
 

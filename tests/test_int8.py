@@ -1,0 +1,189 @@
+"""int8 through fbgemm's prepacked dynamic linear (decoder/quant.py FbgemmLinear),
+the `auto` probe that picks int8 or fp32 per shape, and the container turning on
+what the model dir has (submission/container/serve.py)."""
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoder import Translator, modeldir, quant
+from decoder.quant import FbgemmLinear, Probe
+from fixture_model import make_model_dir
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
+TRAINED, SRC, REF = (os.path.join(HERE, p) for p in ("model", "test.en", "test.es"))
+trained = pytest.mark.skipif(not all(os.path.exists(p) for p in (os.path.join(TRAINED, "config.json"), SRC, REF)),
+                             reason="trained fixture tests/fixtures/bible-tiny is absent")
+fbgemm = pytest.mark.skipif(not quant.fbgemm_available(), reason="no fbgemm in this torch build (not x86)")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1)
+
+
+@fbgemm
+@pytest.mark.parametrize("rows,k,n", [(1, 256, 8000), (64, 256, 768), (5, 1024, 256)])
+def test_fbgemm_linear_is_close_to_fp32(rows, k, n):
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    ref = F.linear(x, w, b)
+    lin = FbgemmLinear(w, b)
+    # 8-bit weights and (7 or) 8-bit activations: error well under 2% of the output's range
+    assert (lin(x) - ref).abs().max() < 0.02 * ref.abs().max()
+    assert torch.equal(lin(x, relu=True), lin(x).relu())
+    assert torch.allclose(lin.mm(x) + b, lin(x), atol=1e-4)
+    assert lin(x.view(rows, 1, k)).shape == (rows, 1, n)
+
+
+@fbgemm
+def test_fbgemm_sliced_projection_equals_those_columns_of_the_full_one():
+    g = torch.Generator().manual_seed(1)
+    lin, x = FbgemmLinear(torch.randn(8000, 256, generator=g) * 0.05, None), torch.randn(3, 256, generator=g)
+    idx = torch.tensor([0, 7, 100, 4095, 7999])
+    assert torch.equal(lin.rows(idx, batch_rows=64)(x), lin(x)[:, idx])
+
+
+@fbgemm
+def test_fbgemm_sliced_projection_of_one_sentence_is_its_int8_rows_in_fp32():
+    """Repacking costs more than one sentence's steps save: below REPACK_ROWS the
+    slice is the same int8 weights, dequantised, run in fp32."""
+    g = torch.Generator().manual_seed(1)
+    lin, x = FbgemmLinear(torch.randn(8000, 256, generator=g) * 0.05, None), torch.randn(1, 256, generator=g)
+    idx = torch.tensor([0, 7, 100, 4095, 7999])
+    small = lin.rows(idx, batch_rows=1)
+    assert isinstance(small, quant.Linear)
+    assert torch.allclose(small(x), F.linear(x, lin.wq[idx].float() * lin.w_scale[idx, None]))
+    assert (small(x) - lin(x)[:, idx]).abs().max() < 0.05 * lin(x).abs().max()
+
+
+@fbgemm
+def test_int8_layers_and_output_projection_run_on_fbgemm_by_default(model_dir):
+    tr = Translator(model_dir, precision="int8")
+    assert isinstance(tr.model.out_proj, FbgemmLinear)
+    assert isinstance(tr.model.dec_layers[0].ffn.fc1, FbgemmLinear)
+    off = Translator(model_dir, precision="int8", fbgemm_int8=False)
+    assert isinstance(off.model.out_proj, quant.Int8Linear)
+
+
+@fbgemm
+@pytest.mark.parametrize("beam", [1, 3])
+def test_fbgemm_shortlist_of_every_id_gives_the_full_vocabulary_tokens(model_dir, tmp_path, beam):
+    d = str(tmp_path / "model")
+    shutil.copytree(model_dir, d)
+    V = modeldir.read_config(d).arch.vocab_size
+    modeldir.write_shortlist(d, torch.arange(V + 1) * V, torch.arange(V).repeat(V), torch.tensor([], dtype=torch.long))
+    # >= REPACK_ROWS sentences: the slice is repacked int8 (one sentence's is fp32, tested above)
+    lines = ["the dog runs", "a cat", "hello world again and again", "dog", "the cat sees the dog",
+             "world", "again the dog", "a hello", "cat and dog"]
+    full = Translator(d, precision="int8", beam=beam).translate(lines)
+    assert Translator(d, precision="int8", beam=beam, shortlist=True).translate(lines) == full
+
+
+@trained
+@fbgemm
+def test_fbgemm_int8_greedy_is_within_bleu_bound_of_fp32_on_trained_model():
+    import sacrebleu
+    src = [ln.rstrip("\n") for ln in open(SRC, encoding="utf-8")][:150]
+    ref = [ln.rstrip("\n") for ln in open(REF, encoding="utf-8")][:150]
+    fp32 = Translator(TRAINED, precision="fp32").translate(src)
+    tr = Translator(TRAINED, precision="int8")
+    assert isinstance(tr.model.out_proj, FbgemmLinear)
+    hyps = tr.translate(src)
+    bleu = lambda h: sacrebleu.corpus_bleu(h, [ref]).score  # noqa: E731
+    assert bleu(hyps) >= bleu(fp32) - 0.2
+    assert sum(a == b for a, b in zip(hyps, fp32)) >= 0.5 * len(src)  # most lines unchanged (99/150 measured)
+
+
+# -- auto ---------------------------------------------------------------------------------------
+
+def fake_timings(monkeypatch, int8_us, fp32_us):
+    """Injected probe timings: seconds per probe, a function of its rows."""
+    monkeypatch.setattr(quant, "_probes", {})
+    monkeypatch.setattr(quant, "_time_int8", lambda p: int8_us(p.rows) * 1e-6)
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: fp32_us(p.rows) * 1e-6)
+
+
+def test_auto_probes_the_rows_each_mode_runs_and_picks_per_shape(model_dir, monkeypatch):
+    # int8 wins at one row (weight bandwidth), loses at 64 (say, no fast int8 product here)
+    fake_timings(monkeypatch, lambda r: 50 if r == 1 else 5000, lambda r: 200 if r == 1 else 1000)
+    latency = Translator(model_dir, precision="auto", max_sentences=1)
+    batch = Translator(model_dir, precision="auto", max_sentences=512)
+    assert (latency.probe.rows, latency.precision) == (1, "int8")
+    assert (batch.probe.rows, batch.precision) == (64, "fp32")
+    cfg = modeldir.read_config(model_dir).arch
+    assert (batch.probe.d, batch.probe.vocab) == (cfg.d_model, cfg.vocab_size)
+
+
+def test_auto_probes_the_int8_kernel_the_plan_runs(model_dir, monkeypatch):
+    fake_timings(monkeypatch, lambda r: 1, lambda r: 2)
+    assert Translator(model_dir, precision="auto", fbgemm_int8=False).probe.kernel == "int_mm"
+    if quant.fbgemm_available():
+        assert Translator(model_dir, precision="auto").probe.kernel == "fbgemm"
+
+
+def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
+    from decoder.runtime import describe
+    fake_timings(monkeypatch, lambda r: 40, lambda r: 120)
+    line = describe(Translator(model_dir, precision="auto", max_sentences=1), "auto")
+    assert line.startswith("decoder: precision int8 (auto), 1 thread")
+    assert line.endswith("; auto timed 1-row step probe, int8 (fbgemm) 40 us vs fp32 120 us") or \
+        not quant.fbgemm_available()
+    assert "auto" not in describe(Translator(model_dir, precision="fp32"), "fp32")
+
+
+def test_probe_times_each_shape_once_per_process(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quant, "_probes", {})
+    monkeypatch.setattr(quant, "_time_int8", lambda p: calls.append(p) or 1.0)
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: 2.0)
+    for rows in (1, 1, 64):
+        quant.int8_pays(Probe(rows=rows, kernel="int_mm"))
+    assert [p.rows for p in calls] == [1, 64]
+
+
+# -- the container --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hardware,task", [("CPU-1", "latency"), ("CPU-ALL", "throughput")])
+def test_container_turns_on_the_model_dirs_shortlist(model_dir, tmp_path, monkeypatch, hardware, task):
+    from submission.container import serve
+    fake_timings(monkeypatch, lambda r: 1, lambda r: 2)
+    d = str(tmp_path / "model")
+    shutil.copytree(model_dir, d)
+    assert serve.settings(hardware, d, task)["shortlist"] is False
+    V = modeldir.read_config(d).arch.vocab_size
+    modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
+    s = serve.settings(hardware, d, task)
+    assert s["shortlist"] is True and s["precision"] == "auto"
+    tr = Translator(d, **{**s, "workers": 0})
+    assert tr.shortlist is not None
+    if task == "latency":
+        assert (s["max_sentences"], s["workers"]) == (1, 0) and tr.probe.rows == 1
+
+
+def test_container_leaves_a_listed_but_missing_shortlist_off(model_dir, tmp_path):
+    """The image copied config.json (listing the file) without the file: the
+    container must not turn the switch on and fail to load."""
+    from submission.container import serve
+    d = str(tmp_path / "model")
+    shutil.copytree(model_dir, d)
+    V = modeldir.read_config(d).arch.vocab_size
+    modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
+    os.remove(os.path.join(d, modeldir.read_config(d).shortlist))
+    assert serve.settings("CPU-1", d, "latency")["shortlist"] is False
+
+
+def test_auto_keeps_fp32_where_int8_is_within_noise_or_the_products_are_tiny(monkeypatch):
+    """A toy model's 1-row step is ~10 us either way: a timing that flips from run
+    to run must not flip the output with it (the container's two runs differed)."""
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: 20e-6)
+    monkeypatch.setattr(quant, "_time_int8", lambda p: 5e-6)
+    monkeypatch.setattr(quant, "_probes", {})
+    assert not quant.int8_pays(Probe(rows=1, d=64, vocab=333))
+    monkeypatch.setattr(quant, "_time_fp32", lambda p: 1000e-6)
+    monkeypatch.setattr(quant, "_time_int8", lambda p: 950e-6)
+    monkeypatch.setattr(quant, "_probes", {})
+    assert not quant.int8_pays(Probe(rows=1))
