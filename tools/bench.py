@@ -36,7 +36,7 @@ from decoder.optimisations import all_off, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
 
-from .baselines import CT2Run, _text, ct2_runs, run_ct2, run_hf
+from .baselines import CT2Run, _text, ct2_runs, fastest, run_ct2, run_hf
 from .convert import to_ctranslate2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,13 +75,7 @@ def run_ours(model_dir, lines, threads, passes: int = 1, batch1: bool = False, *
     batch1: one call per sentence, as a latency client (and CT2's batch-1 row) sends them."""
     tr = Translator(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
     go = (lambda ls: [tr.translate([x])[0] for x in ls]) if batch1 else tr.translate
-    go(lines[:8])  # warm-up: allocator, oneDNN primitive caches
-    best = float("inf")
-    for _ in range(passes):
-        t = time.perf_counter()
-        out = go(lines)
-        best = min(best, time.perf_counter() - t)
-    return out, best
+    return fastest(go, lines, passes)
 
 
 # -- the table -------------------------------------------------------------------------------
