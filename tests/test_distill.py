@@ -454,7 +454,7 @@ def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_s
                 "baseline": {"steps": 800, "minutes": 44.0, "stop_reason": "max_steps", "dev_bleu": [5.0, 4.0],
                              "dev_steps": [400, 800]}}
     v = verdict(rows, training)
-    assert v[0] == "KD student vs teacher: -5.50 BLEU (misses the 0.5 aim)."
+    assert v[0] == "KD student vs teacher: -5.50 BLEU (misses the 1.0 target)."
     assert v[1].startswith("KD student vs the same student without KD: +3.40 BLEU (distillation helps")
     assert "still rising" in v[2] and "still rising" not in v[3]
     # which budget stopped it, and whether that budget was the limit
@@ -463,7 +463,9 @@ def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_s
     training["student"]["stop_reason"] = "max_minutes"
     assert "the time budget (--student-minutes) limited it" in verdict(rows, training)[2]
     assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})[0].endswith(
-        "(within the 0.5 aim).")
+        "(within the 1.0 target and the 0.5 stretch).")
+    assert verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.2}], {})[0].endswith(
+        "(within the 1.0 target, not the 0.5 stretch).")
 
 
 def test_report_compares_each_student_row_with_the_teacher_row_of_the_same_search():
@@ -477,7 +479,7 @@ def test_report_compares_each_student_row_with_the_teacher_row_of_the_same_searc
     assert summary(rows) == {"teacher_bleu": 18.0, "student_bleu": 17.5, "student_over_teacher_words_s": 7.5}
     v = verdict(rows, {})
     # the headline rows are compared (a non-headline row's BLEU is no verdict on the student)
-    assert v[0] == "KD student vs teacher: -0.50 BLEU (within the 0.5 aim)."
+    assert v[0] == "KD student vs teacher: -0.50 BLEU (within the 1.0 target and the 0.5 stretch)."
     assert v[1] == ("Speed: the student (greedy) translates 7.5x the teacher's (beam 4) words/s; "
                     "at the same search: greedy 3.0x, beam 4 3.0x.")
     rows[2]["bleu"] = 0.3  # a student that failed to learn is never within the aim

@@ -90,4 +90,4 @@ def test_verdict_on_a_student_that_failed_to_learn_says_so_and_claims_no_aim():
     assert v[2] == "KD student vs teacher: -0.28 BLEU (no verdict: student and teacher failed to learn)."
     assert v[3] == "KD student vs the same student without KD: -5.00 BLEU (no verdict: student failed to learn)."
     ok = verdict([{"system": "teacher", "bleu": 10.0}, {"system": "student", "bleu": 9.6}], {})
-    assert ok == ["KD student vs teacher: -0.40 BLEU (within the 0.5 aim)."]
+    assert ok == ["KD student vs teacher: -0.40 BLEU (within the 1.0 target and the 0.5 stretch)."]
