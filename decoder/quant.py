@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import machine, ops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -194,11 +194,7 @@ def fbgemm_vnni() -> bool:
     forced = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
     if forced in ("AVX2", "AVX512", "AVX512_256"):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(ln.startswith("flags") and " avx512_vnni" in ln for ln in f)
-    except OSError:
-        return False  # 7-bit activations: correct on every kernel
+    return "avx512_vnni" in machine.cpu_info()["flags"]  # unreadable: False, 7-bit activations run everywhere
 
 
 _fbgemm: dict = {}

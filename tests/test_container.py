@@ -62,8 +62,11 @@ def run(image, command=None, stdin=b"", **kw):
 
 
 def reference(model_dir, stdin: bytes, args: list[str]) -> bytes:
-    """`python -m decoder` on the host: what the container must reproduce (it runs `auto`)."""
-    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--precision", "auto", *args],
+    """`python -m decoder` on the host: what the container must reproduce (it runs `auto`, and
+    the shortlist when the model dir has one: serve.settings)."""
+    from submission.container.serve import has_shortlist
+    shortlist = ["--shortlist"] if has_shortlist(model_dir) else []
+    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--precision", "auto", *shortlist, *args],
                        input=stdin, capture_output=True, cwd=ROOT, check=True)
     return r.stdout
 
@@ -104,7 +107,9 @@ def test_image_holds_the_runtime_and_the_payload_only(image):
 # one pinned 1-thread worker process per core, CPU-ALL latency one thread per core
 ONE = ["--threads", "1"]
 ALL_THROUGHPUT = ["--workers", str(CPUS)] if CPUS > 1 else ONE
-ALL_LATENCY = ["--threads", str(CPUS)]
+# latency: one sentence a batch (serve.settings), so auto probes and pads as the container does
+ONE_LATENCY = ONE + ["--batch-size", "1"]
+ALL_LATENCY = ["--threads", str(CPUS), "--batch-size", "1"]
 
 
 @pytest.mark.parametrize("hardware,args", [("CPU-1", ONE), ("CPU-ALL", ALL_THROUGHPUT)])
@@ -133,7 +138,7 @@ def test_latency_mode_answers_each_line_before_the_next_is_written(image, model_
     from submission.dockerrun import Session
     sents = synthetic_corpus(5, seed=7)
     ref = lines(reference(model_dir, ("\n".join(sents) + "\n").encode(),
-                          ONE if hardware == "CPU-1" else ALL_LATENCY))
+                          ONE_LATENCY if hardware == "CPU-1" else ALL_LATENCY))
     s = Session(image, ["/run.sh", hardware, "latency"], nano_cpus=CPUS * 10**9)
     try:
         for sent, want in zip(sents, ref):

@@ -76,7 +76,8 @@ def distill(env, name, *extra, launcher=None, wait=True, check=True):
 
 
 def stage_dir(env, name, stage):
-    dirs = glob.glob(str(env / "runs" / name / f"{stage}-*"))
+    # keyed stage dirs only: <stage>-<12 hex>, not the links runs/<name>/<stage>-model
+    dirs = [d for d in glob.glob(str(env / "runs" / name / f"{stage}-*")) if not d.endswith("-model")]
     assert len(dirs) == 1, dirs
     return dirs[0]
 
@@ -97,7 +98,9 @@ def test_command_teacher_end_to_end_then_rerun_skips_and_changed_option_reruns_o
     run = env / "runs" / "up"
     assert "| system | BLEU | chrF | words/s |" in r.stdout and "| student |" in r.stdout  # printed at the end
     rep = json.load(open(run / "report.json"))
-    assert [s["system"] for s in rep["systems"]] == ["teacher", "student"]
+    # a command teacher has one search; the KD student is decoded greedy and with the teacher's beam
+    assert [s["system"] for s in rep["systems"]] == ["teacher", "student", "student"]
+    assert [s["beam"] for s in rep["systems"][1:]] == [1, 4]
     for s in rep["systems"]:
         assert s["words_per_second"] > 0 and "nrefs:1|" in s["bleu_signature"]
     assert rep["systems"][1]["size_params"] > 0 and rep["systems"][1]["size_bytes"] > 0
@@ -132,7 +135,7 @@ def test_command_teacher_end_to_end_then_rerun_skips_and_changed_option_reruns_o
 def test_apertium_teacher_end_to_end_with_baseline_student(env):
     distill(env, "apertium", "--teacher-cmd", "apertium -u eng-spa", "--student-steps", "15", "--baseline-student")
     rep = json.load(open(env / "runs" / "apertium" / "report.json"))
-    assert [s["system"] for s in rep["systems"]] == ["teacher", "student", "baseline"]
+    assert [s["system"] for s in rep["systems"]] == ["teacher", "student", "student", "baseline"]
     teacher = rep["systems"][0]
     # the toy words translate word for word: a real translator scores well above zero
     assert teacher["engine"] == "external" and teacher["chrf"] > 30

@@ -147,7 +147,8 @@ def test_clean_rootfs_with_a_space_in_the_path_touches_nothing_outside(tmp_path)
 
 def test_debootstrap_base_is_imported_with_the_docker_sdk_without_a_shell(tmp_path, monkeypatch):
     from submission import image
-    monkeypatch.setattr(image, "ROOT", str(tmp_path / "check out"))  # a checkout path with a space
+    for where in ("ROOT", "HOME"):  # a checkout path with a space (HOME: where build/ is)
+        monkeypatch.setattr(image, where, str(tmp_path / "check out"))
     monkeypatch.setattr(image.shutil, "which", lambda name: "/usr/sbin/" + name)
     commands = []
 
