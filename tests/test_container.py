@@ -6,6 +6,7 @@ session with an unchanged tree reuses it; the first build is a few minutes.
 """
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,14 +62,24 @@ def run(image, command=None, stdin=b"", **kw):
     return docker_run(image, command, stdin, nano_cpus=CPUS * 10**9, **kw)
 
 
-def reference(model_dir, stdin: bytes, args: list[str]) -> bytes:
+def reference(model_dir, stdin: bytes, args: list[str], precision: str = "auto") -> bytes:
     """`python -m decoder` on the host: what the container must reproduce (it runs `auto`, and
-    the shortlist when the model dir has one: serve.settings)."""
+    the shortlist when the model dir has one: serve.settings). Pass the container's
+    `chosen_precision` where auto's timing probe sits near its threshold for this model."""
     from submission.container.serve import has_shortlist
     shortlist = ["--shortlist"] if has_shortlist(model_dir) else []
-    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--precision", "auto", *shortlist, *args],
+    r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--precision", precision,
+                        *shortlist, *args],
                        input=stdin, capture_output=True, cwd=ROOT, check=True)
     return r.stdout
+
+
+def chosen_precision(stderr: bytes) -> str:
+    """The precision the container's `auto` picked, from its settings line: a timing probe
+    (1 row for latency) may pick otherwise on a loaded host, and the two differ in tokens."""
+    m = re.search(rb"decoder: precision (\w+)", stderr)
+    assert m, stderr[-2000:]
+    return m.group(1).decode()
 
 
 def own_stderr(b: bytes) -> list[str]:
@@ -185,7 +196,8 @@ def test_bad_input_keeps_one_output_line_per_input_line(image, model_dir, task):
             assert out[i] == b"", f"line {i} should stay empty"
     err = own_stderr(r.stderr)
     assert len(err) == 1 and "truncat" in err[0], err
-    assert r.stdout == reference(model_dir, stdin, ALL_THROUGHPUT if task == "throughput" else ALL_LATENCY)
+    assert r.stdout == reference(model_dir, stdin, ALL_THROUGHPUT if task == "throughput" else ALL_LATENCY,
+                                 chosen_precision(r.stderr))
 
 
 def test_million_lines_stream_through_2g(image):

@@ -286,7 +286,9 @@ def test_container_is_measured_through_run_sh(tmp_path):
     from test_container import ONE_LATENCY, reference
     text = "".join(x + "\n" for x in src).encode()
     # /run.sh CPU-1 is `python -m decoder --threads 1 --precision auto` (+ the shortlist, + batch 1 for latency)
-    want = {mode: reference(model, text, args).decode().split("\n")[:-1]
+    # auto's 1-row latency probe may pick either precision for this small model: the container's
+    # output must be the host's at one of them (test_container pins the one it printed)
+    want = {mode: [reference(model, text, args, p).decode().split("\n")[:-1] for p in ("fp32", "int8")]
             for mode, args in (("throughput", ["--threads", "1"]), ("latency", ONE_LATENCY))}
     from submission.evaluate import slug
     for r in rows:
@@ -294,7 +296,7 @@ def test_container_is_measured_through_run_sh(tmp_path):
         assert r["image_mb"] > 10 and r["model_mb"] > 0 and r["load_s"] > 0
         assert r["peak_ram_mb"] and r["peak_ram_mb"] > 20
         hyps = (tmp_path / "hyps" / (slug(r["system"]) + ".txt")).read_text(encoding="utf-8").split("\n")[:-1]
-        assert hyps == want[r["mode"]], r["system"]
+        assert hyps in want[r["mode"]], r["system"]
     assert rows[1]["latency_ms_p50"] > 0
 
 
