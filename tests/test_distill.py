@@ -248,9 +248,10 @@ def _tensors(model_dir):
 def test_students_side_by_side_give_the_sequential_weights_on_disjoint_cores_and_resume_after_a_kill(env):
     # Both variants are pinned to two cores and OMP_NUM_THREADS=1: the sequential students then
     # train on 1 torch thread, as each side-by-side child (1 core each). Bit equality is only
-    # promised at equal thread counts: intra-op threads split reductions, which rounds differently.
+    # promised at equal thread counts: intra-op threads split reductions, which rounds differently
+    # (student-tiny, one batch: 34 of 127 gradient tensors differ between 1 and 2 threads, by up to 8e-8).
     two = sorted(os.sched_getaffinity(0))[:2]
-    common = ["--teacher-cmd", teacher_cmd(env), "--baseline-student", "--student-steps", "60",
+    common = ["--teacher-cmd", teacher_cmd(env), "--baseline-student", "--student-steps", "100",
               "--shortlist-k", "0", "--test-limit", "5"]
     distill(env, "seq", *common, "--no-side-by-side", cores=two)
     seq = manifest(env, "seq")
@@ -267,8 +268,9 @@ def test_students_side_by_side_give_the_sequential_weights_on_disjoint_cores_and
     os.kill(p.pid, signal.SIGKILL)  # the parent alone: its children must not train on
     p.wait()
     pids, dirs = [], {s: stage_dir(env, "side", s) for s in ("student", "baseline")}  # no model links yet
+    # killed once both had a last.pt: at least one mid-training (the other may be through on a busy machine)
+    assert not all(os.path.exists(f"{d}/train/metrics.json") for d in dirs.values())
     for d in dirs.values():
-        assert not os.path.exists(f"{d}/train/metrics.json")  # killed mid-training
         pids += [int(x.rsplit("pid ", 1)[1]) for x in lines(f"{d}/train.log") if x.startswith("pinned")]
     assert len(pids) == 2
     deadline = time.time() + 30
@@ -289,7 +291,7 @@ def test_students_side_by_side_give_the_sequential_weights_on_disjoint_cores_and
         assert side["stages"][s]["key"] == seq["stages"][s]["key"]  # the option is no part of the key
         a, b = _tensors(env / "runs" / "seq" / f"{s}-model"), _tensors(env / "runs" / "side" / f"{s}-model")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), s
-    assert side["stages"]["student"]["result"]["step"] == 60
+    assert side["stages"]["student"]["result"]["step"] == 100
 
 
 def test_students_train_one_after_the_other_on_a_gpu_with_torchrun_on_one_core_or_when_one_is_done():
@@ -297,7 +299,7 @@ def test_students_train_one_after_the_other_on_a_gpu_with_torchrun_on_one_core_o
     assert split_cores(True, 2, False, 1, False, {0, 1}) == ([[0], [1]], None)
     assert split_cores(True, 2, False, 1, False, {4, 5, 6}) == ([[4, 5], [6]], None)
     assert split_cores(False, 2, False, 1, False, {0, 1}) == ([], "--no-side-by-side")
-    assert split_cores(True, 1, False, 1, False, {0, 1}) == ([], "only one student has to train")
+    assert split_cores(True, 1, False, 1, False, {0, 1}) == ([], "fewer than two students left to train")
     assert split_cores(True, 2, True, 1, False, {0, 1}) == ([], "a GPU trains them")
     assert split_cores(True, 2, False, 2, False, {0, 1})[1] == "torchrun ranks (NPROC>1) train them"
     assert split_cores(True, 2, False, 1, True, {0, 1})[1] == "torchrun ranks (NPROC>1) train them"

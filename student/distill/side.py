@@ -30,7 +30,7 @@ def split_cores(enabled: bool, pending: int, on_gpu: bool, world: int, torchrun:
                 cores: set[int]) -> tuple[list[list[int]], str | None]:
     """(one core list per student, None), or ([], why the students train one after the other)."""
     why = ("--no-side-by-side" if not enabled else
-           "only one student has to train" if pending < 2 else
+           "fewer than two students left to train" if pending < 2 else
            "a GPU trains them" if on_gpu else
            "torchrun ranks (NPROC>1) train them" if world > 1 or torchrun else
            "one core" if len(cores) < 2 else None)
