@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 
 import sentencepiece as spm
@@ -26,6 +27,7 @@ from decoder import durable, modeldir
 from student.data import prepare, read_lines
 from student.data.pipeline import file_digest
 from student.distill import report as report_mod
+from student.distill import side
 from student.distill.filter import clean_distilled, one_line
 from student.distill.shards import assemble, translate_shards
 from student.distill.stages import Run, barrier
@@ -88,6 +90,7 @@ class DistillConfig:
     student_beam: int = 1
     student_init: str = "auto"  # teacher | random | auto: teacher where our teacher's model dir maps
     baseline_student: bool = False
+    side_by_side: bool = True   # student and baseline at once, one pinned core set each (CPU, one rank)
     # lexical shortlist of each exported student, from the corpus it was trained on (0 = none)
     shortlist_k: int = 100
     shortlist_frequent: int = 100
@@ -221,12 +224,16 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
     dkey, ddir = p.distill(src_lines, [data_key] + upstream_teacher)
     ckey, cdir = p.corpus(src_lines, train_tgt, dkey, ddir)
     # students: the KD student, and with baseline_student the same recipe on the original pairs
-    skey, student_dir = p.student("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])
+    jobs = [("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])]
+    if cfg.baseline_student:
+        jobs.append(("baseline", train_src, train_tgt, [data_key]))
+    trained = p.students(jobs)
+    skey, student_dir = trained["student"]
     systems = [("teacher", p.teacher, upstream_teacher or [dkey]), ("student", student_dir, [skey])]
     if cfg.shortlist_k:
         p.shortlist("shortlist", student_dir, f"{cdir}/train.src", f"{cdir}/train.tgt", [skey, ckey])
     if cfg.baseline_student:
-        bkey, bdir = p.student("baseline", train_src, train_tgt, [data_key])
+        bkey, bdir = trained["baseline"]
         systems.append(("baseline", bdir, [bkey]))
         if cfg.shortlist_k:
             p.shortlist("shortlist-baseline", bdir, train_src, train_tgt, [bkey, data_key])
@@ -326,10 +333,13 @@ class Pipeline:
                 "averaged_from": [os.path.basename(p) for p in best["paths"]] if len(best["paths"]) > 1 else [],
                 "candidates": [{k: c[k] for k in ("name", "steps", "dev_bleu")} for c in scored]}
 
-    def _train_stage(self, name: str, tc: TrainConfig, upstream: list[str], finish, **extra) -> tuple[str, str]:
-        """A stage that trains exactly `tc` (in its dir's train/), keyed by train_stage_options(tc)."""
+    def _train_stage(self, name: str, tc: TrainConfig, upstream: list[str], finish, trained: bool = False,
+                     **extra) -> tuple[str, str]:
+        """A stage that trains exactly `tc` (in its dir's train/; already `trained` there by a side-by-side
+        process), keyed by train_stage_options(tc)."""
         def work(d):
-            train(dataclasses.replace(tc, out_dir=f"{d}/train"))
+            if not trained:
+                train(dataclasses.replace(tc, out_dir=f"{d}/train"))
 
         key, d, _ = self.runner.stage(name, train_stage_options(tc, **extra), upstream, work, finish)
         return key, d
@@ -407,17 +417,45 @@ class Pipeline:
         key, d, _ = self.runner.stage("corpus", opts, [dkey], _no_work, finish)
         return key, d
 
-    def student(self, name: str, train_src: str, train_tgt: str, upstream: list[str]) -> tuple[str, str]:
-        """Train and export a student: (key, model dir)."""
-        tc = train_config(self.cfg, "student", self.cfg.student_preset, train_src, train_tgt)
-        # keyed by the mode: the teacher's dir is a path, its content is fixed by the upstream keys
-        tc = dataclasses.replace(tc, init_from=self.init.get("from"))
+    def students(self, jobs: list[tuple]) -> dict[str, tuple[str, str]]:
+        """Train and export each (name, train.src, train.tgt, upstream): {name: (key, model dir)}.
+        Two to train on CPU, one rank, 2+ cores: side by side, each on its own cores (side.py)."""
+        cfg = self.cfg
+        stages = []
+        for name, src, tgt, upstream in jobs:
+            tc = train_config(cfg, "student", cfg.student_preset, src, tgt)
+            # keyed by the mode: the teacher's dir is a path, its content is fixed by the upstream keys
+            tc = dataclasses.replace(tc, init_from=self.init.get("from"))
+            opts = train_stage_options(tc, init=self.init["mode"])
+            stages.append((name, tc, upstream, opts, self.runner.dir_of(name, opts, upstream)))
+        pending = [s for s in stages if not os.path.exists(f"{s[4]}/done.json")]
+        shares, why = side.split_cores(cfg.side_by_side, len(pending), self.on_gpu, self.world,
+                                       "LOCAL_RANK" in os.environ, os.sched_getaffinity(0)
+                                       if hasattr(os, "sched_getaffinity") else {0})
+        beside = {}
+        if shares:
+            t0 = time.time()
+            runs = []
+            for name, tc, _, _, d in pending:
+                os.makedirs(d, exist_ok=True)
+                runs.append((name, dataclasses.replace(tc, out_dir=f"{d}/train"), f"{d}/train.log"))
+            beside = side.train_side_by_side(runs, shares, self.log)
+            wall = round(time.time() - t0, 1)
+            for name in beside:
+                beside[name].update(beside=[n for n in beside if n != name], wall_seconds=wall)
+        if self.rank == 0:
+            self.runner.manifest["students"] = {"side_by_side": bool(shares), **({"reason": why} if why else {}),
+                                                "cores": {n: b["cores"] for n, b in beside.items()}}
+        return {name: self.student(name, tc, upstream, beside.get(name)) for name, tc, upstream, _, _ in stages}
 
+    def student(self, name: str, tc: TrainConfig, upstream: list[str], beside: dict | None) -> tuple[str, str]:
+        """Train (unless trained side by side: `beside`, what its process saw) and export a
+        student: (key, model dir)."""
         def finish(d):
             export_checkpoint(f"{d}/train/best.pt", f"{d}/model")
-            return _training_result(d, init=self.init["mode"])
+            return _training_result(d, init=self.init["mode"], **({"side_by_side": beside} if beside else {}))
 
-        key, d = self._train_stage(name, tc, upstream, finish, init=self.init["mode"])
+        key, d = self._train_stage(name, tc, upstream, finish, trained=beside is not None, init=self.init["mode"])
         self.runner.link(f"{name}-model", f"{d}/model")
         return key, f"{d}/model"
 

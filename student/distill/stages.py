@@ -78,6 +78,10 @@ class Run:
         if self.rank == 0:
             write_json(self.manifest_path, self.manifest)
 
+    def dir_of(self, name: str, options: dict, upstream: list[str]) -> str:
+        """Where stage(name, options, upstream) runs (finished once done.json is there)."""
+        return os.path.join(self.dir, f"{name}-{stage_key(name, options, upstream)}")
+
     def stage(self, name: str, options: dict, upstream: list[str], work, finish=None):
         """Run (or reuse) a stage; returns (key, dir, result).
 
@@ -86,7 +90,7 @@ class Run:
         stage's JSON result, written to done.json.
         """
         key = stage_key(name, options, upstream)
-        d = os.path.join(self.dir, f"{name}-{key}")
+        d = self.dir_of(name, options, upstream)
         done = os.path.join(d, "done.json")
         barrier()
         entry = {"key": key, "dir": d, "options": options, "upstream": upstream}
