@@ -12,6 +12,7 @@ behind the choice are in decoder/README.md ("int8 on every x86 CPU").
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -194,7 +195,13 @@ def fbgemm_vnni() -> bool:
     forced = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
     if forced in ("AVX2", "AVX512", "AVX512_256"):
         return False
-    return "avx512_vnni" in machine.cpu_info()["flags"]  # unreadable: False, 7-bit activations run everywhere
+    return _cpu_has_vnni()
+
+
+@functools.cache
+def _cpu_has_vnni() -> bool:
+    """Read once: every FbgemmLinear of a model asks (unreadable: False, 7-bit activations run everywhere)."""
+    return "avx512_vnni" in machine.cpu_info()["flags"]
 
 
 _fbgemm: dict = {}

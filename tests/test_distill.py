@@ -504,22 +504,29 @@ def marian_spm(tmp_path):
     return src, tgt, spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
 
 
-def test_hf_marian_teacher_translates_every_line_offline(tmp_path):
-    pytest.importorskip("transformers")
+def tiny_marian(tmp_path, sp, vocab: dict, **cfg):
+    """A random 1+1-layer MarianMTModel and its tokenizer over `vocab`, saved to tmp_path/marian."""
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
-    from student.distill.teachers import HFTeacher, make_teacher
-    src, tgt, sp = marian_spm(tmp_path)
-    (tmp_path / "vocab.json").write_text(json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}))
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     tok = MarianTokenizer(source_spm=str(tmp_path / "spm.model"), target_spm=str(tmp_path / "spm.model"),
                           vocab=str(tmp_path / "vocab.json"))
     torch.manual_seed(0)
-    cfg = MarianConfig(vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1,
-                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                       decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
-    out = tmp_path / "marian"
-    MarianMTModel(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
+    model = MarianMTModel(MarianConfig(
+        vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id,
+        **cfg)).eval()
+    model.save_pretrained(tmp_path / "marian")
+    tok.save_pretrained(tmp_path / "marian")
+    return tmp_path / "marian", tok, model
+
+
+def test_hf_marian_teacher_translates_every_line_offline(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import MarianMTModel
+    from student.distill.teachers import HFTeacher, make_teacher
+    src, tgt, sp = marian_spm(tmp_path)
+    out, _, _ = tiny_marian(tmp_path, sp, {sp.id_to_piece(i): i for i in range(sp.get_piece_size())})
 
     teacher = make_teacher(hf_dir=str(out), beam=2)
     assert isinstance(teacher, HFTeacher)
@@ -648,22 +655,11 @@ def test_hf_teacher_without_a_token_for_the_language_is_a_teacher_error(tmp_path
 
 def test_hf_multi_target_marian_teacher_prefixes_the_target_token(tmp_path):
     pytest.importorskip("transformers")
-    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
     from student.distill.teachers import make_teacher
     src, tgt, sp = marian_spm(tmp_path)
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     vocab.update({">>es<<": len(vocab), ">>fr<<": len(vocab) + 1})  # as opus-mt-en-ROMANCE has them
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    tok = MarianTokenizer(source_spm=str(tmp_path / "spm.model"), target_spm=str(tmp_path / "spm.model"),
-                          vocab=str(tmp_path / "vocab.json"))
-    torch.manual_seed(0)
-    cfg = MarianConfig(vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1,
-                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                       decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id, init_std=0.3)
-    model = MarianMTModel(cfg).eval()
-    model.save_pretrained(tmp_path / "marian")
-    tok.save_pretrained(tmp_path / "marian")
+    _, tok, model = tiny_marian(tmp_path, sp, vocab, init_std=0.3)
     teacher = make_teacher(hf_dir=str(tmp_path / "marian"), beam=1)
     teacher.set_languages("en", "es")
     lines = toy_parallel(5, seed=4)[0]

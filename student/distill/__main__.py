@@ -34,7 +34,12 @@ def parser() -> argparse.ArgumentParser:
                    help="default: embedded Bible en-es on CPU; wmt: the GPU-scale recipe")
     p.add_argument("--name", help="run name: everything goes to RUNS_DIR/NAME (default: the preset's name)")
     p.add_argument("--runs-dir", help=f"(default {d.runs_dir})")
+    for add in (_data_args, _teacher_args, _corpus_args, _student_args, _training_args):
+        add(p, d)
+    return p
 
+
+def _data_args(p, d: DistillConfig):
     g = p.add_argument_group("data (default: the embedded Bible en-es)")
     g.add_argument("--corpus", help=f"embedded corpus name (default {d.corpus})")
     g.add_argument("--src", help="your own source file, one sentence per line (plain or .gz)")
@@ -49,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
 
+
+def _teacher_args(p, d: DistillConfig):
     g = p.add_argument_group("teacher (default: train our own; give at most one of the next three)")
     g.add_argument("--teacher-cmd", help="external teacher: a shell command reading source lines on stdin and "
                                          "writing one translation per line, e.g. 'apertium -u eng-spa'")
@@ -72,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
                    help="how our model dirs are decoded: the lean decoder, the reference ensemble search in "
                         "student/distill/beam.py, or auto (decoder for one model when available)")
 
+
+def _corpus_args(p, d: DistillConfig):
     g = p.add_argument_group("distilled corpus")
     g.add_argument("--shard-size", type=positive_int, help=f"source lines per shard (default {d.shard_size})")
     g.add_argument("--min-ratio", type=nonneg_float,
@@ -83,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mix-original", action=argparse.BooleanOptionalAction, default=None,
                    help="train the student on the distilled pairs plus the original pairs")
 
+
+def _student_args(p, d: DistillConfig):
     g = p.add_argument_group("students")
     g.add_argument("--student-preset", help=f"student-tiny, student-6-1, student-12-1 (default {d.student_preset})")
     g.add_argument("--student-minutes", type=nonneg_float,
@@ -114,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--shortlist-frequent", type=nonneg_int,
                    help=f"most frequent target tokens in every shortlist (default {d.shortlist_frequent})")
 
+
+def _training_args(p, d: DistillConfig):
     g = p.add_argument_group("training (teacher and students)")
     cliargs.alias(g, "--max-tokens", g.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int,
@@ -126,7 +139,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--patience", type=nonneg_int, help="stop after N evaluations without dev BLEU gain (0 = off)")
     g.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], help=f"(default {d.amp})")
     g.add_argument("--seed", type=nonneg_int, help=f"(default {d.seed})")
-    return p
 
 
 def _kv(items):
