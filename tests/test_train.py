@@ -89,3 +89,30 @@ def test_torchrun_two_processes_keep_replicas_identical(toy_files, tmp_path):
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k
         assert torch.equal(r0[k], saved[k]), k
+
+
+def test_bf16_autocast_trains_to_the_fp32_loss_curve_within_tolerance(toy_files, tmp_path):
+    """`--amp bf16` is a speed switch (tools/bench_train): it must learn as fp32 does."""
+    common = ["--max-steps", "40", "--max-tokens", "400", "--lr", "3e-3", "--warmup", "10", "--eval-every", "0",
+              "--no-test"]
+    curves = {}
+    for amp in ("off", "bf16"):
+        run_train(toy_files, tmp_path / "data", tmp_path / amp, *common, "--amp", amp)
+        curves[amp] = metrics(tmp_path / amp)["train_loss"]
+    fp32, bf16 = curves["off"], curves["bf16"]
+    assert len(fp32) == len(bf16) == 40
+    assert fp32 != bf16  # autocast ran: bf16 products round differently
+    for a, b in zip(fp32, bf16):  # same batches, same seed: step by step within 5%
+        assert abs(a - b) <= 0.05 * a, (fp32, bf16)
+    assert sum(bf16[-5:]) < 0.8 * sum(bf16[:5])
+
+
+def test_amp_auto_is_bf16_only_on_cpus_with_native_bf16(monkeypatch):
+    from student.train import trainer
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: True)
+    assert trainer.autocast_setup("auto", cpu) == (torch.bfloat16, None)
+    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: False)
+    assert trainer.autocast_setup("auto", cpu) == (None, None)  # emulated bf16 was 20x slower
+    assert trainer.autocast_setup("bf16", cpu) == (torch.bfloat16, None)
+    assert trainer.autocast_setup("off", cpu) == (None, None)

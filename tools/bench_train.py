@@ -27,16 +27,21 @@ from decoder import machine
 from student.train.batching import make_batches
 from student.train.trainer import Corpus, TrainConfig, Trainer
 
-# name -> TrainConfig fields: each is one of the trainer's speed switches alone
+# name -> (TrainConfig fields, compile the model): each is one of the trainer's speed switches alone.
+# compile is measured here before it becomes a trainer switch: it is kept only if it pays.
 CONFIGS = {
-    "fp32": {"amp": "off"},
-    "bf16": {"amp": "bf16"},
+    "fp32": ({"amp": "off"}, False),
+    "bf16": ({"amp": "bf16"}, False),
+    "fp32+compile": ({"amp": "off"}, True),
+    "bf16+compile": ({"amp": "bf16"}, True),
 }
 
 
-def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int) -> dict:
+def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: bool = False) -> dict:
     """Train `steps` steps from scratch; tokens/s over the steps after `warm`."""
     t = Trainer(cfg, corpus, torch.device("cpu"), ddp=False)
+    if compile_model:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
+        t.net = torch.compile(t.model, dynamic=True)
     t.model.train()
     st = t.state
     batches = make_batches(*t.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0)
@@ -61,7 +66,7 @@ def main(argv=None):
     p.add_argument("--warm", type=int, default=4, help="leading steps left out of the timing")
     p.add_argument("--passes", type=int, default=2, help="interleaved passes; the fastest counts")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default="fp32,bf16", help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--max-batch-tokens", type=int, default=TrainConfig.max_tokens)
     p.add_argument("--out", help="append the result as JSON to this file")
     a = p.parse_args(argv)
@@ -79,8 +84,8 @@ def main(argv=None):
         best: dict[str, dict] = {}
         for _ in range(a.passes):
             for n in names:
-                cfg = dataclasses.replace(base, **CONFIGS[n])
-                r = run(cfg, corpus, a.steps, a.warm)
+                fields, compile_model = CONFIGS[n]
+                r = run(dataclasses.replace(base, **fields), corpus, a.steps, a.warm, compile_model)
                 if n not in best or r["tokens_s"] > best[n]["tokens_s"]:
                     best[n] = r
     ref = best[names[0]]["tokens_s"]
