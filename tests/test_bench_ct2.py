@@ -126,7 +126,7 @@ def test_isa_passes_run_native_here_and_the_capped_family_in_a_child():
     assert bench.isa_passes("native,avx2", ["avx2", "fma"], env) == [("avx2", None)]  # AVX2-only CPU: one pass
     assert bench.isa_passes("avx2", AVX512, bench.CAPPED["avx2"]) == [("avx2", None)]  # the capped child itself
     assert bench.CAPPED["avx2"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                    "CT2_FORCE_CPU_ISA": "AVX2"}
+                                    "CT2_FORCE_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
     with pytest.raises(ValueError, match="no AVX-512"):
         bench.isa_passes("avx512", ["avx2"], env)
 

@@ -134,9 +134,11 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
 GROUPS = ("throughput", "batch1", "beam4")
 SUMMARY_RATIOS = {"throughput": "throughput_vs_ct2_best", "batch1": "batch1_vs_ct2", "beam4": "beam4_vs_ct2"}
 # the AVX2-capped pass: set before torch, oneDNN and CTranslate2 load, so only in a fresh process
-CAPPED = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"}}
-NOT_CAPPED = ("not capped: fbgemm (torch's quantized int8 ops) and decoder/csrc's target_clones kernels pick "
-              "their kernels from CPUID themselves, so they keep AVX-512 on an AVX-512 CPU")
+# fbgemm (torch's quantized int8 ops) dispatches on its own cpuinfo: FBGEMM_ENABLE_INSTRUCTIONS caps it
+CAPPED = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2",
+                   "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}}
+NOT_CAPPED = ("not capped: decoder/csrc's target_clones kernels pick their code from CPUID themselves, so they "
+              "keep AVX-512 on an AVX-512 CPU")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
