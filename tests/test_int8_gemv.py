@@ -129,3 +129,20 @@ def test_gemv_int8_greedy_at_batch_1_is_within_bleu_bound_of_fp32_on_trained_mod
     bleu = lambda h: sacrebleu.corpus_bleu(h, [ref]).score  # noqa: E731
     assert bleu(gemv) >= bleu(fp32) - 0.2
     assert sum(a == b for a, b in zip(gemv, fp32)) >= 0.5 * len(src)
+
+
+def test_int8_gemv_passes_opcheck():
+    lin, g = layer(37, 9, seed=6)
+    gv = lin.gemv
+    torch.library.opcheck(torch.ops.decoder_ops.int8_gemv.default,
+                          (torch.randn(3, 37, generator=g), gv.wq, gv.w_scale, gv.w_shift, gv.b, True, gv.isa),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_int8_gemv_refuses_weights_not_laid_out_for_it():
+    lin, _ = layer(100, 9, seed=7)
+    gv = lin.gemv
+    with pytest.raises(RuntimeError, match="padded to a multiple of 64"):
+        ops.int8_gemv(torch.randn(1, 100), gv.wq[:, :100].contiguous(), gv.w_scale, gv.w_shift, gv.b)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.int8_gemv(torch.randn(1, 200), gv.wq, gv.w_scale, gv.w_shift, gv.b)
