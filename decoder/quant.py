@@ -6,8 +6,10 @@ kernels (decoder/optimisations.py `fbgemm_int8` picks one): fbgemm's prepacked
 `quantized::linear_dynamic` (`FbgemmLinear`, the default: u8 x s8 kernels for
 AVX2 and AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm`
 path (`Int8Linear`: one scale per activation row, oneDNN's int8 product, which
-is fast only with VNNI: 13-30x slower than fp32 on AVX2). The measurements
-behind the choice are in decoder/README.md ("int8 on every x86 CPU").
+is fast only with VNNI: 13-30x slower than fp32 on AVX2). With fbgemm, calls
+of at most 4 rows run our gemv kernel (`GemvLinear`, switch `int8_gemv`):
+at batch 1 fbgemm's fixed costs dominate. The measurements behind the
+choices are in decoder/README.md ("int8 on every x86 CPU", "Batch 1").
 `auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
