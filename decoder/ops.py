@@ -18,7 +18,7 @@ import threading
 import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("int8_linear.cpp", "fused_cpu.cpp")
+SOURCES = ("int8_linear.cpp", "int8_gemv.cpp", "fused_cpu.cpp")
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -99,6 +99,10 @@ def _register_fakes() -> None:
     def _(x, wq_t, w_scale, bias, relu):
         return x.new_empty((*x.shape[:-1], wq_t.shape[1]))
 
+    @torch.library.register_fake("decoder_ops::int8_gemv")
+    def _(x, wq, w_scale, w_shift, bias, relu, isa):
+        return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
+
     @torch.library.register_fake("decoder_ops::add_bias_residual_layernorm")
     def _(x, h, bias, gamma, beta, eps):
         return torch.empty_like(x), torch.empty_like(x)
@@ -170,3 +174,12 @@ def _stale(so: str) -> bool:
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False):
     return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu)
+
+
+def int8_gemv(x, wq, w_scale, w_shift, bias, relu: bool = False, isa: int = 2):
+    return torch.ops.decoder_ops.int8_gemv(x, wq, w_scale, w_shift, bias, relu, isa)
+
+
+def int8_gemv_isa(cap: int = 2) -> int:
+    """The path int8_gemv takes here under the cap `cap`: 0 plain C++, 1 AVX2, 2 AVX-512 VNNI."""
+    return torch.ops.decoder_ops.int8_gemv_isa(cap)

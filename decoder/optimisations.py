@@ -139,6 +139,13 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="`quantized::linear_dynamic` on weights packed at load time (u8 x s8: `vpmaddubsw` on "
                  "AVX2, VNNI on AVX-512), for the layer linears, the output projection and the shortlist's "
                  "sliced projection (repacked per batch); `_int_mm` is 13-30x slower than fp32 without VNNI"),
+    Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
+                 "fbgemm's `quantized::linear_dynamic` at every row count", "int8", row={"fbgemm_int8": True},
+                 needs=lambda o: o.fbgemm_int8 and fbgemm_available(),
+                 detail="calls of 1-4 rows (batch 1, a few live sentences) run decoder/csrc/int8_gemv.cpp: one "
+                 "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
+                 "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
+                 "(decoder/README.md); the layer linears, the output projection and the shortlist's slice"),
     Optimisation("fused_norm", False, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
@@ -216,6 +223,7 @@ class Plan:
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
+    int8_gemv_rows: int         # fbgemm's calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)

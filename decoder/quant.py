@@ -6,8 +6,10 @@ kernels (decoder/optimisations.py `fbgemm_int8` picks one): fbgemm's prepacked
 `quantized::linear_dynamic` (`FbgemmLinear`, the default: u8 x s8 kernels for
 AVX2 and AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm`
 path (`Int8Linear`: one scale per activation row, oneDNN's int8 product, which
-is fast only with VNNI: 13-30x slower than fp32 on AVX2). The measurements
-behind the choice are in decoder/README.md ("int8 on every x86 CPU").
+is fast only with VNNI: 13-30x slower than fp32 on AVX2). With fbgemm, calls
+of at most 4 rows run our gemv kernel (`GemvLinear`, switch `int8_gemv`):
+at batch 1 fbgemm's fixed costs dominate. The measurements behind the
+choices are in decoder/README.md ("int8 on every x86 CPU", "Batch 1").
 `auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
@@ -109,6 +111,67 @@ class Int8Linear:
         return y.view(*shape[:-1], -1)
 
 
+class GemvLinear:
+    """int8 linear for a few rows a call (batch-1 decoding): our C++ kernel
+    (decoder/csrc/int8_gemv.cpp), a dot product per output row with no packing,
+    no threads and no quantisation parameters beyond one abs-max per row.
+
+    Same weights as `FbgemmLinear` (int8, one symmetric scale per output row),
+    kept (out, in) row major, zero-padded to 64 columns and 4 rows. Each row of
+    x gets its own symmetric scale (q = round(127 x / amax) in [-127, 127]):
+    per tensor, as fbgemm does, would make a sentence's output depend on its
+    batch-mates and costs one more pass; per row costs nothing at these sizes.
+    `w_shift` (128 x the row sums) is what VNNI's shifted u8 activations add;
+    the kernel starts its int32 sums at minus it, so every ISA path returns
+    exactly sum q * w and the same float output (`reference`)."""
+    dense = False  # bias and relu are in the kernel's epilogue
+
+    def __init__(self, wq: torch.Tensor, w_scale: torch.Tensor, b: torch.Tensor | None):
+        n, k = self.shape = wq.shape
+        self.wq = F.pad(wq, (0, -k % 64, 0, -n % 4)).contiguous()  # (out padded to 4, in padded to 64)
+        self.w_scale = w_scale.float().contiguous()  # (out,)
+        self.w_shift = (self.wq.sum(1, dtype=torch.int32) * 128).contiguous()  # (out padded,) int32
+        self.b = None if b is None else b.float().contiguous()
+        self.isa = gemv_isa_cap()
+
+    @property
+    def out_features(self) -> int:
+        return self.w_scale.shape[0]
+
+    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return ops.int8_gemv(x, self.wq, self.w_scale, self.w_shift, self.b, relu, self.isa)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int8_gemv(x, self.wq, self.w_scale, self.w_shift, None, False, self.isa)
+
+    def rows(self, idx: torch.Tensor, batch_rows: int = 1) -> "GemvLinear":
+        """The output features idx (C,) only: row slices, no packing (a shortlist at batch 1)."""
+        n, k = self.shape
+        return GemvLinear(self.wq[:n, :k].index_select(0, idx), self.w_scale.index_select(0, idx),
+                          None if self.b is None else self.b.index_select(0, idx))
+
+    def reference(self, x: torch.Tensor, bias: bool = True, relu: bool = False) -> torch.Tensor:
+        """The kernel's math in tensor ops: the same integers, the same float roundings."""
+        shape, (n, k) = x.shape, self.shape
+        x2 = x.reshape(-1, k).float()  # (M, in)
+        amax = x2.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (M, 1)
+        q = torch.mul(x2, 127.0 / amax).round_()  # (M, in), integers in [-127, 127]
+        acc = q.long() @ self.wq[:n, :k].long().t()  # (M, out) exact
+        y = acc.float().mul_(amax.mul_(1.0 / 127.0) * self.w_scale)  # rounded once, then the bias once
+        if bias and self.b is not None:
+            y.add_(self.b)
+        if relu:
+            y.relu_()
+        return y.view(*shape[:-1], n)
+
+
+def gemv_isa_cap() -> int:
+    """The widest int8_gemv path allowed: ATEN_CPU_CAPABILITY=avx2 (or default)
+    caps ours with ATen's, so an ISA-capped benchmark runs AVX2 (plain) code."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return {"default": 0, "avx2": 1}.get(cap, 2)
+
+
 class FbgemmLinear:
     """Dynamic int8 through fbgemm's prepacked `quantized::linear_dynamic`.
 
@@ -122,7 +185,8 @@ class FbgemmLinear:
     torch.ao's dynamic Linear does); VNNI accumulates in int32 and keeps 8."""
     dense = False  # the bias is in the packed weight, relu in fbgemm's epilogue
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, gemv_rows: int = 0):
+        """gemv_rows > 0: calls of at most that many rows run `GemvLinear` (int8_gemv)."""
         w = w.float()
         self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127.0  # (out,)
         self.wq = torch.round(w / self.w_scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (out, in)
@@ -131,6 +195,8 @@ class FbgemmLinear:
         self._packed_nobias = None
         self.zero_b = None if b is None else torch.zeros_like(self.b)  # fused ops downstream: bias already in
         self.reduce_range = not fbgemm_vnni()
+        self.gemv = GemvLinear(self.wq, self.w_scale, self.b) if gemv_rows and ops.available() else None
+        self.gemv_numel = gemv_rows * self.wq.shape[1]  # x.numel() at which a call still takes gemv
 
     @property
     def out_features(self) -> int:
@@ -144,7 +210,10 @@ class FbgemmLinear:
         batch of `batch_rows` >= REPACK_ROWS rows earns back within a few steps;
         one sentence does not, so it gets those int8 rows dequantised to fp32
         (same weights, no packing: 1.1 ms against 2.4 ms repacked for 30 steps
-        over 1000 candidates at d256)."""
+        over 1000 candidates at d256), or with int8_gemv, which needs no
+        packing, the int8 rows sliced for our kernel."""
+        if self.gemv is not None and batch_rows * self.wq.shape[1] <= self.gemv_numel:
+            return self.gemv.rows(idx)
         if batch_rows < self.REPACK_ROWS:
             w = self.wq.index_select(0, idx).float().mul_(self.w_scale.index_select(0, idx)[:, None])  # (C, in)
             return Linear(w, None if self.b is None else self.b.index_select(0, idx), torch.float32)
@@ -154,14 +223,20 @@ class FbgemmLinear:
         new.packed, new._packed_nobias = _pack(new.wq, new.w_scale, new.b), None
         new.zero_b = None if new.b is None else torch.zeros_like(new.b)
         new.reduce_range = self.reduce_range
+        # the same columns as the full layer's at every row count (early stop shrinks batches)
+        new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
         return new
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        if self.gemv is not None and x.numel() <= self.gemv_numel:
+            return self.gemv(x, relu)
         op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
         return op(x, self.packed, self.reduce_range)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """Without the bias (a fused op downstream adds it): a second packing, made on first use."""
+        if self.gemv is not None and x.numel() <= self.gemv_numel:
+            return self.gemv.mm(x)
         if self._packed_nobias is None:
             self._packed_nobias = _pack(self.wq, self.w_scale, None)
         return torch.ops.quantized.linear_dynamic(x, self._packed_nobias, self.reduce_range)
@@ -208,12 +283,13 @@ _fbgemm: dict = {}
 
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=None):
-    """The linear layer of `precision`; int8 runs the kernel the plan chose
-    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op)."""
+    """The linear layer of `precision`; int8 runs the kernels the plan chose
+    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op;
+    with fbgemm, `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer)."""
     if precision != "int8":
         return Linear(w, b, DTYPES[precision])
     if plan is not None and plan.int8_kernel == "fbgemm" and fbgemm_available():
-        return FbgemmLinear(w, b)
+        return FbgemmLinear(w, b, gemv_rows=plan.int8_gemv_rows)
     return Int8Linear(w, b, fused=plan is None or plan.int8_fused)
 
 
@@ -233,7 +309,7 @@ class Probe:
     mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
     (1, 256, 256) half of it (decoder/README.md "int8 on every x86 CPU")."""
     rows: int = 64
-    kernel: str = "fbgemm"  # "fbgemm" | "int_mm"
+    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv" (fbgemm, and int8_gemv at these rows)
     d: int = 256
     vocab: int = 8000
 
@@ -292,8 +368,8 @@ def _weights(p: Probe) -> list[torch.Tensor]:
 
 def _time_int8(p: Probe) -> float:
     x = torch.randn(p.rows, p.d)
-    if p.kernel == "fbgemm" and fbgemm_available():
-        lins = [FbgemmLinear(w, None) for w in _weights(p)]
+    if p.kernel in ("fbgemm", "gemv") and fbgemm_available():
+        lins = [FbgemmLinear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0) for w in _weights(p)]
         return _best_of(lambda: [lin(x) for lin in lins])
     # the bare int8 product: quantisation passes are small beside it
     xq = torch.ones(p.rows, p.d, dtype=torch.int8)

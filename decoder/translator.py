@@ -123,8 +123,10 @@ class Translator:
         """What `auto` times: this model's step products at the rows a step will
         have: 1 where batches are single sentences (latency), else a batch
         (64 rows: products are throughput-bound from there on)."""
-        return Probe(rows=min(self.opts.max_sentences, 64), kernel=self.plan.int8_kernel,
-                     d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
+        rows, kernel = min(self.opts.max_sentences, 64), self.plan.int8_kernel
+        if kernel == "fbgemm" and rows <= self.plan.int8_gemv_rows:
+            kernel = "gemv"  # the kernel those rows run (decoder/quant.py FbgemmLinear)
+        return Probe(rows=rows, kernel=kernel, d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
 
     def auto_choice(self) -> str | None:
         """Why `auto` chose the precision that runs, in words (None without `auto` on CPU)."""

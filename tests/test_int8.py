@@ -123,6 +123,9 @@ def test_auto_probes_the_int8_kernel_the_plan_runs(model_dir, monkeypatch):
     assert Translator(model_dir, precision="auto", fbgemm_int8=False).probe.kernel == "int_mm"
     if quant.fbgemm_available():
         assert Translator(model_dir, precision="auto").probe.kernel == "fbgemm"
+        # one row a step: int8_gemv runs those calls, so the latency probe times it
+        assert Translator(model_dir, precision="auto", max_sentences=1).probe.kernel == "gemv"
+        assert Translator(model_dir, precision="auto", max_sentences=1, int8_gemv=False).probe.kernel == "fbgemm"
 
 
 def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
@@ -130,7 +133,7 @@ def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
     fake_timings(monkeypatch, lambda r: 40, lambda r: 120)
     line = describe(Translator(model_dir, precision="auto", max_sentences=1), "auto")
     assert line.startswith("decoder: precision int8 (auto), 1 thread")
-    assert line.endswith("; auto timed 1-row step probe, int8 (fbgemm) 40 us vs fp32 120 us") or \
+    assert line.endswith("; auto timed 1-row step probe, int8 (gemv) 40 us vs fp32 120 us") or \
         not quant.fbgemm_available()
     assert "auto" not in describe(Translator(model_dir, precision="fp32"), "fp32")
 

@@ -19,7 +19,8 @@ def test_every_plan_slot_is_filled_by_a_registry_entry():
     assert slots == {f.name for f in dataclasses.fields(opt.Plan)}
 
 
-NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True}}
+NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
+         "int8_gemv": {"fbgemm_int8": True}}
 
 
 def test_each_switch_alone_changes_only_its_own_slot():

@@ -96,7 +96,7 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
         rows.append((f"+ {o.label}", dict(cur)))
     variants = [("+ bf16 weights and activations", {**cur, "precision": "bf16"}),
                 ("+ int8 dynamic (PyTorch ops)", {**cur, "precision": "int8"})]
-    variants += [(f"+ int8 dynamic, {o.label}", {**cur, "precision": "int8", o.name: True}) for o in group("int8")]
+    variants += [(f"+ int8 dynamic, {o.label}", {**cur, "precision": "int8", **o.row, o.name: True}) for o in group("int8")]
     step = group("step")
     variants += [(f"+ {o.label}", {**cur, o.name: True}) for o in step]
     variants.append((f"+ all of {', '.join(o.name for o in step)}", {**cur, **{o.name: True for o in step}}))
