@@ -148,8 +148,9 @@ class StaticCache(IncrementalCache):
 class OneRowCache(IncrementalCache):
     """One sentence, greedy: the latency mode (decoder/search.py `greedy_one`).
 
-    The token arrives as a Python int and its embedding is a row lookup; attention
-    is `plan.attend_one` (the one_row_attention switch) for the one query, and
+    The token arrives as a Python int and its embedding is a row lookup; k and v
+    are written by `plan.write_kv_one` (one_row_cache), attention is
+    `plan.attend_one` (one_row_attention) for the one query, and
     cross-attention takes no mask: one sentence has no padding. At batch 1 a step
     is bound by dispatch, so every op saved here is time saved."""
 
@@ -159,7 +160,7 @@ class OneRowCache(IncrementalCache):
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (1, h, T, hd)
-        q = self.plan.write_kv(attn, y, kc, vc, self.t - 1)  # (1, 1, d)
+        q = self.plan.write_kv_one(attn, y, kc, vc, self.t - 1)  # (1, 1, d)
         o = self.plan.attend_one(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t])  # (1, h, 1, hd)
         return o.view(1, 1, -1)  # one query: (1, h, 1, hd) is (1, 1, d) in memory
 
