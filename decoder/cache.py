@@ -16,6 +16,8 @@ the layers attend through:
   yet, and rows are fixed (finished sentences stay, fed <pad>). One captured
   CUDA graph then replays every step of a batch; on CPU it runs eagerly, which
   is how the tests check it against the incremental cache.
+- `OneRowCache`: the incremental cache for one sentence, greedy (the latency
+  mode): Python-int tokens, no padding mask, its own one-query attention.
 - `RecomputeCache`: the naive reference: the whole prefix again every step,
   encoder output copied per beam, cross K/V recomputed every time.
 
@@ -97,7 +99,7 @@ class StaticCache(IncrementalCache):
     def _run(self):
         m = self.m
         p = self.pos + (m.cfg.pad_id + 1)
-        x = (m.emb[self.tokens] * m.embed_scale + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
+        x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
         # (1, 1, 1, T): 0 up to the current position, -inf after it
         self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
             self.positions > self.pos, float("-inf"))[None, None, None]
@@ -141,6 +143,35 @@ class StaticCache(IncrementalCache):
 
     def keep(self, sents, rows):
         raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
+
+
+class OneRowCache(IncrementalCache):
+    """One sentence, greedy: the latency mode (decoder/search.py `greedy_one`).
+
+    The token arrives as a Python int and its embedding is a row lookup; k and v
+    are written by `plan.write_kv_one` (one_row_cache), attention is
+    `plan.attend_one` (one_row_attention) for the one query, and
+    cross-attention takes no mask: one sentence has no padding. At batch 1 a step
+    is bound by dispatch, so every op saved here is time saved."""
+
+    def run(self, token: int, t: int):
+        self.t = t + 1
+        return self.m.decode(self.m.embed_one(token, t), self)[:, 0]  # (1, d)
+
+    def self_attend(self, i: int, attn, y):
+        kc, vc = self.kv[i, 0], self.kv[i, 1]  # (1, h, T, hd)
+        q = self.plan.write_kv_one(attn, y, kc, vc, self.t - 1)  # (1, 1, d)
+        o = self.plan.attend_one(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t])  # (1, h, 1, hd)
+        return o.view(1, 1, -1)  # one query: (1, h, 1, hd) is (1, 1, d) in memory
+
+    def cross_attend(self, i: int, attn, y):
+        ck, cv = self.cross[i]  # (1, h, S, hd)
+        return self.plan.attend_one(heads(attn.q(y), ck.shape[1]), ck, cv).view(1, 1, -1)
+
+    def reorder(self, rows):
+        raise RuntimeError("OneRowCache holds one greedy row; beams use IncrementalCache")
+
+    keep = reorder
 
 
 class RecomputeCache:
@@ -187,13 +218,14 @@ class DecoderState:
 
     def __init__(self, model: Model, cache, out=None, phase=lambda name: _UNTIMED):
         self.m, self.cache, self.out, self.phase = model, cache, out, phase
+        self.one_row = isinstance(cache, OneRowCache)  # steps take and give Python ints (search.greedy_one)
 
     @property
     def can_shrink(self) -> bool:
         return self.cache.can_shrink
 
     def step(self, tokens, t: int, best: bool = False):
-        """tokens (rows,) at position t -> logits (rows, V), or (rows, C) through a
+        """tokens (rows,) (an int for OneRowCache) at position t -> logits (rows, V), or (rows, C) through a
         shortlist's `out`; with `best` each row's argmax column (rows,) instead,
         the logits never written (Model.project_argmax)."""
         with self.phase("decode steps"):
@@ -208,9 +240,14 @@ class DecoderState:
             self.cache.keep(sents, rows)
 
 
-CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static": StaticCache}
+CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static": StaticCache,
+          "one_row": OneRowCache}
 
 
 def new_state(model: Model, kind: str, enc, mask, beam: int, max_len: int, out=None,
               phase=lambda name: _UNTIMED, **kw) -> DecoderState:
+    """The state for one batch; an incremental greedy one of one sentence is the
+    latency mode's OneRowCache when the one_row switch is on."""
+    if kind == "incremental" and beam == 1 and enc.shape[0] == 1 and model.plan.one_row:
+        kind = "one_row"
     return DecoderState(model, CACHES[kind](model, enc, mask, beam, max_len, **kw), out, phase)

@@ -146,7 +146,8 @@ class Model:
         linear = lambda wt, b: make_linear(wt, b, precision, plan)  # noqa: E731
         self.n_heads, self.d = a.n_heads, a.d_model
         self.embed_scale = math.sqrt(a.d_model)
-        self.emb = w["shared.weight"].to(self.dtype)  # (V, d)
+        # (V, d), times sqrt(d) once here rather than per step: the same product, rounded the same
+        self.emb = w["shared.weight"].to(self.dtype) * self.embed_scale
         self.pos = sinusoidal_table(a.max_positions + cfg.pad_id + 1, a.d_model, cfg.pad_id).to(
             self.device, self.dtype)  # (P, d)
         self.out_proj = linear(w["shared.weight"] if a.tie_embeddings else w["lm_head.weight"], None)
@@ -159,7 +160,12 @@ class Model:
     def embed(self, ids, start: int = 0):
         # ids: (B, T); fairseq positions start at pad_id + 1
         p0 = start + self.cfg.pad_id + 1
-        return self.emb[ids] * self.embed_scale + self.pos[p0:p0 + ids.shape[1]]  # (B, T, d)
+        return self.emb[ids] + self.pos[p0:p0 + ids.shape[1]]  # (B, T, d)
+
+    def embed_one(self, token: int, t: int):
+        """One token id at position t -> (1, 1, d): two row views and one add (`emb[ids]` is an
+        aten::index, a third of this at one row)."""
+        return (self.emb[token] + self.pos[t + self.cfg.pad_id + 1]).view(1, 1, -1)
 
     def encode(self, src):
         """src (B, S) right-padded -> (encoder output (B, S, d), key mask (B, 1, 1, S))."""

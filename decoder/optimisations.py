@@ -103,7 +103,8 @@ class Optimisation:
     replaces: str             # that reference, in words
     bench: str                # where the benchmarks measure it: "ladder" (one cumulative row each, naive
     #                           first), "step" / "greedy" / "beam" (alone against the plain row), "int8",
-    #                           "ngram", "cuda", "shortlist" (rows only where that applies)
+    #                           "ngram", "cuda", "shortlist" (rows only where that applies),
+    #                           "batch1" (the batch-1 group, each off against the best)
     row: dict = field(default_factory=dict)  # other settings its ladder row changes with it
     needs: Callable[[Any], bool] = lambda opts: True  # other settings it only works with
     detail: str = ""          # more for decoder/README.md
@@ -179,6 +180,19 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="with --no-repeat-ngram N"),
     Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
                  detail="fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
+    Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
+                 "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
+                 detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
+                 "token and output as Python ints (no where/cat/any per step), the embedding one row looked up, "
+                 "cross-attention without a padding mask (one sentence has none), the forced last </s> not run"),
+    Optimisation("one_row_attention", True, "one-row attention (C++)", "attend_one", fused.decode_attention,
+                 attend_sdpa, "`scaled_dot_product_attention` at one row", "batch1",
+                 detail="with one_row: the C++ decode attention for the one query (its set-up is a third of "
+                 "SDPA's at one row); fused_attention is the same kernel for batches"),
+    Optimisation("one_row_cache", True, "one-row q/k/v split into the K/V cache (C++)", "write_kv_one",
+                 write_kv_fused, write_kv_plain, "`write_kv_plain` at one row", "batch1",
+                 detail="with one_row: fused_cache's kernel for the one row (29 against 36 us with the fp32 "
+                 "q|k|v product on an AVX-512 EPYC)"),
     Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist", detail="the output layer over the batch's candidates from the model dir's "
                  "shortlist.safetensors (python -m student.shortlist)"),
@@ -233,6 +247,9 @@ class Plan:
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
     block: Callable             # n-gram blocking, in place
     cuda_graphs: bool
+    one_row: bool               # one sentence, greedy: the one-row loop and state
+    attend_one: Callable        # the one-row state's attention (q, k, v)
+    write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
 
 

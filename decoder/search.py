@@ -34,7 +34,11 @@ class Search:
     no_repeat_ngram: int = 0    # >0: no n-gram of this size twice (fairseq's no_repeat_ngram_size)
 
     def run(self, state, limits, vocab=None) -> list[list[int]]:
-        return (greedy if self.beam == 1 else beam_search)(state, limits, self, vocab)
+        if self.beam > 1:
+            return beam_search(state, limits, self, vocab)
+        if getattr(state, "one_row", False):
+            return [greedy_one(state, int(limits[0]), self, vocab)]
+        return greedy(state, limits, self, vocab)
 
 
 def greedy(state, limits, s: Search, vocab=None) -> list[list[int]]:
@@ -81,6 +85,29 @@ def greedy(state, limits, s: Search, vocab=None) -> list[list[int]]:
                 alive, hist, limits, nxt, done = (alive[keep.cpu()], hist[keep], limits[keep],
                                                   nxt[keep], done[keep])
         tokens = nxt
+    return out
+
+
+def greedy_one(state, limit: int, s: Search, vocab=None) -> list[int]:
+    """`greedy` for one sentence (the latency mode; decoder/cache.py OneRowCache):
+    the token and the output are Python ints, so a step is the model's ops and
+    nothing else. Same picks as `greedy`: it stops at </s> or at `limit`, whose
+    last step only forces </s> and so is not run."""
+    p, eos_id = s.plan, s.eos_id
+    tok, out = s.start_id, []
+    for t in range(limit - 1):
+        if p.argmax_in_step:
+            col = state.step(tok, t, best=True)  # (1,)
+        else:
+            logits = p.normalise(state.step(tok, t))  # (1, V)
+            if s.no_repeat_ngram:
+                p.block(logits, torch.tensor([out], dtype=torch.long, device=logits.device), s.no_repeat_ngram,
+                        vocab)
+            col = p.argmax(logits)
+        tok = int(col) if vocab is None else int(vocab[col])
+        if tok == eos_id:
+            break
+        out.append(tok)
     return out
 
 

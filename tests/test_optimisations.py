@@ -65,10 +65,11 @@ def test_cli_has_one_flag_per_switch_and_passes_it_on():
 
 
 def test_benchmark_rows_cover_every_measurable_switch():
-    from tools.bench import ablation, beam_rows
+    from tools.bench import ablation, batch1_rows, beam_rows
     from tools.bench_fused import rows
     cumulative, variants = ablation()
-    named = {k for _, kw in cumulative + variants + beam_rows({"precision": "fp32"}) for k, v in kw.items() if v is True}
+    listed = cumulative + variants + beam_rows({"precision": "fp32"}) + batch1_rows({"precision": "fp32"})
+    named = {k for _, kw in listed for k, v in kw.items() if v is True}
     greedy, beam = rows()
     named |= {k for kw in list(greedy.values()) + list(beam.values()) for k, v in kw.items() if v is True}
     measurable = {o.name for o in opt.OPTIMISATIONS if o.bench not in ("ngram", "cuda")}

@@ -114,6 +114,18 @@ def beam_rows(best: dict) -> list[tuple[str, dict]]:
     return rows
 
 
+def batch1_rows(best: dict) -> list[tuple[str, dict]]:
+    """Batch 1 from the best greedy configuration with every one-row lever
+    ("batch1" in decoder/optimisations.py) off, then each added in turn: the
+    last row has them all."""
+    cur = {**best, **{o.name: False for o in group("batch1")}}
+    rows = [("one-row levers off", dict(cur))]
+    for o in group("batch1"):
+        cur = {**cur, o.name: True}
+        rows.append((f"+ {o.label}", dict(cur)))
+    return rows
+
+
 def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float = 0.2) -> dict:
     """The fastest of (words/s, BLEU, config) greedy rows that stays within
     `max_bleu_loss` BLEU of the best-optimised fp32 row (the last fp32 one)."""
@@ -370,9 +382,12 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
                  **{**best, "beam": 4, "workers": a.threads, "shortlist": True})
     b1 = src[:a.batch1_lines]
     if "batch1" not in skip:
+        *ladder, (_, b1best) = batch1_rows(best)
+        for name, kw in ladder:
+            ours(f"batch 1, 1 thread: ours {tag} greedy, {name}", b1, "batch1", threads=1, batch1=True, **kw)
         for s, skw in [("", {})] + extra:
             ours(f"batch 1, 1 thread: ours {tag} greedy{s}", b1, "batch1", threads=1, batch1=True,
-                 **{**best, **skw})
+                 **{**b1best, **skw})
     if "hf" not in skip:
         torch.set_num_threads(a.threads)
         hyps, secs = run_hf(a.model, lines, a.threads)

@@ -1,0 +1,97 @@
+"""The latency mode (one sentence per call, greedy): the one-row loop and state
+(decoder/search.py `greedy_one`, decoder/cache.py OneRowCache) give the batch
+path's tokens, and each of their switches alone leaves the tokens unchanged."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from decoder import Translator, modeldir
+from decoder.cache import OneRowCache
+from fixture_model import make_model_dir, synthetic_corpus
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
+TRAINED, TRAINED_SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
+BATCH_PATH = dict(one_row=False, one_row_attention=False, one_row_cache=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_model_dir(tmp_path_factory.mktemp("batch1") / "model", seed=4, enc=1, dec=2)
+
+
+@pytest.fixture(scope="module")
+def srcs(model_dir):
+    return Translator(model_dir).text.encode(synthetic_corpus(30, seed=5))
+
+
+def one_by_one(tr, srcs):
+    return [tr.translate_ids([s])[0] for s in srcs]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("switches", [dict(one_row=True, one_row_attention=False, one_row_cache=False),
+                                      dict(one_row=True, one_row_attention=True, one_row_cache=False),
+                                      dict(one_row=True, one_row_attention=False, one_row_cache=True),
+                                      dict(one_row=True, fused_project_argmax=False)],
+                         ids=["loop", "loop+attention", "loop+cache", "all+full_logits"])
+def test_one_row_greedy_gives_the_batch_greedy_tokens(model_dir, srcs, precision, switches):
+    ref = one_by_one(Translator(model_dir, precision=precision, **BATCH_PATH), srcs)
+    assert one_by_one(Translator(model_dir, precision=precision, **switches), srcs) == ref
+
+
+def test_one_row_greedy_stops_at_the_length_cap_as_the_batch_greedy(model_dir, srcs):
+    # caps of 1..3 tokens: most sentences end by the forced </s>, one (cap 1) with no step run at all
+    for b in (1, 2, 3):
+        kw = dict(max_len_a=0.0, max_len_b=b)
+        ref = one_by_one(Translator(model_dir, **kw, **BATCH_PATH), srcs)
+        assert max(map(len, ref)) == b - 1
+        assert one_by_one(Translator(model_dir, **kw), srcs) == ref
+
+
+@pytest.fixture(scope="module")
+def shortlisted(model_dir, tmp_path_factory):
+    """A copy of the model dir with a random shortlist: 25 candidates per source token, 20 frequent."""
+    d = str(tmp_path_factory.mktemp("batch1-shortlist") / "model")
+    shutil.copytree(model_dir, d)
+    V = modeldir.read_config(d).arch.vocab_size
+    g = torch.Generator().manual_seed(6)
+    lists = [torch.randperm(V, generator=g)[:25].tolist() for _ in range(V)]
+    offsets = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+    modeldir.write_shortlist(d, offsets, torch.tensor(lists).view(-1), torch.arange(4, 24))
+    return d
+
+
+@pytest.mark.parametrize("settings", [dict(no_repeat_ngram=2), dict(shortlist=True),
+                                      dict(shortlist=True, no_repeat_ngram=2, precision="int8")],
+                         ids=["ngram", "shortlist", "shortlist+ngram+int8"])
+def test_one_row_greedy_with_ngram_blocking_or_shortlist_gives_the_batch_tokens(shortlisted, srcs, settings):
+    ref = one_by_one(Translator(shortlisted, **settings, **BATCH_PATH), srcs)
+    assert one_by_one(Translator(shortlisted, **settings), srcs) == ref
+
+
+def test_one_row_state_runs_only_for_one_greedy_sentence(model_dir, srcs, monkeypatch):
+    seen = []
+    run = OneRowCache.run
+    monkeypatch.setattr(OneRowCache, "run", lambda self, tok, t: (seen.append(type(tok)), run(self, tok, t))[1])
+    Translator(model_dir).translate_ids(srcs[:1])
+    assert seen and set(seen) == {int}
+    seen.clear()
+    Translator(model_dir).translate_ids(srcs[:2])
+    Translator(model_dir, beam=2).translate_ids(srcs[:1])
+    Translator(model_dir, one_row=False).translate_ids(srcs[:1])
+    assert seen == []
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(TRAINED, "config.json")),
+                    reason="trained fixture tests/fixtures/bible-tiny is absent (tests/fixtures/make_bible_tiny.sh)")
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_one_row_greedy_gives_the_batch_greedy_tokens_on_trained_model(precision):
+    torch.set_num_threads(1)
+    with open(TRAINED_SRC, encoding="utf-8") as fh:
+        lines = [next(fh).rstrip("\n") for _ in range(60)]
+    ref = Translator(TRAINED, precision=precision, **BATCH_PATH)
+    srcs = ref.text.encode(lines)
+    assert one_by_one(Translator(TRAINED, precision=precision), srcs) == one_by_one(ref, srcs)
