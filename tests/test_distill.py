@@ -671,3 +671,16 @@ def test_hf_multi_target_marian_teacher_prefixes_the_target_token(tmp_path):
                                                     max_new_tokens=62)[0], skip_special_tokens=True).split())
                 for x in lines]
     assert got == want
+
+
+def test_report_stage_table_gives_the_distill_stage_words_per_second():
+    from student.distill.report import markdown, stage_note
+    result = {"sentences": 29255, "world": 1, "engine": "decoder", "precision": "int8", "workers": 2,
+              "rank0": {"sentences": 29255, "words": 704941, "seconds": 295.27, "words_per_second": 2387.4}}
+    note = stage_note(result)
+    assert note == ("29255 sentences, 2387 words/s, 99.1 sentences/s (decoder, int8, 2 workers; rank 0 of 1)")
+    assert stage_note({"steps": 10}) is None and stage_note(None) is None  # training stages: nothing to add
+    rep = {"run": "x", "test": {"sentences": 1, "words": 1, "pair": "en-es", "set": "a book"}, "machine": "m",
+           "lean_decoder": True, "systems": [], "verdict": [],
+           "stages": {"distill": {"status": "ran", "seconds": 298.0, "note": note}}}
+    assert f"| distill | ran | 298.0 | {note} |" in markdown(rep)

@@ -34,7 +34,8 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
             if hasattr(decoder, "close"):
                 decoder.close()  # worker processes and model copies go before the next system loads
     add_speed_ratios(rows)
-    stages = {k: {"status": v.get("status"), "seconds": v.get("seconds")} for k, v in manifest["stages"].items()}
+    stages = {k: {"status": v.get("status"), "seconds": v.get("seconds"), "note": stage_note(v.get("result"))}
+              for k, v in manifest["stages"].items()}
     training = training_facts(systems)
     rep = {"run": cfg.name, "test": {"sentences": len(src), "words": n_words, "pair": f"{prep.src_lang}-{prep.tgt_lang}",
                                      "prepared": prep.dir, "set": prep.held_out.get("test")},
@@ -45,6 +46,18 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(rep))
     return {"systems": [{k: r[k] for k in ("system", "beam", "bleu", "chrf", "words_per_second")} for r in rows]}
+
+
+def stage_note(result) -> str | None:
+    """The distill stage's speed in words (the teacher at the decoder's fastest setting
+    translates the whole training source: its words/s is the stage's cost)."""
+    r = (result or {}).get("rank0") if isinstance(result, dict) else None
+    if not r or not r.get("seconds"):
+        return None
+    how = ", ".join(str(x) for x in (result.get("engine"), result.get("precision")) if x)
+    workers = f", {result['workers']} workers" if result.get("workers") else ""
+    return (f"{r['sentences']} sentences, {r['words_per_second']:.0f} words/s, "
+            f"{r['sentences'] / r['seconds']:.1f} sentences/s ({how}{workers}; rank 0 of {result.get('world', 1)})")
 
 
 def searches(name: str, system, cfg) -> list[tuple]:
@@ -219,8 +232,8 @@ def markdown(rep: dict) -> str:
     if rep["systems"]:
         lines += ["", f"BLEU: `{rep['systems'][0]['bleu_signature']}`",
                   f"chrF: `{rep['systems'][0]['chrf_signature']}`"]
-    lines += ["", "| stage | status | seconds |", "|---|---|---:|"]
-    lines += [f"| {k} | {v['status']} | {v['seconds']} |" for k, v in rep["stages"].items()]
+    lines += ["", "| stage | status | seconds | what ran |", "|---|---|---:|---|"]
+    lines += [f"| {k} | {v['status']} | {v['seconds']} | {v.get('note') or ''} |" for k, v in rep["stages"].items()]
     return "\n".join(lines) + "\n"
 
 
