@@ -74,3 +74,15 @@ def test_benchmark_rows_cover_every_measurable_switch():
     named |= {k for kw in list(greedy.values()) + list(beam.values()) for k, v in kw.items() if v is True}
     measurable = {o.name for o in opt.OPTIMISATIONS if o.bench not in ("ngram", "cuda")}
     assert measurable <= named
+
+
+def test_batch1_rows_end_with_the_int8_kernels_the_throughput_winner_left_off():
+    from tools.bench import batch1_rows
+    batch1 = {o.name for o in opt.group("batch1")}
+    # the AVX-512 winner of 2026-11-25: our _int_mm C++ linear, fbgemm and the gemv kernel off
+    rows = batch1_rows({"precision": "int8", "fused_ops": True, "fbgemm_int8": False, "int8_gemv": False})
+    last = rows[-1][1]
+    assert all(last[n] for n in batch1) and last["fbgemm_int8"] and last["int8_gemv"]
+    assert not any(rows[0][1][n] for n in batch1)
+    fp32 = batch1_rows({"precision": "fp32"})[-1][1]
+    assert "int8_gemv" not in fp32 and all(fp32[n] for n in batch1)

@@ -116,12 +116,14 @@ def beam_rows(best: dict) -> list[tuple[str, dict]]:
 
 def batch1_rows(best: dict) -> list[tuple[str, dict]]:
     """Batch 1 from the best greedy configuration with every one-row lever
-    ("batch1" in decoder/optimisations.py) off, then each added in turn: the
-    last row has them all."""
+    ("batch1" in decoder/optimisations.py) off, then each added in turn; in int8
+    then each int8 kernel the throughput winner left off (the few-row kernel
+    pays at one row, not in batches): the last row has them all."""
     cur = {**best, **{o.name: False for o in group("batch1")}}
     rows = [("one-row levers off", dict(cur))]
-    for o in group("batch1"):
-        cur = {**cur, o.name: True}
+    more = [o for o in group("int8") if best.get("precision") == "int8" and not best.get(o.name)]
+    for o in group("batch1") + more:
+        cur = {**cur, **o.row, o.name: True}
         rows.append((f"+ {o.label}", dict(cur)))
     return rows
 
