@@ -92,7 +92,7 @@ def test_torchrun_two_processes_keep_replicas_identical(toy_files, tmp_path):
 
 
 def test_bf16_autocast_trains_to_the_fp32_loss_curve_within_tolerance(toy_files, tmp_path):
-    """`--amp bf16` is a speed switch (tools/bench_train): it must learn as fp32 does."""
+    """`--amp bf16` is a speed switch (student/train/speed.py): it must learn as fp32 does."""
     common = ["--max-steps", "40", "--max-tokens", "400", "--lr", "3e-3", "--warmup", "10", "--eval-every", "0",
               "--no-test"]
     curves = {}
@@ -116,3 +116,13 @@ def test_amp_auto_is_bf16_only_on_cpus_with_native_bf16(monkeypatch):
     assert trainer.autocast_setup("auto", cpu) == (None, None)  # emulated bf16 was 20x slower
     assert trainer.autocast_setup("bf16", cpu) == (torch.bfloat16, None)
     assert trainer.autocast_setup("off", cpu) == (None, None)
+
+
+def test_trainer_speed_tool_lists_its_configurations_and_refuses_an_unknown_one():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "student.train.speed", "--help"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "bf16+compile" in r.stdout and "(default: teacher-tiny)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "student.train.speed", "--configs", "fp64"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown configuration 'fp64'" in r.stderr.strip().splitlines()[-1]

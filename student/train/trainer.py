@@ -60,7 +60,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
     # off | auto | bf16 | fp16. auto: bf16 autocast where the CPU has native bf16 (1.35x the
-    # tokens/s of fp32 for teacher-tiny on an AVX512-BF16 EPYC, tools/bench_train), fp32 on
+    # tokens/s of fp32 for teacher-tiny on an AVX512-BF16 EPYC, student/train/speed.py), fp32 on
     # other CPUs (docs/training.md's measured recipe), fp16 with a scaler on CUDA
     amp: str = "auto"
     seed: int = 1

@@ -1,6 +1,6 @@
 """Training speed per configuration: tokens/s of the trainer's steps, side by side in one run.
 
-    python -m tools.bench_train [--preset teacher-tiny] [--steps 24] [--threads 2]
+    python -m student.train.speed [--preset teacher-tiny] [--steps 24] [--threads 2]
                                 [--configs fp32,bf16] [--out docs/training-speed.json]
 
 Each configuration trains the same model from the same seed on the same batches
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from decoder import machine
+from decoder import cliargs, machine
 from student.train.batching import make_batches
 from student.train.trainer import Corpus, TrainConfig, Trainer
 
@@ -61,6 +61,7 @@ def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cliargs.add_version(p)
     p.add_argument("--preset", default="teacher-tiny", help="model preset (student.model)")
     p.add_argument("--steps", type=int, default=24, help="steps per configuration and pass")
     p.add_argument("--warm", type=int, default=4, help="leading steps left out of the timing")
