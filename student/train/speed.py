@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from decoder import cliargs, machine
+from decoder import cliargs, durable, machine
 from student.train.batching import make_batches
 from student.train.trainer import Corpus, TrainConfig, Trainer
 
@@ -43,19 +43,16 @@ def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: 
     if compile_model:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
         t.net = torch.compile(t.model, dynamic=True)
     t.model.train()
-    st = t.state
     batches = make_batches(*t.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0)
-    tok, t0, losses = 0, None, []
-    for i in range(steps):
+    tok, t0 = 0, None
+    for i in range(steps):  # Trainer.step alone: its schedule advances itself, nothing else is needed
         if i == warm:
             t0 = time.perf_counter()
         ntok, loss, _ = t.step(batches[i: i + 1])
-        st["step"] += 1
-        losses.append(loss)
         if i >= warm:
             tok += ntok
     dt = time.perf_counter() - t0
-    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm), "loss": losses[-1], "losses": losses}
+    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm), "loss": loss}
 
 
 def main(argv=None):
@@ -97,10 +94,9 @@ def main(argv=None):
         print(f"| {n} | {r['tokens_s']:,.0f} | {r['s_per_step']:.2f} | {r['tokens_s'] / ref:.2f} | {r['loss']:.3f} |")
     if a.out:
         row = {"preset": a.preset, "threads": a.threads, "steps": a.steps, "machine": hw,
-               "date": time.strftime("%Y-%m-%d"), "results": {n: {k: v for k, v in r.items() if k != "losses"}
-                                                              for n, r in best.items()}}
-        old = json.load(open(a.out)) if os.path.exists(a.out) else []
-        json.dump(old + [row], open(a.out, "w"), indent=1)
+               "date": time.strftime("%Y-%m-%d"), "results": best}
+        old = json.loads(open(a.out).read()) if os.path.exists(a.out) else []
+        durable.write_json(a.out, old + [row])
 
 
 if __name__ == "__main__":
