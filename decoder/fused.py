@@ -37,8 +37,14 @@ def log_softmax_topk_reference(logits, scores, K: int, n: int, normalized: bool 
     return cand.view(R // K, K * V).topk(n, dim=1)
 
 
-def decode_attention_reference(q, k, v, mask=None):
-    """q (B, H, Q, D) against k, v (B, H, T, D); mask (B, 1, 1, T) bool, True = attend."""
+def decode_attention_reference(q, k, v, mask=None, rows=None):
+    """q (B, H, Q, D) against k, v (B, H, T, D); mask (B, 1, 1, T) bool, True = attend.
+    rows (B, T) long: key and value j of row b are those of k's and v's row rows[b, j]
+    (beam search's row table, decoder/cache.py `RowTableCache`); k, v are then (N, H, T, D)."""
+    if rows is not None:
+        pos = torch.arange(k.shape[2], device=k.device)  # (T,)
+        # (N, T, H, D)[rows, pos] -> (B, T, H, D)
+        k, v = (t.transpose(1, 2)[rows, pos].transpose(1, 2) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -132,7 +138,11 @@ def ngram_block_(logits, hist, n: int, vocab=None):
     return ngram_block_reference(logits, hist, n, vocab)
 
 
-def decode_attention(q, k, v, mask=None):
+def decode_attention(q, k, v, mask=None, rows=None):
+    if rows is not None:  # CPU only: the CUDA build has no row-table kernel
+        if _kernel(q) and q.device.type == "cpu" and mask is None:
+            return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
+        return decode_attention_reference(q, k, v, mask, rows)
     if _kernel(q):
         return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
     return decode_attention_reference(q, k, v, mask)

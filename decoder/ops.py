@@ -115,6 +115,10 @@ def _register_fakes() -> None:
     def _(q, k, v, mask):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("decoder_ops::decode_attention_rows")
+    def _(q, k, v, rows):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("decoder_ops::qkv_to_cache_")
     def _(kc, vc, qkv, t):
         return qkv.new_empty((kc.shape[0], 1, kc.shape[1] * kc.shape[3]))

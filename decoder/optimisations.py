@@ -152,10 +152,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
                  "`hidden_plain`: addmm with bias, relu", "step",
                  detail="fp32/bf16 fc1 as a bias-free product, then one C++ pass (int8 has it in its epilogue)"),
-    Optimisation("fused_attention", False, "fused decode-step attention (C++)", "attend", fused.decode_attention,
+    Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", fused.decode_attention,
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
                  detail="the cached step's attention for its few queries, reading the cache slice in place"),
-    Optimisation("fused_cache", False, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
+    Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
                  detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
     Optimisation("fused_argmax", False, "fused argmax (C++)", "argmax", fused.argmax_rows, argmax_torch,
@@ -175,6 +175,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
                  detail="the log-probabilities are never written, but they round differently from ATen's: "
                  "near ties may flip (one line in 300 on an AVX-512 EPYC)"),
+    Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
+                 "the live K/V cache copied to its new rows at every beam step", "beam",
+                 needs=lambda o: o.fused_attention and o.cache,
+                 detail="decoder/cache.py RowTableCache: a reorder rewrites a (rows, T) table of cache rows, the "
+                 "attention kernel reads key j of row b from row table[b, j] (decode_attention_rows)"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", fused.ngram_block_,
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
@@ -251,6 +256,7 @@ class Plan:
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
+    kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
 
 
 def resolve(switches, **settings) -> Plan:

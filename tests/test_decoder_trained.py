@@ -66,6 +66,21 @@ def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data, beam4):
     assert fused.translate(data[0]) == beam4
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_beam_through_a_row_table_equals_beam_moving_the_cache_on_trained_model(data, precision, monkeypatch):
+    from decoder.cache import RowTableCache
+    moved = Translator(MODEL, precision=precision, beam=4, kv_row_table=False).translate(data[0])
+    calls = {"reorder": 0, "keep": 0}
+    for name in calls:
+        def spy(self, *a, _f=getattr(RowTableCache, name), _n=name):
+            calls[_n] += 1
+            return _f(self, *a)
+        monkeypatch.setattr(RowTableCache, name, spy)
+    table = Translator(MODEL, precision=precision, beam=4, kv_row_table=True).translate(data[0])
+    assert calls["reorder"] > 0 and calls["keep"] > 0  # both paths of the table ran
+    assert table == moved
+
+
 def test_beam_with_fused_log_softmax_differs_at_most_in_a_few_lines_on_trained_model(data, beam4):
     # one line in 300 differed on an AVX-512 EPYC (a near tie between two names)
     fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_log_softmax=True)

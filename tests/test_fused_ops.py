@@ -191,6 +191,37 @@ def test_decode_attention_passes_opcheck():
     _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, mask))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 13), (12, 40)])
+def test_decode_attention_through_a_row_table_reads_the_named_rows(dtype, B, T):
+    g = torch.Generator().manual_seed(B * 10 + T)
+    q = torch.randn(B, 4, 1, 64, generator=g).to(dtype)
+    cache = torch.randn(2, B, 4, T + 3, 64, generator=g).to(dtype)
+    k, v = cache[0, :, :, :T], cache[1, :, :, :T]  # the live slice of a cache
+    rows = torch.randint(0, B, (B, T), generator=g)
+    got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
+    # the same rows moved into place, then plain attention: what the copying reorder gives
+    moved = [torch.stack([t[rows[b, j], :, j] for j in range(T)], 1) for t in (k, v) for b in range(B)]
+    km, vm = torch.stack(moved[:B]), torch.stack(moved[B:])
+    close(got, fused.decode_attention_reference(q.float(), km.float(), vm.float()).to(dtype), dtype)
+    close(fused.decode_attention_reference(q.float(), k.float(), v.float(), rows=rows).to(dtype), got, dtype)
+    if B > 1:  # a table that is not the identity must matter
+        assert not torch.allclose(got.float(), fused.decode_attention_reference(q.float(), k.float(), v.float()))
+
+
+def test_decode_attention_rows_refuses_a_row_outside_the_cache():
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 5, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.decoder_ops.decode_attention_rows(q, k, k, torch.tensor([[0, 1, 2, 0, 1], [1] * 5]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.decoder_ops.decode_attention_rows(q, k, k, torch.full((2, 5), -1))
+
+
+def test_decode_attention_rows_passes_opcheck():
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 11, 8), torch.randn(3, 4, 11, 8)
+    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, torch.randint(0, 3, (3, 11))))
+
+
 needs_cuda_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() or not ops.cuda_available(),
     reason="needs a GPU and the CUDA kernels built by nvcc (decoder/csrc/fused_cuda.cu)")
@@ -371,8 +402,8 @@ def test_argmax_ops_pass_opcheck(dtype):
 
 # the float loops are plain C++ left to the compiler (csrc/multiversion.h): this
 # pins that each AVX2 / AVX-512 clone really holds packed vector code
-VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "exp_shift_sum", "row_argmax",
-                "dot", "axpy", "quantize_row", "dequant_row")
+VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "row_argmax",
+                "attend_heads", "quantize_row", "dequant_row")  # attend_heads has dot, axpy, exp_shift_sum inlined
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("objdump"), reason="needs x86-64 and objdump")

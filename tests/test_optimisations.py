@@ -20,7 +20,7 @@ def test_every_plan_slot_is_filled_by_a_registry_entry():
 
 
 NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
-         "int8_gemv": {"fbgemm_int8": True}}
+         "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True}}
 
 
 def test_each_switch_alone_changes_only_its_own_slot():
@@ -86,3 +86,17 @@ def test_batch1_rows_end_with_the_int8_kernels_the_throughput_winner_left_off():
     assert not any(rows[0][1][n] for n in batch1)
     fp32 = batch1_rows({"precision": "fp32"})[-1][1]
     assert "int8_gemv" not in fp32 and all(fp32[n] for n in batch1)
+
+
+def test_composed_bench_row_is_the_fastest_precision_with_the_kernels_that_paid_alone():
+    from tools.bench import ablation, compose
+    cumulative, variants = ablation()
+    plain = cumulative[-1]
+    speed = {plain[0]: 100.0, "+ bf16 weights and activations": 120.0, "+ int8 dynamic (PyTorch ops)": 150.0,
+             "+ fused decode-step attention (C++)": 110.0, "+ fused bias+relu (C++)": 90.0}
+    measured = {n: (speed.get(n, 50.0), kw) for n, kw in cumulative + variants}
+    name, kw = compose(measured, plain[1])
+    fastest_int8 = max((r for r in measured.values() if r[1]["precision"] == "int8"), key=lambda r: r[0])[1]
+    assert kw["precision"] == "int8" and kw == {**fastest_int8, "fused_attention": True}
+    assert not kw["fused_relu"] and "fused_attention" in name
+    assert compose({n: r for n, r in measured.items() if n != plain[0]}, plain[1]) is None

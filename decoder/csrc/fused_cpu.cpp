@@ -7,6 +7,8 @@
 //                                (normalized: the rows are log-probs already)
 //   decode_attention             softmax(q k^T / sqrt(hd) + mask) v for the few
 //                                queries of a decode step (no ATen SDPA set-up)
+//   decode_attention_rows        the same with key j of row b read from cache row
+//                                rows[b, j]: beam search without moving its cache
 //   qkv_to_cache_                the fused q|k|v projection of one step split:
 //                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
@@ -103,9 +105,8 @@ float row_sum_exp(const float* x, int64_t n, float m) {
   return s;
 }
 
-// p[j] = e^(p[j] - m) in place; returns their sum
-MULTIVERSION
-float exp_shift_sum(float* p, int64_t n, float m) {
+// p[j] = e^(p[j] - m) in place; returns their sum (inlined into its caller's clones)
+inline float exp_shift_sum(float* p, int64_t n, float m) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) {
@@ -228,73 +229,109 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, co
   return {values, indices};
 }
 
-MULTIVERSION
-float dot(const float* a, const float* b, int64_t n) {
+// Inlined into attend_heads, so that each ISA clone vectorises them for its own width.
+inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-MULTIVERSION
-void axpy(float a, const float* x, float* y, int64_t n) {
+inline void axpy(float a, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// q (B, H, Q, D), k and v (B, H, T, D) with any strides but the last (the cache
-// slice [:, :, :t+1] is not contiguous), mask (B, 1, 1, T) bool, True = attend.
-// One (b, h) pair per task: Q*T dot products of length D, a softmax over T, and
-// T axpys; at decode sizes this is microseconds, where ATen's SDPA spends more
-// choosing and setting up its kernel.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask) {
+struct AttendArgs {
+  const float *q, *k, *v;
+  const bool* mask;     // (B, T) or null
+  const int64_t* rows;  // (B, T) or null: key j of row b is in k's row rows[b, j], else in row b
+  float* out;
+  int64_t H, Q, D, T, ks0, ks1, ks2, vs0, vs1, vs2;
+  float scale;
+};
+
+// The (b, h) pairs [lo, hi): Q*T dot products of length D, a softmax over T,
+// and T axpys each. p is T floats of scratch.
+MULTIVERSION
+void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
+  const int64_t H = a.H, Q = a.Q, D = a.D, T = a.T;
+  for (int64_t bh = lo; bh < hi; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    const bool* mb = a.mask ? a.mask + b * T : nullptr;
+    const int64_t* rb = a.rows ? a.rows + b * T : nullptr;
+    // key/value j: row b's own, or the row the table names (same head, same position)
+    auto key = [&](int64_t j) { return a.k + (rb ? rb[j] : b) * a.ks0 + h * a.ks1 + j * a.ks2; };
+    auto val = [&](int64_t j) { return a.v + (rb ? rb[j] : b) * a.vs0 + h * a.vs1 + j * a.vs2; };
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* qi = a.q + (bh * Q + i) * D;
+      float* oi = a.out + (bh * Q + i) * D;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < T; ++j) {
+        p[j] = (mb && !mb[j]) ? -std::numeric_limits<float>::infinity() : dot(qi, key(j), D) * a.scale;
+        mx = p[j] > mx ? p[j] : mx;
+      }
+      std::fill(oi, oi + D, 0.f);
+      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: NaN, as SDPA gives
+        std::fill(oi, oi + D, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const float inv = 1.f / exp_shift_sum(p, T, mx);
+      for (int64_t j = 0; j < T; ++j)
+        if (p[j] != 0.f) axpy(p[j] * inv, val(j), oi, D);
+    }
+  }
+}
+
+// q (B, H, Q, D), k and v (N, H, T, D) with any strides but the last (the cache
+// slice [:, :, :t+1] is not contiguous), mask (B, 1, 1, T) bool, True = attend;
+// rows (B, T) long or none (then N = B). One (b, h) pair per task; at decode
+// sizes this is microseconds, where ATen's SDPA spends more choosing and
+// setting up its kernel.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be (B, H, *, D)");
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
+  TORCH_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
               "decode_attention: k and v must be (B, H, T, D) matching q");
   TORCH_CHECK(!mask.has_value() || (mask->numel() == B * T && mask->scalar_type() == at::kBool),
               "decode_attention: mask must be bool (B, 1, 1, T)");
+  at::Tensor r;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 2 && rows->size(0) == B && rows->size(1) == T && rows->scalar_type() == at::kLong,
+                "decode_attention_rows: rows must be long (B, T)");
+    r = rows->contiguous();
+    // an index outside the cache would read past it: checked, at B*T integers a call
+    TORCH_CHECK(B * T == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < k.size(0)),
+                "decode_attention_rows: a row index is outside the cache's ", k.size(0), " rows");
+  }
   auto qf = q.to(at::kFloat).contiguous();
   auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
   if (kf.stride(3) != 1) kf = kf.contiguous();
   if (vf.stride(3) != 1) vf = vf.contiguous();
   at::Tensor m;
   if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
-  const bool* mp = mask.has_value() ? m.data_ptr<bool>() : nullptr;
   auto out = at::empty({B, H, Q, D}, qf.options());
-  const float *qp = qf.data_ptr<float>(), *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = kf.stride(0), ks1 = kf.stride(1), ks2 = kf.stride(2);
-  const int64_t vs0 = vf.stride(0), vs1 = vf.stride(1), vs2 = vf.stride(2);
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const AttendArgs args{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
+                        mask.has_value() ? m.data_ptr<bool>() : nullptr,
+                        rows.has_value() ? r.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
+                        H, Q, D, T, kf.stride(0), kf.stride(1), kf.stride(2), vf.stride(0), vf.stride(1),
+                        vf.stride(2), 1.f / std::sqrt(static_cast<float>(D))};
   at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(T);
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const float* kb = kp + b * ks0 + h * ks1;
-      const float* vb = vp + b * vs0 + h * vs1;
-      const bool* mb = mp ? mp + b * T : nullptr;
-      for (int64_t i = 0; i < Q; ++i) {
-        const float* qi = qp + ((b * H + h) * Q + i) * D;
-        float* oi = op + ((b * H + h) * Q + i) * D;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < T; ++j) {
-          p[j] = (mb && !mb[j]) ? -std::numeric_limits<float>::infinity() : dot(qi, kb + j * ks2, D) * scale;
-          mx = p[j] > mx ? p[j] : mx;
-        }
-        std::fill(oi, oi + D, 0.f);
-        if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: NaN, as SDPA gives
-          std::fill(oi, oi + D, std::numeric_limits<float>::quiet_NaN());
-          continue;
-        }
-        const float inv = 1.f / exp_shift_sum(p.data(), T, mx);
-        for (int64_t j = 0; j < T; ++j)
-          if (p[j] != 0.f) axpy(p[j] * inv, vb + j * vs2, oi, D);
-      }
-    }
+    attend_heads(args, lo, hi, p.data());
   });
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask) {
+  return attend(q, k, v, mask, std::nullopt);
+}
+
+at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& rows) {
+  return attend(q, k, v, std::nullopt, rows);
 }
 
 // qkv (N, 1, 3*H*D) -> q (N, 1, H*D); k and v of row r, head h go to
@@ -454,6 +491,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows) -> Tensor");
   m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -466,6 +504,7 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("log_softmax_topk", &log_softmax_topk);
   m.impl("ngram_block_", &ngram_block_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_rows", &decode_attention_rows);
   m.impl("qkv_to_cache_", &qkv_to_cache_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);
