@@ -197,9 +197,22 @@ class OneRowCache(IncrementalCache):
     cross-attention takes no mask: one sentence has no padding. At batch 1 a step
     is bound by dispatch, so every op saved here is time saved."""
 
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+        super().__init__(model, enc, mask, beam, max_len)
+        # one_row_layer: each decoder layer one C++ call (None: `layer`'s ops)
+        self.layers = model.one_row_layers() if self.plan.one_row_layer else None
+
     def run(self, token: int, t: int):
         self.t = t + 1
-        return self.m.decode(self.m.embed_one(token, t), self)[:, 0]  # (1, d)
+        x = self.m.embed_one(token, t)  # (1, 1, d)
+        if self.layers is None:
+            return self.m.decode(x, self)[:, 0]  # (1, d)
+        y = self.m.dec_layers[0].norm1(x)
+        for i, (w, eps, epilogue_bias, isa) in enumerate(self.layers):
+            ck, cv = self.cross[i]
+            x, y = torch.ops.decoder_ops.one_row_layer(x, y, w, self.kv[i, 0], self.kv[i, 1], ck, cv, t, isa, eps,
+                                                       epilogue_bias)
+        return y.view(1, -1)
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (1, h, T, hd)

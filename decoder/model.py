@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fused, modeldir
+from . import fused, modeldir, ops
 from .modeldir import sinusoidal_table
 from .optimisations import Plan
 from .quant import DTYPES, Linear, make_linear
@@ -192,6 +192,31 @@ class Model:
         if isinstance(lin, Linear) and y.shape[0] >= min_rows:
             return fused.linear_argmax(y, lin.w, lin.b, chunk)
         return fused.argmax_rows(lin(y))
+
+    def one_row_layers(self) -> list | None:
+        """Per decoder layer the arguments of the C++ `one_row_layer` op that
+        stay fixed (its 30 weight tensors, eps, where the biases go, the gemv
+        ISA), made once; None where the op does not apply: it runs int8 gemv
+        linears, one q|k|v product and relu (OneRowCache then runs `layer`)."""
+        if not hasattr(self, "_one_row"):
+            self._one_row = self._one_row_args() if ops.available() else None
+        return self._one_row
+
+    def _one_row_args(self) -> list | None:
+        out = []
+        for i, L in enumerate(self.dec_layers):
+            lins = [L.attn.qkv, L.attn.out, L.cross.q, L.cross.out, L.ffn.fc1, L.ffn.fc2]
+            gemvs = [getattr(lin, "gemv", None) for lin in lins]
+            if L.attn.qkv is None or L.cross.q is None or not L.ffn.relu or any(g is None for g in gemvs):
+                return None
+            nxt = self.dec_layers[i + 1].norm1 if i + 1 < len(self.dec_layers) else self.dec_norm
+            w = [t for g in gemvs for t in (g.wq, g.w_scale, g.w_shift,
+                                            torch.zeros_like(g.w_scale) if g.b is None else g.b)]
+            w += [t.float().contiguous() for n in (L.norm_mid, L.norm_ffn, nxt) for t in (n.w, n.b)]
+            # fbgemm's linears add their bias in the epilogue (add_norm_fused's zero_b), ours in the norm
+            epilogue_bias = getattr(L.attn.out, "zero_b", None) is not None
+            out.append((w, L.norm_mid.eps, epilogue_bias, gemvs[0].isa))
+        return out
 
     def output_rows(self, vocab, batch_rows: int = 64):
         """The output projection restricted to the ids `vocab` (C,), once per batch

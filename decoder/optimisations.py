@@ -147,7 +147,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
                  "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
                  "(decoder/README.md); the layer linears, the output projection and the shortlist's slice"),
-    Optimisation("fused_norm", False, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
+    Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
                  "`hidden_plain`: addmm with bias, relu", "step",
@@ -198,6 +198,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  write_kv_fused, write_kv_plain, "`write_kv_plain` at one row", "batch1",
                  detail="with one_row: fused_cache's kernel for the one row (29 against 36 us with the fp32 "
                  "q|k|v product on an AVX-512 EPYC)"),
+    Optimisation("one_row_layer", True, "one-row decoder layer in one C++ call", "one_row_layer", True, False,
+                 "the layer's ~25 ops at one row (gemv products, cache write, attention, norms)", "batch1",
+                 row={"fused_norm": True}, needs=lambda o: o.one_row and o.fused_norm and o.fused_qkv,
+                 detail="with one_row, int8 and int8_gemv: decoder/csrc/fused_cpu.cpp `one_row_layer` runs a whole "
+                 "decoder layer (q|k|v, cache write, self- and cross-attention, FFN, residual LayerNorms) with the "
+                 "gemv kernel's products, the math of the fused_norm path bit for bit"),
     Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist", detail="the output layer over the batch's candidates from the model dir's "
                  "shortlist.safetensors (python -m student.shortlist)"),
@@ -257,6 +263,7 @@ class Plan:
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
     kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
+    one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
 
 
 def resolve(switches, **settings) -> Plan:

@@ -16,6 +16,9 @@
 //   argmax_rows                  greedy's argmax over each row of the logits
 //   linear_argmax                argmax(x W^T + b) per row, one vocabulary chunk
 //                                at a time: the full logits are never written
+//   one_row_layer                a whole decoder layer for one sentence, greedy:
+//                                int8 gemv products, cache write, attention and
+//                                residual LayerNorms in one call (batch-1 latency)
 //
 // Each replaces several ATen dispatches and full passes over memory with one
 // call and one or two passes. References: decoder/fused.py (the tests compare
@@ -30,6 +33,7 @@
 #include <bit>
 #include <cmath>
 
+#include "gemv.h"
 #include "multiversion.h"
 #include "checks.h"
 #include <cstdint>
@@ -334,6 +338,99 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const
   return attend(q, k, v, std::nullopt, rows);
 }
 
+// A GemvLinear's tensors (decoder/quant.py), in the order decoder/cache.py
+// OneRowCache passes them: wq (Np, Kp) int8, scale (N,), shift (Np,) int32, bias (N,).
+decoder_gemv::Weights gemv_weights(const at::TensorList w, int64_t i, int64_t K) {
+  const at::Tensor &wq = w[i], &scale = w[i + 1], &shift = w[i + 2], &bias = w[i + 3];
+  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous() && wq.size(1) >= K &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && shift.scalar_type() == at::kInt &&
+                  shift.numel() == wq.size(0) && bias.scalar_type() == at::kFloat && bias.numel() == scale.numel(),
+              "one_row_layer: linear ", i / 4, " is not a GemvLinear's (wq, scale, shift, bias)");
+  return {wq.data_ptr<int8_t>(), scale.data_ptr<float>(), shift.data_ptr<int32_t>(), bias.data_ptr<float>(),
+          scale.numel(), wq.size(0), wq.size(1)};
+}
+
+// One pre-norm decoder layer for one row, the math of decoder/model.py `layer`
+// with fused_norm, fused_qkv and int8 gemv products, in one call: at batch 1 a
+// step is ~30 small ops whose dispatch costs as much as their arithmetic.
+// x (1, 1, d) the residual stream, y = norm1(x); kc, vc (1, h, T, hd) this
+// layer's self-attention cache (k, v written at position t), ck, cv (1, h, S, hd)
+// the cross K/V. w: 6 linears x (wq, scale, shift, bias) -- q|k|v, out, cross q,
+// cross out, fc1, fc2 -- then the LayerNorm weights and biases of norm_mid,
+// norm_ffn and `nxt` (the next layer's norm1 or the decoder's final norm).
+// epilogue_bias: out, cross out and fc2 add their bias in the gemv's epilogue
+// and the norm adds none (decoder/optimisations.py add_norm_fused with fbgemm's
+// linears), else the norm adds it (with ours): the bits of the path it replaces.
+// Returns (x', nxt(x')), as `layer` does.
+std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::Tensor& y, at::TensorList w,
+                                                 at::Tensor& kc, at::Tensor& vc, const at::Tensor& ck,
+                                                 const at::Tensor& cv, int64_t t, int64_t isa, double eps,
+                                                 bool epilogue_bias) {
+  const int64_t d = x.size(-1), H = kc.size(1), hd = kc.size(3), T = kc.size(2), S = ck.size(2);
+  TORCH_CHECK(x.numel() == d && y.numel() == d && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && y.is_contiguous(), "one_row_layer: x, y must be one float row of d");
+  TORCH_CHECK(w.size() == 30, "one_row_layer: 6 linears x 4 tensors and 3 norms x 2, got ", w.size());
+  TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && H * hd == d && vc.sizes() == kc.sizes() && kc.stride(3) == 1 &&
+                  vc.stride(3) == 1 && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "one_row_layer: kc, vc must be float (1, h, T, d/h)");
+  TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == H && ck.size(3) == hd && cv.sizes() == ck.sizes() &&
+                  ck.stride(3) == 1 && cv.stride(3) == 1 && ck.scalar_type() == at::kFloat &&
+                  cv.scalar_type() == at::kFloat, "one_row_layer: ck, cv must be float (1, h, S, d/h)");
+  TORCH_CHECK(t >= 0 && t < T, "one_row_layer: position ", t, " outside the cache of ", T);
+  const decoder_gemv::Weights qkv = gemv_weights(w, 0, d), out = gemv_weights(w, 4, d), cq = gemv_weights(w, 8, d),
+                              cout = gemv_weights(w, 12, d), fc1 = gemv_weights(w, 16, d);
+  const decoder_gemv::Weights fc2 = gemv_weights(w, 20, fc1.N);
+  TORCH_CHECK(qkv.N == 3 * d && out.N == d && cq.N == d && cout.N == d && fc2.N == d,
+              "one_row_layer: linear shapes do not match d = ", d);
+  for (int64_t i = 24; i < 30; ++i)
+    TORCH_CHECK(w[i].numel() == d && w[i].scalar_type() == at::kFloat && w[i].is_contiguous(),
+                "one_row_layer: norm weights must be float (d,)");
+  const int path = decoder_gemv::isa(isa);
+  const float e = static_cast<float>(eps);
+  auto f = [&](int64_t i) { return w[i].data_ptr<float>(); };
+  std::vector<float> buf(3 * d + 2 * d + fc1.N + std::max(T, S));
+  float *qkv_o = buf.data(), *att = qkv_o + 3 * d, *h = att + d, *hid = h + d, *p = hid + fc1.N;
+  auto xo = at::empty_like(x), yo = at::empty_like(y);
+  float *r = xo.data_ptr<float>(), *yn = yo.data_ptr<float>();
+  const float* xin = x.data_ptr<float>();
+  auto attend_one = [&](const at::Tensor& k, const at::Tensor& v, const float* q, int64_t keys) {
+    const AttendArgs a{q, k.data_ptr<float>(), v.data_ptr<float>(), nullptr, nullptr, att, H, 1, hd, keys,
+                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                       1.f / std::sqrt(static_cast<float>(hd))};
+    attend_heads(a, 0, H, p);
+  };
+  // (the linear as the gemv runs it, the bias the norm adds)
+  auto split = [&](decoder_gemv::Weights g) -> std::pair<decoder_gemv::Weights, const float*> {
+    if (epilogue_bias) return {g, nullptr};
+    const float* b = g.bias;
+    g.bias = nullptr;
+    return {g, b};
+  };
+  const auto [out_g, out_b] = split(out);
+  const auto [cout_g, cout_b] = split(cout);
+  const auto [fc2_g, fc2_b] = split(fc2);
+  // self-attention: q|k|v, k and v into the cache at t, attention over 0..t
+  decoder_gemv::gemv(y.data_ptr<float>(), 1, d, qkv, false, path, qkv_o);
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  for (int64_t i = 0; i < H; ++i) {
+    std::copy(qkv_o + d + i * hd, qkv_o + d + (i + 1) * hd, kp + i * kc.stride(1) + t * kc.stride(2));
+    std::copy(qkv_o + 2 * d + i * hd, qkv_o + 2 * d + (i + 1) * hd, vp + i * vc.stride(1) + t * vc.stride(2));
+  }
+  attend_one(kc, vc, qkv_o, t + 1);
+  decoder_gemv::gemv(att, 1, d, out_g, false, path, h);
+  residual_norm_row(xin, h, out_b, f(24), f(25), r, yn, d, e);
+  // cross-attention over the source
+  decoder_gemv::gemv(yn, 1, d, cq, false, path, qkv_o);
+  attend_one(ck, cv, qkv_o, S);
+  decoder_gemv::gemv(att, 1, d, cout_g, false, path, h);
+  residual_norm_row(r, h, cout_b, f(26), f(27), r, yn, d, e);
+  // feed-forward, relu in fc1's epilogue
+  decoder_gemv::gemv(yn, 1, d, fc1, true, path, hid);
+  decoder_gemv::gemv(hid, 1, fc1.N, fc2_g, false, path, h);
+  residual_norm_row(r, h, fc2_b, f(28), f(29), r, yn, d, e);
+  return {xo, yo};
+}
+
 // qkv (N, 1, 3*H*D) -> q (N, 1, H*D); k and v of row r, head h go to
 // kc[r, h, t, :] and vc[r, h, t, :] of the (N, H, T, D) cache views, whose
 // rows and heads may be strided (a slice of the preallocated cache).
@@ -496,6 +593,8 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, int chunk) -> Tensor");
+  m.def("one_row_layer(Tensor x, Tensor y, Tensor[] w, Tensor(a!) kc, Tensor(b!) vc, Tensor ck, Tensor cv, int t,"
+        " int isa, float eps, bool epilogue_bias) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
@@ -508,4 +607,5 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("qkv_to_cache_", &qkv_to_cache_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);
+  m.impl("one_row_layer", &one_row_layer);
 }

@@ -32,6 +32,7 @@
 #define GEMV_X86 1
 #endif
 
+#include "gemv.h"
 #include "multiversion.h"
 
 namespace {
@@ -167,12 +168,11 @@ void epilogue(const int32_t* acc, float* y, int64_t n, float xs, const float* ws
 
 int64_t int8_gemv_isa(int64_t cap) { return std::min<int64_t>(cap, cpu_isa()); }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, const at::Tensor& w_shift,
-                     const std::optional<at::Tensor>& bias, bool relu, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_gemv: x must be float32");
+void check_weights(int64_t K, const at::Tensor& wq, const at::Tensor& w_scale, const at::Tensor& w_shift,
+                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous(),
               "int8_gemv: wq must be contiguous int8 (out, in) padded");
-  const int64_t K = x.size(-1), N = w_scale.numel(), Np = wq.size(0), Kp = wq.size(1);
+  const int64_t N = w_scale.numel(), Np = wq.size(0), Kp = wq.size(1);
   TORCH_CHECK(Kp % kPad == 0 && Kp >= K && Kp < K + kPad, "int8_gemv: wq has ", Kp, " columns for ", K,
               " features, expected ", K, " padded to a multiple of ", kPad);
   TORCH_CHECK(Np % kBlock == 0 && Np >= N && Np < N + kBlock, "int8_gemv: wq has ", Np, " rows for ", N,
@@ -182,14 +182,33 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
               "int8_gemv: w_shift int32 (padded out,)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
               "int8_gemv: bias float32 (out,)");
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  const int path = static_cast<int>(int8_gemv_isa(isa));
+}
 
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, const at::Tensor& w_shift,
+                     const std::optional<at::Tensor>& bias, bool relu, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_gemv: x must be float32");
+  const int64_t K = x.size(-1), N = w_scale.numel();
+  check_weights(K, wq, w_scale, w_shift, bias);
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  auto y = at::empty({x2.size(0), N}, x2.options());
+  const decoder_gemv::Weights w{wq.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_shift.data_ptr<int32_t>(),
+                                bias.has_value() ? bias->data_ptr<float>() : nullptr, N, wq.size(0), wq.size(1)};
+  decoder_gemv::gemv(x2.data_ptr<float>(), x2.size(0), K, w, relu, static_cast<int>(int8_gemv_isa(isa)),
+                     y.data_ptr<float>());
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+}  // namespace
+
+namespace decoder_gemv {
+
+void gemv(const float* xp, int64_t M, int64_t K, const Weights& w, bool relu, int path, float* yp) {
+  const int64_t Np = w.Np, Kp = w.Kp;
   std::vector<int8_t> q(M * Kp), aux(path == 1 ? M * Kp : 0);
   std::vector<float> xs(M);
   std::vector<int32_t> acc(M * Np);
-  const float* xp = x2.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r) {
     int8_t* qr = q.data() + r * Kp;
     xs[r] = quantize_row(xp + r * K, qr, K, Kp);
@@ -198,7 +217,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
     if (path == 1)
       for (int64_t k = 0; k < Kp; ++k) aux[r * Kp + k] = static_cast<int8_t>(std::abs(qr[k]));
   }
-  const Args a{q.data(), aux.data(), wq.data_ptr<int8_t>(), w_shift.data_ptr<int32_t>(), acc.data(), M, Kp, Np};
+  const Args a{q.data(), aux.data(), w.wq, w.shift, acc.data(), M, Kp, Np};
   // one thread below ~256k multiply-adds a task: batch 1's layer linears never split
   const int64_t blocks = Np / kBlock, grain = std::max<int64_t>(1, (1 << 18) / (M * Kp * kBlock));
   at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
@@ -208,18 +227,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
 #endif
     dot_plain(a, lo * kBlock, hi * kBlock);
   });
-
-  auto y = at::empty({M, N}, x2.options());
-  float* yp = y.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for (int64_t r = 0; r < M; ++r)
-    epilogue(acc.data() + r * Np, yp + r * N, N, xs[r], w_scale.data_ptr<float>(), bp, relu);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  for (int64_t r = 0; r < M; ++r) epilogue(acc.data() + r * Np, yp + r * w.N, w.N, xs[r], w.scale, w.bias, relu);
 }
 
-}  // namespace
+int isa(int64_t cap) { return static_cast<int>(int8_gemv_isa(cap)); }
+
+}  // namespace decoder_gemv
 
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("int8_gemv(Tensor x, Tensor wq, Tensor w_scale, Tensor w_shift, Tensor? bias, bool relu, int isa) -> Tensor");
