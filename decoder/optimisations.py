@@ -146,8 +146,8 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  needs=lambda o: int_mm_vnni(),
                  detail="where the CPU has avx512_vnni and neither ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA caps "
                  "it below (`quant.int_mm_vnni`), every int8 linear, the output projection and the shortlist's "
-                 "slice included, runs `Int8Linear` above the gemv rows: 5-35% faster than fbgemm at the layer "
-                 "linears and at the projection's >= 64 rows (decoder/README.md); elsewhere fbgemm stays"),
+                 "slice included, runs `Int8Linear` above the gemv rows: up to 1.35x fbgemm's speed at the layer "
+                 "linears, 1.25x at the projection's >= 64 rows (decoder/README.md); elsewhere fbgemm stays"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},

@@ -5,9 +5,9 @@ row (at load time), activations quantised per call, int32 accumulation. Two
 kernels for calls of more than a few rows: fbgemm's prepacked
 `quantized::linear_dynamic` (`FbgemmLinear`: u8 x s8 kernels for AVX2 and
 AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm` path
-(`Int8Linear`: one scale per activation row, oneDNN's int8 product, 5-35%
-faster than fbgemm with VNNI at the decoder's batch rows, but 13-30x slower
-than fp32 without it). decoder/optimisations.py picks per machine:
+(`Int8Linear`: one scale per activation row, oneDNN's int8 product: with
+VNNI up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
+projection's >= 64 rows, but 13-30x slower than fp32 without VNNI). decoder/optimisations.py picks per machine:
 `fbgemm_int8` (on) takes fbgemm, and `int8_vnni_int_mm` (on) takes `_int_mm`
 back where it runs VNNI (`int_mm_vnni`). Either way calls of at most 4 rows
 run our gemv kernel (`GemvLinear`, switch `int8_gemv`): at batch 1 the big
@@ -383,7 +383,7 @@ def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-
     fp32 rather than flipping from run to run. At the students' shapes the gap
     is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
     the timing decides nothing worth an output change: fp32."""
-    p = p or Probe(kernel="fbgemm" if fbgemm_available() else "int_mm")
+    p = p or Probe(kernel="fbgemm" if fbgemm_available() and not int_mm_vnni() else "int_mm")  # the default plan's
     t8, t32 = probe(p)
     return t32 > floor_s and t8 < margin * t32
 
