@@ -5,14 +5,15 @@ row (at load time), activations quantised per call, int32 accumulation. Two
 kernels for calls of more than a few rows: fbgemm's prepacked
 `quantized::linear_dynamic` (`FbgemmLinear`: u8 x s8 kernels for AVX2 and
 AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm` path
-(`Int8Linear`: one scale per activation row, oneDNN's int8 product: with
-VNNI up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
-projection's >= 64 rows, but 13-30x slower than fp32 without VNNI). decoder/optimisations.py picks per machine:
-`fbgemm_int8` (on) takes fbgemm, and `int8_vnni_int_mm` (on) takes `_int_mm`
-back where it runs VNNI (`int_mm_vnni`). Either way calls of at most 4 rows
-run our gemv kernel (`GemvLinear`, switch `int8_gemv`): at batch 1 the big
-kernels' fixed costs dominate. The measurements behind the choices are in
-decoder/README.md ("int8 on every x86 CPU", "Batch 1").
+(`Int8Linear`: one scale per activation row, oneDNN's int8 product: with VNNI
+up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
+projection's >= 64 rows, without VNNI 13-30x slower than fp32).
+decoder/optimisations.py picks per machine: `fbgemm_int8` (on) takes fbgemm,
+and `int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
+(`int_mm_vnni`). Either way calls of at most 4 rows run our gemv kernel
+(`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
+dominate. The measurements behind the choices are in decoder/README.md
+("int8 on every x86 CPU", "VNNI", "Batch 1").
 `auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
@@ -135,8 +136,9 @@ class GemvLinear:
     no threads and no quantisation parameters beyond one abs-max per row.
 
     Same weights as `FbgemmLinear` and `Int8Linear` (int8, one symmetric scale
-    per output row; both hold one for their few-row calls), kept (out, in) row major, zero-padded to 64 columns and 4 rows. Each row of
-    x gets its own symmetric scale (q = round(127 x / amax) in [-127, 127]):
+    per output row; both hold one for their few-row calls), kept (out, in) row
+    major, zero-padded to 64 columns and 4 rows. Each row of x gets its own
+    symmetric scale (q = round(127 x / amax) in [-127, 127]):
     per tensor, as fbgemm does, would make a sentence's output depend on its
     batch-mates and costs one more pass; per row costs nothing at these sizes.
     `w_shift` (128 x the row sums) is what VNNI's shifted u8 activations add;
@@ -383,7 +385,7 @@ def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-
     fp32 rather than flipping from run to run. At the students' shapes the gap
     is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
     the timing decides nothing worth an output change: fp32."""
-    p = p or Probe(kernel="fbgemm" if fbgemm_available() and not int_mm_vnni() else "int_mm")  # the default plan's
+    p = p or Probe(kernel="int_mm" if int_mm_vnni() or not fbgemm_available() else "fbgemm")  # as by default
     t8, t32 = probe(p)
     return t32 > floor_s and t8 < margin * t32
 

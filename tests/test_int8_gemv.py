@@ -132,7 +132,8 @@ def test_int8_gemv_switch_puts_the_kernel_in_the_layers_and_off_leaves_the_big_k
         model = make_model_dir(os.path.join(d, "model"), seed=1)
         kw = dict(precision="int8", **KERNELS[kernel])
         on, off = Translator(model, **kw), Translator(model, int8_gemv=False, **kw)
-        assert type(on.model.out_proj) is type(off.model.out_proj) is {"fbgemm": FbgemmLinear, "int_mm": Int8Linear}[kernel]
+        cls = {"fbgemm": FbgemmLinear, "int_mm": Int8Linear}[kernel]
+        assert type(on.model.out_proj) is type(off.model.out_proj) is cls
         assert on.plan.int8_gemv_rows == 4 and off.plan.int8_gemv_rows == 0
         assert on.model.out_proj.gemv is not None and on.model.dec_layers[0].ffn.fc1.gemv is not None
         assert off.model.out_proj.gemv is None and off.model.dec_layers[0].attn.qkv.gemv is None
