@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .quant import fbgemm_available
+from .quant import fbgemm_available, int_mm_vnni
 
 
 # -- the plain pieces and their optimised replacements ------------------------------------------
@@ -139,10 +139,18 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  needs=lambda o: fbgemm_available(),
                  detail="`quantized::linear_dynamic` on weights packed at load time (u8 x s8: `vpmaddubsw` on "
                  "AVX2, VNNI on AVX-512), for the layer linears, the output projection and the shortlist's "
-                 "sliced projection (repacked per batch); `_int_mm` is 13-30x slower than fp32 without VNNI"),
+                 "sliced projection (repacked per batch); `_int_mm` is 13-30x slower than fp32 without VNNI (with VNNI "
+                 "`int8_vnni_int_mm` takes it back)"),
+    Optimisation("int8_vnni_int_mm", True, "our `_int_mm` int8 linear where it runs VNNI", "int8_kernel", "int_mm",
+                 "fbgemm", "fbgemm's linear on VNNI CPUs too", "int8", row={"fbgemm_int8": True, "fused_ops": True},
+                 needs=lambda o: int_mm_vnni(),
+                 detail="where the CPU has avx512_vnni and neither ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA caps "
+                 "it below (`quant.int_mm_vnni`), every int8 linear, the output projection and the shortlist's "
+                 "slice included, runs `Int8Linear` above the gemv rows: up to 1.35x fbgemm's speed at the layer "
+                 "linears, 1.25x at the projection's >= 64 rows (decoder/README.md); elsewhere fbgemm stays"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
-                 "fbgemm's `quantized::linear_dynamic` at every row count", "int8", row={"fbgemm_int8": True},
-                 needs=lambda o: o.fbgemm_int8 and fbgemm_available(),
+                 "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
+                 row={"fbgemm_int8": True},
                  detail="calls of 1-4 rows (batch 1, a few live sentences) run decoder/csrc/int8_gemv.cpp: one "
                  "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
                  "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
@@ -248,7 +256,7 @@ class Plan:
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
-    int8_gemv_rows: int         # fbgemm's calls of at most this many rows run our gemv kernel (0: none)
+    int8_gemv_rows: int         # int8 calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)

@@ -2,14 +2,18 @@
 
 int8 is dynamic quantisation: weights int8 with one symmetric scale per output
 row (at load time), activations quantised per call, int32 accumulation. Two
-kernels (decoder/optimisations.py `fbgemm_int8` picks one): fbgemm's prepacked
-`quantized::linear_dynamic` (`FbgemmLinear`, the default: u8 x s8 kernels for
-AVX2 and AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm`
-path (`Int8Linear`: one scale per activation row, oneDNN's int8 product, which
-is fast only with VNNI: 13-30x slower than fp32 on AVX2). With fbgemm, calls
-of at most 4 rows run our gemv kernel (`GemvLinear`, switch `int8_gemv`):
-at batch 1 fbgemm's fixed costs dominate. The measurements behind the
-choices are in decoder/README.md ("int8 on every x86 CPU", "Batch 1").
+kernels for calls of more than a few rows: fbgemm's prepacked
+`quantized::linear_dynamic` (`FbgemmLinear`: u8 x s8 kernels for AVX2 and
+AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm` path
+(`Int8Linear`: one scale per activation row, oneDNN's int8 product: with VNNI
+up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
+projection's >= 64 rows, without VNNI 13-30x slower than fp32).
+decoder/optimisations.py picks per machine: `fbgemm_int8` (on) takes fbgemm,
+and `int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
+(`int_mm_vnni`). Either way calls of at most 4 rows run our gemv kernel
+(`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
+dominate. The measurements behind the choices are in decoder/README.md
+("int8 on every x86 CPU", "VNNI", "Batch 1").
 `auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
@@ -60,30 +64,43 @@ class Int8Linear:
     """Dynamic int8: per-row activation scales, per-output-channel weight scales."""
     dense = False  # bias and relu go into the int8 op's own epilogue
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True, gemv_rows: int = 0):
+        """gemv_rows > 0: calls of at most that many rows run `GemvLinear` (int8_gemv)."""
         # fused: one C++ call (decoder/csrc/int8_linear.cpp) instead of ~8 tensor ops
         self.fused = fused and ops.available()
         w = w.float()
         self.w_scale = (w.abs().amax(1).clamp_min(1e-12) / 127.0)  # (out,)
+        wq = torch.round(w / self.w_scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (out, in)
         # (in, out) contiguous: _int_mm's fast layout (a transposed view is ~40% slower)
-        self.wq_t = torch.round(w / self.w_scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()
+        self.wq_t = wq.t().contiguous()
         self.b = None if b is None else b.float().contiguous()
+        # the same integers and scales in the gemv kernel's (out, in) layout
+        self.gemv = GemvLinear(wq, self.w_scale, self.b) if gemv_rows and ops.available() else None
+        self.gemv_numel = gemv_rows * wq.shape[1]  # x.numel() at which a call still takes gemv
 
     @property
     def out_features(self) -> int:
         return self.wq_t.shape[1]
 
-    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Int8Linear":
+    def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Int8Linear | GemvLinear":
         """This layer restricted to the output features idx (C,): weights, scales and
-        bias sliced together, so the result equals those columns of the full output."""
+        bias sliced together, so the result equals those columns of the full output
+        at every row count. A column slice, no packing: cheap enough per batch.
+        Batches of at most the gemv rows get the gemv layout's rows alone."""
+        if self.gemv is not None and batch_rows * self.wq_t.shape[0] <= self.gemv_numel:
+            return self.gemv.rows(idx)
         new = Int8Linear.__new__(Int8Linear)
         new.fused = self.fused
         new.w_scale = self.w_scale.index_select(0, idx)  # (C,)
         new.wq_t = self.wq_t.index_select(1, idx).contiguous()  # (in, C), _int_mm's layout
         new.b = None if self.b is None else self.b.index_select(0, idx)
+        # early stop shrinks a batch to its last few rows: they run gemv, as the full layer's would
+        new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
         return new
 
     def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        if self.gemv is not None and x.numel() <= self.gemv_numel:
+            return self.gemv(x, relu)
         if self.fused:
             return ops.int8_linear(x, self.wq_t, self.w_scale, self.b, relu)
         y = self.reference(x)
@@ -91,12 +108,14 @@ class Int8Linear:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """Without the bias: a fused op downstream adds it."""
+        if self.gemv is not None and x.numel() <= self.gemv_numel:
+            return self.gemv.mm(x)
         if self.fused:
             return ops.int8_linear(x, self.wq_t, self.w_scale, None, False)
         return self.reference(x, bias=False)
 
     def reference(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        """The PyTorch definition the fused op is tested against."""
+        """The PyTorch definition the fused op is tested against (the `_int_mm` path, any rows)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # (M, in)
         # few, in-place passes: at decode shapes the elementwise work rivals the matmul
@@ -116,9 +135,10 @@ class GemvLinear:
     (decoder/csrc/int8_gemv.cpp), a dot product per output row with no packing,
     no threads and no quantisation parameters beyond one abs-max per row.
 
-    Same weights as `FbgemmLinear` (int8, one symmetric scale per output row),
-    kept (out, in) row major, zero-padded to 64 columns and 4 rows. Each row of
-    x gets its own symmetric scale (q = round(127 x / amax) in [-127, 127]):
+    Same weights as `FbgemmLinear` and `Int8Linear` (int8, one symmetric scale
+    per output row; both hold one for their few-row calls), kept (out, in) row
+    major, zero-padded to 64 columns and 4 rows. Each row of x gets its own
+    symmetric scale (q = round(127 x / amax) in [-127, 127]):
     per tensor, as fbgemm does, would make a sentence's output depend on its
     batch-mates and costs one more pass; per row costs nothing at these sizes.
     `w_shift` (128 x the row sums) is what VNNI's shifted u8 activations add;
@@ -273,6 +293,24 @@ def fbgemm_vnni() -> bool:
     return _cpu_has_vnni()
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow its AVX-512 VNNI int8 kernels
+ONEDNN_VNNI_CAPS = ("ALL", "DEFAULT", "AVX512_CORE_", "AVX10")
+
+
+def int_mm_vnni() -> bool:
+    """Whether `torch._int_mm` (oneDNN's int8 matmul, `Int8Linear`) runs VNNI
+    here: the CPU has avx512_vnni and neither ATen (ATEN_CPU_CAPABILITY=avx2 or
+    default) nor oneDNN (ONEDNN_MAX_CPU_ISA below AVX512_CORE_VNNI) is capped
+    under it. Without VNNI `_int_mm` is 13-30x slower than fp32 (a plain loop),
+    so the switch `int8_vnni_int_mm` (decoder/optimisations.py) asks this."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and not cap.startswith(ONEDNN_VNNI_CAPS):
+        return False  # SSE41, AVX, AVX2, AVX2_VNNI(_2), AVX512_CORE: no AVX-512 VNNI
+    return _cpu_has_vnni()
+
+
 @functools.cache
 def _cpu_has_vnni() -> bool:
     """Read once: every FbgemmLinear of a model asks (unreadable: False, 7-bit activations run everywhere)."""
@@ -284,13 +322,14 @@ _fbgemm: dict = {}
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=None):
     """The linear layer of `precision`; int8 runs the kernels the plan chose
-    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op;
-    with fbgemm, `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer)."""
+    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op,
+    and `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer)."""
     if precision != "int8":
         return Linear(w, b, DTYPES[precision])
+    gemv_rows = 0 if plan is None else plan.int8_gemv_rows
     if plan is not None and plan.int8_kernel == "fbgemm" and fbgemm_available():
-        return FbgemmLinear(w, b, gemv_rows=plan.int8_gemv_rows)
-    return Int8Linear(w, b, fused=plan is None or plan.int8_fused)
+        return FbgemmLinear(w, b, gemv_rows=gemv_rows)
+    return Int8Linear(w, b, fused=plan is None or plan.int8_fused, gemv_rows=gemv_rows)
 
 
 def int8_available() -> bool:
@@ -309,7 +348,7 @@ class Probe:
     mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
     (1, 256, 256) half of it (decoder/README.md "int8 on every x86 CPU")."""
     rows: int = 64
-    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv" (fbgemm, and int8_gemv at these rows)
+    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv": the kernel the plan runs at these rows
     d: int = 256
     vocab: int = 8000
 
@@ -346,7 +385,7 @@ def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-
     fp32 rather than flipping from run to run. At the students' shapes the gap
     is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
     the timing decides nothing worth an output change: fp32."""
-    p = p or Probe(kernel="fbgemm" if fbgemm_available() else "int_mm")
+    p = p or Probe(kernel="int_mm" if int_mm_vnni() or not fbgemm_available() else "fbgemm")  # as by default
     t8, t32 = probe(p)
     return t32 > floor_s and t8 < margin * t32
 
@@ -367,14 +406,13 @@ def _weights(p: Probe) -> list[torch.Tensor]:
 
 
 def _time_int8(p: Probe) -> float:
-    x = torch.randn(p.rows, p.d)
-    if p.kernel in ("fbgemm", "gemv") and fbgemm_available():
-        lins = [FbgemmLinear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0) for w in _weights(p)]
-        return _best_of(lambda: [lin(x) for lin in lins])
-    # the bare int8 product: quantisation passes are small beside it
-    xq = torch.ones(p.rows, p.d, dtype=torch.int8)
-    wq = [torch.ones(p.d, w.shape[0], dtype=torch.int8) for w in _weights(p)]
-    return _best_of(lambda: [torch._int_mm(xq, w) for w in wq])
+    """The layers the decoder builds for `p.kernel`, called as a step calls them."""
+    x, ws = torch.randn(p.rows, p.d), _weights(p)
+    if p.kernel == "fbgemm" and fbgemm_available():
+        lins = [FbgemmLinear(w, None) for w in ws]
+    else:  # "gemv": the gemv kernel at these rows, whichever linear holds it; "int_mm": our C++ op
+        lins = [Int8Linear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0) for w in ws]
+    return _best_of(lambda: [lin(x) for lin in lins])
 
 
 def _time_fp32(p: Probe) -> float:

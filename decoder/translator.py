@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import modeldir
+from . import modeldir, ops
 from .batching import make_batches, restore
 from .cache import new_state
 from .model import Model
@@ -124,8 +124,8 @@ class Translator:
         have: 1 where batches are single sentences (latency), else a batch
         (64 rows: products are throughput-bound from there on)."""
         rows, kernel = min(self.opts.max_sentences, 64), self.plan.int8_kernel
-        if kernel == "fbgemm" and rows <= self.plan.int8_gemv_rows:
-            kernel = "gemv"  # the kernel those rows run (decoder/quant.py FbgemmLinear)
+        if rows <= self.plan.int8_gemv_rows and ops.available():
+            kernel = "gemv"  # the kernel those rows run, in fbgemm's and in our _int_mm linear
         return Probe(rows=rows, kernel=kernel, d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
 
     def auto_choice(self) -> str | None:

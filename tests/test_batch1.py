@@ -32,9 +32,12 @@ def one_by_one(tr, srcs):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("switches", [dict(one_row=True, one_row_attention=False, one_row_cache=False),
-                                      dict(one_row=True, one_row_attention=True, one_row_cache=False),
-                                      dict(one_row=True, one_row_attention=False, one_row_cache=True),
+@pytest.mark.parametrize("switches", [dict(one_row=True, one_row_attention=False, one_row_cache=False,
+                                           one_row_layer=False),
+                                      dict(one_row=True, one_row_attention=True, one_row_cache=False,
+                                           one_row_layer=False),
+                                      dict(one_row=True, one_row_attention=False, one_row_cache=True,
+                                           one_row_layer=False),
                                       dict(one_row=True, fused_project_argmax=False)],
                          ids=["loop", "loop+attention", "loop+cache", "all+full_logits"])
 def test_one_row_greedy_gives_the_batch_greedy_tokens(model_dir, srcs, precision, switches):
@@ -95,3 +98,51 @@ def test_one_row_greedy_gives_the_batch_greedy_tokens_on_trained_model(precision
     ref = Translator(TRAINED, precision=precision, **BATCH_PATH)
     srcs = ref.text.encode(lines)
     assert one_by_one(Translator(TRAINED, precision=precision), srcs) == one_by_one(ref, srcs)
+
+
+def layer_calls(monkeypatch) -> list:
+    """Records, per one-row step, whether it ran the C++ layer (OneRowCache.layers set)."""
+    seen, run = [], OneRowCache.run
+    monkeypatch.setattr(OneRowCache, "run", lambda self, tok, t: (seen.append(self.layers is not None),
+                                                                  run(self, tok, t))[1])
+    return seen
+
+
+@pytest.mark.parametrize("kernel", [dict(int8_vnni_int_mm=False), dict(int8_vnni_int_mm=True)],
+                         ids=["fbgemm", "int_mm-where-vnni"])
+@pytest.mark.parametrize("settings", [dict(), dict(shortlist=True)], ids=["full", "shortlist"])
+def test_one_row_layer_gives_the_layer_ops_tokens(shortlisted, srcs, kernel, settings, monkeypatch):
+    # two decoder layers: the first layer's `nxt` norm is the second's norm1
+    kw = dict(precision="int8", **kernel, **settings)
+    ref = one_by_one(Translator(shortlisted, one_row_layer=False, **kw), srcs)
+    seen = layer_calls(monkeypatch)
+    assert one_by_one(Translator(shortlisted, one_row_layer=True, **kw), srcs) == ref
+    assert seen and all(seen)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(TRAINED, "config.json")), reason="trained fixture absent")
+def test_one_row_layer_gives_the_layer_ops_tokens_on_the_trained_model(monkeypatch):
+    with open(TRAINED_SRC, encoding="utf-8") as fh:
+        lines = [next(fh).rstrip("\n") for _ in range(40)]
+    one = lambda tr: [tr.translate([x])[0] for x in lines]  # noqa: E731
+    ref = one(Translator(TRAINED, precision="int8", one_row_layer=False))
+    seen = layer_calls(monkeypatch)
+    assert one(Translator(TRAINED, precision="int8")) == ref
+    assert seen and all(seen)
+
+
+def test_one_row_layer_is_not_used_where_it_does_not_apply(model_dir, srcs, monkeypatch):
+    seen = layer_calls(monkeypatch)
+    one_by_one(Translator(model_dir, precision="fp32"), srcs[:3])  # no int8 gemv linears
+    one_by_one(Translator(model_dir, precision="int8", int8_gemv=False), srcs[:3])
+    assert seen and not any(seen)
+
+
+def test_one_row_layer_refuses_a_weight_list_of_the_wrong_length():
+    from decoder import ops
+    if not ops.available():
+        pytest.skip("C++ ops unavailable")
+    x = torch.zeros(1, 1, 8)
+    kc = torch.zeros(1, 2, 5, 4)
+    with pytest.raises(RuntimeError, match="6 linears"):
+        torch.ops.decoder_ops.one_row_layer(x, x, [x] * 29, kc, kc.clone(), kc, kc, 0, 0, 1e-5, True)

@@ -1,4 +1,5 @@
 """int8 through fbgemm's prepacked dynamic linear (decoder/quant.py FbgemmLinear),
+the per-machine choice of it or our `_int_mm` linear (switch `int8_vnni_int_mm`),
 the `auto` probe that picks int8 or fp32 per shape, and the container turning on
 what the model dir has (submission/container/serve.py)."""
 import os
@@ -8,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decoder import Translator, modeldir, quant
-from decoder.quant import FbgemmLinear, Probe
+from decoder import Translator, modeldir, ops, quant
+from decoder.quant import FbgemmLinear, Int8Linear, Probe
 from fixture_model import make_model_dir
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
@@ -60,38 +61,94 @@ def test_fbgemm_sliced_projection_of_one_sentence_is_its_int8_rows_in_fp32():
     assert (small(x) - lin(x)[:, idx]).abs().max() < 0.05 * lin(x).abs().max()
 
 
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def machine(monkeypatch, vnni: bool, **caps):
+    """A CPU with or without avx512_vnni, and these ISA caps in the environment."""
+    monkeypatch.setattr(quant, "_cpu_has_vnni", lambda: vnni)
+    for k in ISA_CAPS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in caps.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.parametrize("caps,fast", [
+    ({}, True), ({"ATEN_CPU_CAPABILITY": "avx512"}, True), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, True),
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core_amx"}, True), ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, False), ({"ATEN_CPU_CAPABILITY": "default"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}, False), ({"DNNL_MAX_CPU_ISA": "SSE41"}, False),
+    ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, False)])
+def test_int_mm_counts_as_vnni_only_with_the_cpu_flag_and_no_isa_cap_below_it(monkeypatch, caps, fast):
+    machine(monkeypatch, True, **caps)
+    assert quant.int_mm_vnni() is fast
+    machine(monkeypatch, False, **caps)
+    assert quant.int_mm_vnni() is False
+
+
 @fbgemm
-def test_int8_layers_and_output_projection_run_on_fbgemm_by_default(model_dir):
+@pytest.mark.parametrize("vnni,caps,kernel", [
+    (True, {}, Int8Linear), (False, {}, FbgemmLinear),
+    (True, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, FbgemmLinear),
+    (True, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, FbgemmLinear)])
+def test_int8_linears_run_int_mm_on_vnni_cpus_and_fbgemm_elsewhere(model_dir, monkeypatch, vnni, caps, kernel):
+    """fbgemm_int8 and int8_vnni_int_mm on (the defaults): `_int_mm` beats fbgemm
+    only where oneDNN runs VNNI; without it (or capped) it is 13-30x slower than fp32."""
+    machine(monkeypatch, vnni, **caps)
     tr = Translator(model_dir, precision="int8")
-    assert isinstance(tr.model.out_proj, FbgemmLinear)
-    assert isinstance(tr.model.dec_layers[0].ffn.fc1, FbgemmLinear)
-    off = Translator(model_dir, precision="int8", fbgemm_int8=False)
-    assert isinstance(off.model.out_proj, quant.Int8Linear)
+    assert tr.plan.int8_kernel == ("int_mm" if kernel is Int8Linear else "fbgemm")
+    layers = [tr.model.out_proj, tr.model.dec_layers[0].ffn.fc1, tr.model.enc_layers[0].attn.qkv]
+    assert all(type(lin) is kernel for lin in layers)
+    # the few-row kernel stays in whichever linear runs
+    assert all(lin.gemv is not None for lin in layers) or not ops.available()
 
 
 @fbgemm
+def test_int8_vnni_int_mm_off_leaves_what_cpus_without_vnni_run(model_dir, monkeypatch):
+    """Off on a VNNI CPU: fbgemm with the gemv kernel, the plan of a CPU without
+    VNNI; fbgemm_int8 off: `_int_mm` everywhere, whatever the CPU."""
+    from decoder.optimisations import Switches, resolve
+    machine(monkeypatch, True)
+    off = Translator(model_dir, precision="int8", int8_vnni_int_mm=False)
+    assert type(off.model.out_proj) is FbgemmLinear and type(off.model.dec_layers[0].ffn.fc1) is FbgemmLinear
+    assert off.model.out_proj.gemv is not None or not ops.available()
+    assert off.translate(["the dog runs", "a cat"]) and off.plan.int8_kernel == "fbgemm"
+    machine(monkeypatch, False)
+    assert off.plan == resolve(Switches(), no_repeat_ngram=0)
+    assert type(Translator(model_dir, precision="int8", fbgemm_int8=False).model.out_proj) is Int8Linear
+
+
+KERNELS = {"fbgemm": {"int8_vnni_int_mm": False}, "int_mm": {"fbgemm_int8": False}}
+
+
+@fbgemm
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("beam", [1, 3])
-def test_fbgemm_shortlist_of_every_id_gives_the_full_vocabulary_tokens(model_dir, tmp_path, beam):
+def test_int8_shortlist_of_every_id_gives_the_full_vocabulary_tokens(model_dir, tmp_path, beam, kernel):
     d = str(tmp_path / "model")
     shutil.copytree(model_dir, d)
     V = modeldir.read_config(d).arch.vocab_size
     modeldir.write_shortlist(d, torch.arange(V + 1) * V, torch.arange(V).repeat(V), torch.tensor([], dtype=torch.long))
-    # >= REPACK_ROWS sentences: the slice is repacked int8 (one sentence's is fp32, tested above)
+    # >= REPACK_ROWS sentences: fbgemm's slice is repacked int8 (one sentence's is fp32, tested above);
+    # _int_mm's is a column slice, with the gemv kernel's rows for the batch's last few rows
     lines = ["the dog runs", "a cat", "hello world again and again", "dog", "the cat sees the dog",
              "world", "again the dog", "a hello", "cat and dog"]
-    full = Translator(d, precision="int8", beam=beam).translate(lines)
-    assert Translator(d, precision="int8", beam=beam, shortlist=True).translate(lines) == full
+    kw = dict(precision="int8", beam=beam, **KERNELS[kernel])
+    full = Translator(d, **kw).translate(lines)
+    assert Translator(d, shortlist=True, **kw).translate(lines) == full
 
 
 @trained
 @fbgemm
-def test_fbgemm_int8_greedy_is_within_bleu_bound_of_fp32_on_trained_model():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_int8_greedy_of_each_kernel_is_within_bleu_bound_of_fp32_on_trained_model(kernel):
     import sacrebleu
     src = [ln.rstrip("\n") for ln in open(SRC, encoding="utf-8")][:150]
     ref = [ln.rstrip("\n") for ln in open(REF, encoding="utf-8")][:150]
     fp32 = Translator(TRAINED, precision="fp32").translate(src)
-    tr = Translator(TRAINED, precision="int8")
-    assert isinstance(tr.model.out_proj, FbgemmLinear)
+    tr = Translator(TRAINED, precision="int8", **KERNELS[kernel])
+    assert type(tr.model.out_proj) is {"fbgemm": FbgemmLinear, "int_mm": Int8Linear}[kernel]
     hyps = tr.translate(src)
     bleu = lambda h: sacrebleu.corpus_bleu(h, [ref]).score  # noqa: E731
     assert bleu(hyps) >= bleu(fp32) - 0.2
@@ -118,14 +175,36 @@ def test_auto_probes_the_rows_each_mode_runs_and_picks_per_shape(model_dir, monk
     assert (batch.probe.d, batch.probe.vocab) == (cfg.d_model, cfg.vocab_size)
 
 
-def test_auto_probes_the_int8_kernel_the_plan_runs(model_dir, monkeypatch):
+@pytest.mark.parametrize("vnni", [False, True])
+def test_auto_probes_the_int8_kernel_the_plan_runs(model_dir, monkeypatch, vnni):
     fake_timings(monkeypatch, lambda r: 1, lambda r: 2)
+    machine(monkeypatch, vnni)
     assert Translator(model_dir, precision="auto", fbgemm_int8=False).probe.kernel == "int_mm"
     if quant.fbgemm_available():
-        assert Translator(model_dir, precision="auto").probe.kernel == "fbgemm"
-        # one row a step: int8_gemv runs those calls, so the latency probe times it
+        batch = "int_mm" if vnni else "fbgemm"  # int8_vnni_int_mm's choice
+        assert Translator(model_dir, precision="auto").probe.kernel == batch
+        assert Translator(model_dir, precision="auto", int8_vnni_int_mm=False).probe.kernel == "fbgemm"
+        assert Translator(model_dir, precision="auto", max_sentences=1, int8_gemv=False).probe.kernel == batch
+    if ops.available():  # one row a step: int8_gemv runs those calls in either linear, so the latency probe times it
         assert Translator(model_dir, precision="auto", max_sentences=1).probe.kernel == "gemv"
-        assert Translator(model_dir, precision="auto", max_sentences=1, int8_gemv=False).probe.kernel == "fbgemm"
+        assert Translator(model_dir, precision="auto", max_sentences=1, fbgemm_int8=False).probe.kernel == "gemv"
+
+
+@pytest.mark.parametrize("kernel,cls,gemv", [("int_mm", Int8Linear, False), ("gemv", Int8Linear, True),
+                                             ("fbgemm", FbgemmLinear, False)])
+def test_probe_times_the_linears_the_decoder_builds_for_its_kernel(monkeypatch, kernel, cls, gemv):
+    if cls is FbgemmLinear and not quant.fbgemm_available() or gemv and not ops.available():
+        pytest.skip("kernel not in this build")
+    calls = []
+    for c in (Int8Linear, FbgemmLinear):
+        real = c.__call__
+        monkeypatch.setattr(c, "__call__", lambda self, x, *a, real=real: calls.append(self) or real(self, x, *a))
+    real_gemv = ops.int8_gemv
+    monkeypatch.setattr(ops, "int8_gemv", lambda *a: calls.append("gemv") or real_gemv(*a))
+    quant._time_int8(Probe(rows=1, kernel=kernel, d=64, vocab=300))
+    lins = [c for c in calls if c != "gemv"]
+    assert lins and all(type(c) is cls for c in lins)
+    assert ("gemv" in calls) is gemv
 
 
 def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
@@ -134,7 +213,7 @@ def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
     line = describe(Translator(model_dir, precision="auto", max_sentences=1), "auto")
     assert line.startswith("decoder: precision int8 (auto), 1 thread")
     assert line.endswith("; auto timed 1-row step probe, int8 (gemv) 40 us vs fp32 120 us") or \
-        not quant.fbgemm_available()
+        not ops.available()
     assert "auto" not in describe(Translator(model_dir, precision="fp32"), "fp32")
 
 

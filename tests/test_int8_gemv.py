@@ -1,13 +1,14 @@
 """Our few-row int8 kernel (decoder/csrc/int8_gemv.cpp, decoder/quant.py GemvLinear):
-every ISA path against its tensor-op reference bit for bit, FbgemmLinear choosing
-it per call by rows (switch `int8_gemv`), and its tokens on the trained fixture."""
+every ISA path against its tensor-op reference bit for bit, FbgemmLinear and
+Int8Linear choosing it per call by rows (switch `int8_gemv`), and its tokens on
+the trained fixture."""
 import os
 
 import pytest
 import torch
 
 from decoder import Translator, ops, quant
-from decoder.quant import FbgemmLinear, GemvLinear
+from decoder.quant import FbgemmLinear, GemvLinear, Int8Linear
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 TRAINED, SRC, REF = (os.path.join(HERE, p) for p in ("model", "test.en", "test.es"))
@@ -75,6 +76,33 @@ def test_fbgemm_linear_runs_gemv_up_to_its_rows_and_fbgemm_above():
         assert torch.equal(lin.mm(x), lin.gemv.reference(x, bias=False) if rows <= 4 else plain.mm(x)), rows
 
 
+def test_int8_linear_runs_gemv_up_to_its_rows_and_int_mm_above():
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(96, 256, generator=g) * 0.05, torch.randn(96, generator=g)
+    lin, plain = Int8Linear(w, b, gemv_rows=4), Int8Linear(w, b)
+    assert torch.equal(lin.gemv.wq[:96], FbgemmLinear(w, b).wq)  # the same integers as fbgemm's gemv
+    for rows in (1, 4, 5, 9):
+        x = torch.randn(rows, 256, generator=g)
+        want = lin.gemv.reference(x, relu=True) if rows <= 4 else plain(x, relu=True)
+        assert torch.equal(lin(x, relu=True), want), rows
+        assert torch.equal(lin.mm(x), lin.gemv.reference(x, bias=False) if rows <= 4 else plain.mm(x)), rows
+
+
+def test_sliced_int8_linear_projection_keeps_gemv_and_equals_those_columns_of_the_full_one():
+    g = torch.Generator().manual_seed(9)
+    lin = Int8Linear(torch.randn(8000, 256, generator=g) * 0.05, None, gemv_rows=4)
+    idx = torch.tensor([0, 7, 100, 4095, 7998, 7999])
+    one = lin.rows(idx, batch_rows=1)  # one sentence: the gemv layout's rows alone
+    assert isinstance(one, GemvLinear)
+    batch = lin.rows(idx, batch_rows=64)  # a column slice for _int_mm, and the gemv slice for the last rows
+    assert isinstance(batch, Int8Linear) and batch.gemv is not None
+    for rows in (2, 4, 9):
+        x = torch.randn(rows, 256, generator=g)
+        assert torch.equal(batch(x), lin(x)[:, idx]), rows
+        if rows <= 4:
+            assert torch.equal(one(x), lin(x)[:, idx])
+
+
 def test_sliced_gemv_projection_equals_those_columns_of_the_full_one():
     lin, g = layer(256, 8000, seed=5, bias=False)
     idx = torch.tensor([0, 7, 100, 4095, 7998, 7999])
@@ -93,12 +121,19 @@ def test_gemv_path_is_capped_with_atens_capability(monkeypatch):
     assert ops.int8_gemv_isa(0) == 0 and ops.int8_gemv_isa(1) <= 1
 
 
-def test_int8_gemv_switch_puts_the_kernel_in_the_layers_and_off_gives_fbgemm_alone(monkeypatch):
+KERNELS = {"fbgemm": {"int8_vnni_int_mm": False}, "int_mm": {"fbgemm_int8": False}}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_int8_gemv_switch_puts_the_kernel_in_the_layers_and_off_leaves_the_big_kernel_alone(monkeypatch, kernel):
     from fixture_model import make_model_dir
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         model = make_model_dir(os.path.join(d, "model"), seed=1)
-        on, off = Translator(model, precision="int8"), Translator(model, precision="int8", int8_gemv=False)
+        kw = dict(precision="int8", **KERNELS[kernel])
+        on, off = Translator(model, **kw), Translator(model, int8_gemv=False, **kw)
+        cls = {"fbgemm": FbgemmLinear, "int_mm": Int8Linear}[kernel]
+        assert type(on.model.out_proj) is type(off.model.out_proj) is cls
         assert on.plan.int8_gemv_rows == 4 and off.plan.int8_gemv_rows == 0
         assert on.model.out_proj.gemv is not None and on.model.dec_layers[0].ffn.fc1.gemv is not None
         assert off.model.out_proj.gemv is None and off.model.dec_layers[0].attn.qkv.gemv is None
@@ -112,7 +147,8 @@ def test_int8_gemv_switch_puts_the_kernel_in_the_layers_and_off_gives_fbgemm_alo
 
 
 @trained
-def test_gemv_int8_greedy_at_batch_1_is_within_bleu_bound_of_fp32_on_trained_model():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_gemv_int8_greedy_at_batch_1_is_within_bleu_bound_of_fp32_on_trained_model(kernel):
     """Per-row 8-bit activations instead of fbgemm's per-tensor u8: other roundings,
     so tokens may differ from fbgemm's (107 of 150 lines equal measured); held to
     test_int8.py's bounds for fbgemm: within 0.2 BLEU of fp32, most lines
@@ -123,12 +159,33 @@ def test_gemv_int8_greedy_at_batch_1_is_within_bleu_bound_of_fp32_on_trained_mod
     src = [ln.rstrip("\n") for ln in open(SRC, encoding="utf-8")][:150]
     ref = [ln.rstrip("\n") for ln in open(REF, encoding="utf-8")][:150]
     fp32 = Translator(TRAINED, precision="fp32", max_sentences=1).translate(src)
-    tr = Translator(TRAINED, precision="int8", max_sentences=1)
+    tr = Translator(TRAINED, precision="int8", max_sentences=1, **KERNELS[kernel])
     assert tr.model.out_proj.gemv is not None
     gemv = tr.translate(src)
     bleu = lambda h: sacrebleu.corpus_bleu(h, [ref]).score  # noqa: E731
     assert bleu(gemv) >= bleu(fp32) - 0.2
     assert sum(a == b for a, b in zip(gemv, fp32)) >= 0.5 * len(src)
+
+
+@trained
+def test_int8_linear_with_gemv_gives_its_references_tokens_on_trained_model(monkeypatch):
+    """`Int8Linear` with the gemv kernel (fbgemm_int8 off, or VNNI's default) in
+    batches that shrink to their last few rows: the C++ kernels' tokens are those
+    of their tensor-op references (GemvLinear.reference, Int8Linear.reference)."""
+    torch.set_num_threads(1)
+    src = [ln.rstrip("\n") for ln in open(SRC, encoding="utf-8")][:60]
+    tr = Translator(TRAINED, precision="int8", fbgemm_int8=False, max_sentences=8)
+    assert type(tr.model.out_proj) is Int8Linear and tr.model.out_proj.gemv is not None
+    calls = []
+    real = ops.int8_gemv
+    monkeypatch.setattr(ops, "int8_gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    got = tr.translate(src)
+    assert calls and max(calls) <= 4  # the last live sentences of each batch ran gemv
+    monkeypatch.setattr(GemvLinear, "__call__", lambda self, x, relu=False: self.reference(x, relu=relu))
+    monkeypatch.setattr(GemvLinear, "mm", lambda self, x: self.reference(x, bias=False))
+    ref = Translator(TRAINED, precision="int8", fbgemm_int8=False, fused_ops=False, max_sentences=8)
+    assert not ref.model.out_proj.fused
+    assert ref.translate(src) == got
 
 
 def test_int8_gemv_passes_opcheck():

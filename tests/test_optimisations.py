@@ -20,10 +20,13 @@ def test_every_plan_slot_is_filled_by_a_registry_entry():
 
 
 NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
-         "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True}}
+         "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True},
+         "int8_vnni_int_mm": {"fbgemm_int8": True},
+         "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True}}
 
 
-def test_each_switch_alone_changes_only_its_own_slot():
+def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
+    monkeypatch.setattr(opt, "int_mm_vnni", lambda: True)  # a VNNI CPU, whatever this one is
     for o in opt.OPTIMISATIONS:
         off = {**opt.all_off(), **NEEDS.get(o.name, {})}
         base = opt.resolve(opt.Switches(**off), no_repeat_ngram=0)
@@ -33,11 +36,14 @@ def test_each_switch_alone_changes_only_its_own_slot():
         assert getattr(plan, o.slot) is o.on
 
 
-def test_a_switch_whose_needs_fail_keeps_the_reference():
+def test_a_switch_whose_needs_fail_keeps_the_reference(monkeypatch):
     on = opt.Switches(fused_project_argmax=True)
     assert opt.resolve(on, no_repeat_ngram=0).argmax_in_step
     assert not opt.resolve(on, no_repeat_ngram=2).argmax_in_step  # n-gram blocking needs the logits
     assert opt.resolve(opt.Switches(fused_topk=False, fused_log_softmax=True), no_repeat_ngram=0).topk is None
+    for vnni, kernel in ((True, "int_mm"), (False, "fbgemm")):  # int8_vnni_int_mm needs a VNNI _int_mm
+        monkeypatch.setattr(opt, "int_mm_vnni", lambda: vnni)
+        assert opt.resolve(opt.Switches(), no_repeat_ngram=0).int8_kernel == kernel
 
 
 def test_switches_default_to_the_registry_and_refuse_unknown_names():
