@@ -24,6 +24,9 @@ import sys
 # the widest beam a command accepts: wider only costs time (100000 ran for
 # minutes before anything was refused)
 MAX_BEAM = 64
+# padded source tokens per batch, the decoder's and the tools' default: on CPU the
+# int8 student's activations stay in cache at this size (decoder/README.md "Settings")
+MAX_TOKENS = 1536
 
 
 def _number(kind, text: str):

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 import torch
 
 from . import modeldir, ops
+from .cliargs import MAX_TOKENS
 from .batching import make_batches, restore
 from .cache import new_state
 from .model import Model
@@ -33,7 +34,7 @@ class Options:
     length_penalty: float = 1.0
     max_len_a: float = 1.5      # output cap a * source tokens + b
     max_len_b: int = 10
-    max_tokens: int = 4096      # padded source tokens per batch
+    max_tokens: int = MAX_TOKENS  # padded source tokens per batch
     max_sentences: int = 512
     chunk_lines: int = 20000    # lines read, sorted and batched together
     workers: int = 0            # CPU: >1 = that many pinned 1-thread processes fed whole batches (workers.py)
