@@ -231,6 +231,11 @@ def all_off() -> dict:
     return {o.name: False for o in OPTIMISATIONS}
 
 
+def defaults() -> dict:
+    """Every switch at its default: the decoder as shipped."""
+    return {o.name: o.default for o in OPTIMISATIONS}
+
+
 def kernels_off() -> dict:
     """Every fused C++ kernel of the search and the step off, whatever the defaults:
     the benchmarks' plain rows."""

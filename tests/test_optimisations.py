@@ -106,3 +106,13 @@ def test_composed_bench_row_is_the_fastest_precision_with_the_kernels_that_paid_
     assert kw["precision"] == "int8" and kw == {**fastest_int8, "fused_attention": True}
     assert not kw["fused_relu"] and "fused_attention" in name
     assert compose({n: r for n, r in measured.items() if n != plain[0]}, plain[1]) is None
+
+
+def test_defaults_bench_row_is_the_shipped_decoder_at_the_fastest_precision():
+    from tools.bench import ablation, defaults_row
+    cumulative, variants = ablation()
+    speed = {"+ int8 dynamic (PyTorch ops)": 150.0, "+ bf16 weights and activations": 120.0}
+    name, kw = defaults_row({n: (speed.get(n, 50.0), kw) for n, kw in cumulative + variants})
+    assert kw["precision"] == "int8" and kw["beam"] == 1 and "int8" in name
+    assert all(kw[o.name] == o.default for o in opt.OPTIMISATIONS)
+    assert defaults_row({})[1]["precision"] == "fp32"
