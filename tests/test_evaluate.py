@@ -146,6 +146,32 @@ def test_ct2_throughput_runs_one_worker_per_thread_as_its_guide_recommends():
     assert "4x1t" in by_mode["throughput"].label and "4t" in by_mode["latency"].label
 
 
+def test_a_shortlisted_model_gets_our_shortlist_row_beside_ct2s_vmap_row(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+
+    from decoder import modeldir
+    from submission.evaluate import worker
+    from submission.evaluate.systems import grid
+    d = str(tmp_path / "m")
+    shutil.copytree(tiny["model"], d)
+    V = modeldir.read_config(d).arch.vocab_size
+    modeldir.write_shortlist(d, torch.arange(0, 2 * V + 1, 2), torch.arange(2 * V) % V, torch.arange(4, 8))
+    systems = grid([("m", d)], ["decoder", "ct2"], ["int8"], [1], [2], ["throughput"])
+    assert sorted(tuple(sorted(s.extra)) for s in systems if s.engine == "decoder") == [(), ("shortlist",)]
+    vmap = [s for s in systems if s.engine == "ct2" and s.extra.get("ct2_vmap")]
+    assert len(vmap) == 1 and vmap[0].extra["ct2_inter_threads"] == 2 and "vmap" in vmap[0].label
+    assert len(grid([("m", tiny["model"])], ["decoder", "ct2"], ["int8"], [1], [2], ["throughput"])) == 2
+    seen = {}
+    monkeypatch.setattr("tools.baselines.ct2_translator", lambda d, m, run, device: seen.setdefault("run", run))
+    monkeypatch.setattr("tools.convert.to_ctranslate2", lambda m, out, quantization: out)
+    spec = {"engine": "ct2", "model_dir": d, "mode": "throughput", "precision": "int8", "beam": 1, "threads": 2,
+            "max_tokens": 100, "device": "cpu", "extra": vmap[0].extra}
+    worker.load(spec, str(tmp_path))
+    assert seen["run"].use_vmap and seen["run"].inter_threads == 2
+
+
 def test_test_set_pair_from_file_suffixes_or_given(tiny, tmp_path, capsys):
     from submission.evaluate.__main__ import load_testset, parse_args
     from submission.evaluate.testsets import from_files

@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from decoder.translator import resolve_device_precision
+from submission.container.serve import has_shortlist
 
 ENGINES = ("decoder", "ct2", "hf")
 CT2_COMPUTE = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}
@@ -41,7 +42,8 @@ class System:
         dev = "" if self.device == "cpu" else f" {self.device}"
         inter = self.extra.get("ct2_inter_threads", 1)
         threads = f"{inter}x{self.threads // inter}t" if inter > 1 else f"{self.threads}t"
-        return (f"{self.name} {engine} {self.precision} {search} {threads}{dev}"
+        vocab = " shortlist" if self.extra.get("shortlist") else " vmap" if self.extra.get("ct2_vmap") else ""
+        return (f"{self.name} {engine} {self.precision} {search} {threads}{dev}{vocab}"
                 + (" latency" if self.mode == "latency" else ""))
 
     def config(self) -> dict:
@@ -100,9 +102,17 @@ def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str
                             if key in seen:
                                 continue
                             seen.add(key)
-                            out.append(System(engine, name, mode, path, prec, beam, t, dev,
-                                              extra=ct2_layout(mode, t, dev) if engine == "ct2" else {}))
+                            extra = ct2_layout(mode, t, dev) if engine == "ct2" else {}
+                            out.append(System(engine, name, mode, path, prec, beam, t, dev, extra=extra))
+                            # a model dir's lexical shortlist: our row with it beside CT2's with its
+                            # vocabulary map built from it (each engine's own best, as tools.bench)
+                            if engine in VOCAB_SWITCH and has_shortlist(path):
+                                out.append(System(engine, name, mode, path, prec, beam, t, dev,
+                                                  extra={**extra, VOCAB_SWITCH[engine]: True}))
     return out
+
+
+VOCAB_SWITCH = {"decoder": "shortlist", "ct2": "ct2_vmap"}
 
 
 def ct2_layout(mode: str, threads: int, device: str) -> dict:

@@ -30,6 +30,7 @@ def load(spec: dict, tmp: str):
         from decoder.translator import Translator
         tr = Translator(model, device=spec["device"], precision=spec["precision"], threads=spec["threads"],
                         beam=spec["beam"], max_tokens=spec["max_tokens"],
+                        shortlist=spec.get("extra", {}).get("shortlist", False),
                         pipeline=not latency)  # one line at a time has nothing to overlap (serve.py)
         return tr.translate, {"model_bytes": dir_bytes(model)}
     if engine == "ct2":
@@ -46,7 +47,8 @@ def load(spec: dict, tmp: str):
         # the thread layout systems.ct2_layout chose (CT2's guide: parallel 1-thread workers for throughput)
         extra = spec.get("extra", {})
         inter, intra = extra.get("ct2_inter_threads", 1), extra.get("ct2_intra_threads", spec["threads"])
-        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"])
+        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"],
+                     use_vmap=extra.get("ct2_vmap", False))
         go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda")
         return go, facts
     if engine == "hf":
