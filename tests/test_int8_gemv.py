@@ -65,15 +65,20 @@ def test_gemv_output_is_close_to_fp32():
     assert (lin.gemv(x) - ref).abs().max() < 0.01 * ref.abs().max()  # 8-bit rows: well under 1%
 
 
-def test_fbgemm_linear_runs_gemv_up_to_its_rows_and_fbgemm_above():
-    lin, g = layer(256, 96, seed=4)
-    plain = FbgemmLinear.__new__(FbgemmLinear)
-    plain.__dict__.update(lin.__dict__, gemv=None)  # the same packing, no gemv
+def gemv_up_to_4_rows_then(lin, plain, g):
+    """lin gives its gemv's reference at 1-4 rows and `plain`'s output (no gemv) above."""
     for rows in (1, 4, 5, 9):
         x = torch.randn(rows, 256, generator=g)
         want = lin.gemv.reference(x, relu=True) if rows <= 4 else plain(x, relu=True)
         assert torch.equal(lin(x, relu=True), want), rows
         assert torch.equal(lin.mm(x), lin.gemv.reference(x, bias=False) if rows <= 4 else plain.mm(x)), rows
+
+
+def test_fbgemm_linear_runs_gemv_up_to_its_rows_and_fbgemm_above():
+    lin, g = layer(256, 96, seed=4)
+    plain = FbgemmLinear.__new__(FbgemmLinear)
+    plain.__dict__.update(lin.__dict__, gemv=None)  # the same packing, no gemv
+    gemv_up_to_4_rows_then(lin, plain, g)
 
 
 def test_int8_linear_runs_gemv_up_to_its_rows_and_int_mm_above():
@@ -81,11 +86,7 @@ def test_int8_linear_runs_gemv_up_to_its_rows_and_int_mm_above():
     w, b = torch.randn(96, 256, generator=g) * 0.05, torch.randn(96, generator=g)
     lin, plain = Int8Linear(w, b, gemv_rows=4), Int8Linear(w, b)
     assert torch.equal(lin.gemv.wq[:96], FbgemmLinear(w, b).wq)  # the same integers as fbgemm's gemv
-    for rows in (1, 4, 5, 9):
-        x = torch.randn(rows, 256, generator=g)
-        want = lin.gemv.reference(x, relu=True) if rows <= 4 else plain(x, relu=True)
-        assert torch.equal(lin(x, relu=True), want), rows
-        assert torch.equal(lin.mm(x), lin.gemv.reference(x, bias=False) if rows <= 4 else plain.mm(x)), rows
+    gemv_up_to_4_rows_then(lin, plain, g)
 
 
 def test_sliced_int8_linear_projection_keeps_gemv_and_equals_those_columns_of_the_full_one():
