@@ -100,8 +100,7 @@ class RowTableCache(IncrementalCache):
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         super().__init__(model, enc, mask, beam, max_len)
-        N = self.kv.shape[2]
-        self.table = torch.arange(N, device=enc.device)[:, None].repeat(1, max_len)  # (rows, T)
+        self.table = identity_table(self.kv.shape[2], max_len, enc.device)
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
@@ -122,8 +121,13 @@ class RowTableCache(IncrementalCache):
         # (L, 2, N, h, t, hd)[:, :, src, :, pos] -> (N', t, L, 2, h, hd)
         kv[:, :, :, :, :t] = self.kv[:, :, :, :, :t][:, :, src, :, pos].permute(2, 3, 0, 4, 1, 5)
         self.kv = kv
-        self.table = torch.arange(rows.numel(), device=src.device)[:, None].repeat(1, T)
+        self.table = identity_table(rows.numel(), T, src.device)
         self.keep_sentences(sents)
+
+
+def identity_table(rows: int, T: int, device):
+    """(rows, T): every row's keys and values in its own cache row."""
+    return torch.arange(rows, device=device)[:, None].repeat(1, T)
 
 
 class StaticCache(IncrementalCache):
@@ -199,8 +203,11 @@ class OneRowCache(IncrementalCache):
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         super().__init__(model, enc, mask, beam, max_len)
-        # one_row_layer: each decoder layer one C++ call (None: `layer`'s ops)
-        self.layers = model.one_row_layers() if self.plan.one_row_layer else None
+        # one_row_layer: each decoder layer one C++ call with these arguments (None: `layer`'s ops)
+        args = model.one_row_layers() if self.plan.one_row_layer else None
+        self.layers = None if args is None else [
+            (w, self.kv[i, 0], self.kv[i, 1], *self.cross[i], eps, epilogue_bias, isa)
+            for i, (w, eps, epilogue_bias, isa) in enumerate(args)]
 
     def run(self, token: int, t: int):
         self.t = t + 1
@@ -208,10 +215,8 @@ class OneRowCache(IncrementalCache):
         if self.layers is None:
             return self.m.decode(x, self)[:, 0]  # (1, d)
         y = self.m.dec_layers[0].norm1(x)
-        for i, (w, eps, epilogue_bias, isa) in enumerate(self.layers):
-            ck, cv = self.cross[i]
-            x, y = torch.ops.decoder_ops.one_row_layer(x, y, w, self.kv[i, 0], self.kv[i, 1], ck, cv, t, isa, eps,
-                                                       epilogue_bias)
+        for w, kc, vc, ck, cv, eps, epilogue_bias, isa in self.layers:
+            x, y = torch.ops.decoder_ops.one_row_layer(x, y, w, kc, vc, ck, cv, t, isa, eps, epilogue_bias)
         return y.view(1, -1)
 
     def self_attend(self, i: int, attn, y):

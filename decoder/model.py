@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import fused, modeldir, ops
 from .modeldir import sinusoidal_table
-from .optimisations import Plan
+from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Linear, make_linear
 
 
@@ -213,9 +213,7 @@ class Model:
             w = [t for g in gemvs for t in (g.wq, g.w_scale, g.w_shift,
                                             torch.zeros_like(g.w_scale) if g.b is None else g.b)]
             w += [t.float().contiguous() for n in (L.norm_mid, L.norm_ffn, nxt) for t in (n.w, n.b)]
-            # fbgemm's linears add their bias in the epilogue (add_norm_fused's zero_b), ours in the norm
-            epilogue_bias = getattr(L.attn.out, "zero_b", None) is not None
-            out.append((w, L.norm_mid.eps, epilogue_bias, gemvs[0].isa))
+            out.append((w, L.norm_mid.eps, bias_in_epilogue(L.attn.out), gemvs[0].isa))
         return out
 
     def output_rows(self, vocab, batch_rows: int = 64):

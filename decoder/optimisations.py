@@ -31,9 +31,16 @@ def add_norm_plain(x, lin, inp, norm):
     return x, norm(x)
 
 
+def bias_in_epilogue(lin) -> bool:
+    """Whether the fused norm path takes lin's output with its bias in (fbgemm adds it in
+    its epilogue, `zero_b` stands in downstream) rather than adding the bias itself; the
+    C++ one-row layer follows the same rule (decoder/model.py `one_row_layers`)."""
+    return lin.b is not None and getattr(lin, "zero_b", None) is not None
+
+
 def add_norm_fused(x, lin, inp, norm):
-    if lin.b is not None and getattr(lin, "zero_b", None) is not None:
-        # fbgemm adds the bias in its epilogue: its whole output and a zero bias round as the plain path
+    if bias_in_epilogue(lin):
+        # its whole output and a zero bias round as the plain path
         return fused.add_bias_residual_layernorm(x, lin(inp), lin.zero_b, norm.w, norm.b, norm.eps)
     return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
 

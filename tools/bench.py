@@ -396,7 +396,9 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
             full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
             measured[name] = (rows[-1]["src_words_per_s"], kw)
     mix = compose(measured, cumulative[-1][1]) if "ablation" not in skip else None
-    for name, kw in ([mix] if mix else []) + [defaults_row(measured)]:
+    shipped_row = defaults_row(measured)
+    shipped = shipped_row[1]
+    for name, kw in ([mix] if mix else []) + [shipped_row]:
         ours(name, lines, "throughput", **kw)
         full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
     best = pick_best(full)
@@ -407,7 +409,6 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     extra = [(", + lexical shortlist", {"shortlist": True})] if has_shortlist else []
     # "best" is picked in one process with a.threads threads; the decoder as shipped may
     # rank differently with one thread per worker, so it gets the same rows
-    shipped = defaults_row(measured)[1]
     cands = [(f"best ({tag})", best)] + ([(f"shipped ({shipped['precision']})", shipped)] if shipped != best else [])
     for label, ckw in cands:
         for w, wkw in spread[1:]:

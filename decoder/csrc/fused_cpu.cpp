@@ -305,9 +305,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(rows->dim() == 2 && rows->size(0) == B && rows->size(1) == T && rows->scalar_type() == at::kLong,
                 "decode_attention_rows: rows must be long (B, T)");
     r = rows->contiguous();
-    // an index outside the cache would read past it: checked, at B*T integers a call
-    TORCH_CHECK(B * T == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < k.size(0)),
-                "decode_attention_rows: a row index is outside the cache's ", k.size(0), " rows");
+    // an index outside the cache would read past it: one pass over the B*T integers a call
+    const int64_t* rp = r.data_ptr<int64_t>();
+    const int64_t N = k.size(0);
+    TORCH_CHECK(std::all_of(rp, rp + B * T, [N](int64_t x) { return x >= 0 && x < N; }),
+                "decode_attention_rows: a row index is outside the cache's ", N, " rows");
   }
   auto qf = q.to(at::kFloat).contiguous();
   auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
@@ -338,16 +340,9 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const
   return attend(q, k, v, std::nullopt, rows);
 }
 
-// A GemvLinear's tensors (decoder/quant.py), in the order decoder/cache.py
-// OneRowCache passes them: wq (Np, Kp) int8, scale (N,), shift (Np,) int32, bias (N,).
+// Linear i of one_row_layer's list: a GemvLinear's (wq, scale, shift, bias), checked by the gemv kernel's own rule.
 decoder_gemv::Weights gemv_weights(const at::TensorList w, int64_t i, int64_t K) {
-  const at::Tensor &wq = w[i], &scale = w[i + 1], &shift = w[i + 2], &bias = w[i + 3];
-  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous() && wq.size(1) >= K &&
-                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && shift.scalar_type() == at::kInt &&
-                  shift.numel() == wq.size(0) && bias.scalar_type() == at::kFloat && bias.numel() == scale.numel(),
-              "one_row_layer: linear ", i / 4, " is not a GemvLinear's (wq, scale, shift, bias)");
-  return {wq.data_ptr<int8_t>(), scale.data_ptr<float>(), shift.data_ptr<int32_t>(), bias.data_ptr<float>(),
-          scale.numel(), wq.size(0), wq.size(1)};
+  return decoder_gemv::weights(K, w[i], w[i + 1], w[i + 2], w[i + 3]);
 }
 
 // One pre-norm decoder layer for one row, the math of decoder/model.py `layer`
