@@ -27,11 +27,13 @@ batch's candidate ids (Model.output_rows), and the searches map their picks back
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .model import Model, heads, merge
+from .quant import GemvLinear
 
 
 _UNTIMED = contextlib.nullcontext()
@@ -209,6 +211,31 @@ class OneRowCache(IncrementalCache):
             (w, self.kv[i, 0], self.kv[i, 1], *self.cross[i], eps, epilogue_bias, isa)
             for i, (w, eps, epilogue_bias, isa) in enumerate(args)]
 
+    def step_argmax(self, out) -> "Callable[[int, int], int] | None":
+        """(token, t) -> the argmax column of the step's output over `out` (the output
+        GemvLinear, or None for the model's own), the whole step one C++ call (switch
+        `one_row_step`); None where it does not apply."""
+        m = self.m
+        lin = m.out_proj if out is None else out
+        lin = lin if isinstance(lin, GemvLinear) else getattr(lin, "gemv", None)
+        if not self.plan.one_row_step or self.layers is None or lin is None:
+            return None
+        w = [t for layer in self.layers for t in layer[0]]
+        caches = [t for layer in self.layers for t in layer[1:5]]
+        rules = {layer[5:] for layer in self.layers}  # (eps, epilogue_bias, isa) per layer
+        if len(rules) != 1:
+            return None  # layers with different eps or bias rules: the per-layer op
+        eps, epilogue_bias, isa = rules.pop()
+        norm, p0 = m.dec_layers[0].norm1, m.cfg.pad_id + 1
+        fixed = (m.emb, m.pos, norm.w, norm.b, norm.eps, w, caches, [lin.wq, lin.w_scale, lin.w_shift], lin.b,
+                 isa, eps, epilogue_bias)
+        op = torch.ops.decoder_ops.one_row_step
+
+        def step(token: int, t: int) -> int:
+            self.t = t + 1
+            return op(token, t + p0, t, *fixed)
+        return step
+
     def run(self, token: int, t: int):
         self.t = t + 1
         x = self.m.embed_one(token, t)  # (1, 1, d)
@@ -280,6 +307,7 @@ class DecoderState:
     def __init__(self, model: Model, cache, out=None, phase=lambda name: _UNTIMED):
         self.m, self.cache, self.out, self.phase = model, cache, out, phase
         self.one_row = isinstance(cache, OneRowCache)  # steps take and give Python ints (search.greedy_one)
+        self.step_argmax = cache.step_argmax(out) if self.one_row else None
 
     @property
     def can_shrink(self) -> bool:
@@ -290,6 +318,8 @@ class DecoderState:
         shortlist's `out`; with `best` each row's argmax column (rows,) instead,
         the logits never written (Model.project_argmax)."""
         with self.phase("decode steps"):
+            if best and self.step_argmax is not None:
+                return self.step_argmax(tokens, t)  # an int: the column
             y = self.cache.run(tokens, t)  # (rows, d)
             return self.m.project_argmax(y, self.out) if best else self.m.project(y, self.out)
 

@@ -18,7 +18,7 @@ import threading
 import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("int8_linear.cpp", "int8_gemv.cpp", "fused_cpu.cpp")
+SOURCES = ("int8_linear.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp")
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -138,6 +138,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("decoder_ops::linear_argmax")
     def _(x, weight, bias, chunk):
         return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+    @torch.library.register_fake("decoder_ops::shortlist_candidates")
+    def _(src, offsets, ids, always):
+        return src.new_empty((torch.library.get_ctx().new_dynamic_size(),))
 
     @torch.library.register_fake("decoder_ops::log_softmax_topk")
     def _(logits, scores, K, n, normalized=False):

@@ -219,6 +219,17 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="with one_row, int8 and int8_gemv: decoder/csrc/fused_cpu.cpp `one_row_layer` runs a whole "
                  "decoder layer (q|k|v, cache write, self- and cross-attention, FFN, residual LayerNorms) with the "
                  "gemv kernel's products, the math of the fused_norm path bit for bit"),
+    Optimisation("one_row_step", True, "one-row decode step in one C++ call", "one_row_step", True, False,
+                 "one_row_layer per layer, with the embedding, first norm, output projection and argmax "
+                 "as ~10 tensor ops around them", "batch1",
+                 row={"one_row_layer": True, "fused_norm": True},
+                 needs=lambda o: o.one_row_layer and o.one_row and o.fused_norm and o.fused_qkv
+                 and o.fused_project_argmax and o.softmax_free and not o.no_repeat_ngram,
+                 detail="with one_row_layer, greedy without n-gram blocking, an int8 gemv output layer: "
+                 "decoder/csrc/fused_cpu.cpp `one_row_step` looks up the token's embedding and position, runs "
+                 "the first norm (ATen's layer_norm), every layer as one_row_layer, the output projection "
+                 "(gemv, full or the shortlist's rows) and the argmax, and returns the column: one dispatch a "
+                 "step"),
     Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist", detail="the output layer over the batch's candidates from the model dir's "
                  "shortlist.safetensors (python -m student.shortlist)"),
@@ -284,6 +295,7 @@ class Plan:
     shortlist: bool
     kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
     one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
+    one_row_step: bool          # one-row state, greedy: the whole step one C++ call, the argmax column back
 
 
 def resolve(switches, **settings) -> Plan:

@@ -165,10 +165,20 @@ class GemvLinear:
         return ops.int8_gemv(x, self.wq, self.w_scale, self.w_shift, None, False, self.isa)
 
     def rows(self, idx: torch.Tensor, batch_rows: int = 1) -> "GemvLinear":
-        """The output features idx (C,) only: row slices, no packing (a shortlist at batch 1)."""
-        n, k = self.shape
-        return GemvLinear(self.wq[:n, :k].index_select(0, idx), self.w_scale.index_select(0, idx),
-                          None if self.b is None else self.b.index_select(0, idx))
+        """The output features idx (C,) only: row slices, no packing (a shortlist at batch 1,
+        once per sentence). The weights are already padded to 64 columns, and the kernel
+        computes but never writes the rows past C, so the padding rows repeat idx[0]:
+        four index_selects and nothing else (re-padding and re-summing the shift cost
+        as much as the slices)."""
+        C = idx.numel()
+        padded = idx if C % 4 == 0 else torch.cat([idx, idx[:1].expand(-C % 4)])  # (Cp,)
+        new = GemvLinear.__new__(GemvLinear)
+        new.shape, new.isa = (C, self.shape[1]), self.isa
+        new.wq = self.wq.index_select(0, padded)  # (Cp, Kp)
+        new.w_shift = self.w_shift.index_select(0, padded)  # (Cp,)
+        new.w_scale = self.w_scale.index_select(0, idx)  # (C,)
+        new.b = None if self.b is None else self.b.index_select(0, idx)
+        return new
 
     def reference(self, x: torch.Tensor, bias: bool = True, relu: bool = False) -> torch.Tensor:
         """The kernel's math in tensor ops: the same integers, the same float roundings."""

@@ -95,6 +95,7 @@ def greedy_one(state, limit: int, s: Search, vocab=None) -> list[int]:
     last step only forces </s> and so is not run."""
     p, eos_id = s.plan, s.eos_id
     tok, out = s.start_id, []
+    ids = None if vocab is None else vocab.tolist()  # column -> id without a tensor op per step
     for t in range(limit - 1):
         if p.argmax_in_step:
             col = state.step(tok, t, best=True)  # (1,)
@@ -104,7 +105,7 @@ def greedy_one(state, limit: int, s: Search, vocab=None) -> list[int]:
                 p.block(logits, torch.tensor([out], dtype=torch.long, device=logits.device), s.no_repeat_ngram,
                         vocab)
             col = p.argmax(logits)
-        tok = int(col) if vocab is None else int(vocab[col])
+        tok = int(col) if ids is None else ids[int(col)]
         if tok == eos_id:
             break
         out.append(tok)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
+
 
 class Shortlist:
     """Vocabulary selection: the target ids a batch may produce.
@@ -19,6 +21,12 @@ class Shortlist:
 
     def candidates(self, src):
         """src (B, S) source ids -> the allowed target ids (C,), ascending, </s> among them."""
+        if src.device.type == "cpu" and ops.available():
+            return torch.ops.decoder_ops.shortlist_candidates(src, self.offsets, self.ids, self.always)
+        return self.candidates_reference(src)
+
+    def candidates_reference(self, src):
+        """`candidates` in tensor ops (any device); decoder/csrc/shortlist.cpp is the CPU kernel."""
         u = torch.unique(src)  # (U,)
         start, n = self.offsets[u], self.offsets[u + 1] - self.offsets[u]  # (U,) each
         # index of every listed id: start[i] + 0 .. n[i]-1, flattened over i

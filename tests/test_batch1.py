@@ -113,7 +113,7 @@ def layer_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("settings", [dict(), dict(shortlist=True)], ids=["full", "shortlist"])
 def test_one_row_layer_gives_the_layer_ops_tokens(shortlisted, srcs, kernel, settings, monkeypatch):
     # two decoder layers: the first layer's `nxt` norm is the second's norm1
-    kw = dict(precision="int8", **kernel, **settings)
+    kw = dict(precision="int8", one_row_step=False, **kernel, **settings)
     ref = one_by_one(Translator(shortlisted, one_row_layer=False, **kw), srcs)
     seen = layer_calls(monkeypatch)
     assert one_by_one(Translator(shortlisted, one_row_layer=True, **kw), srcs) == ref
@@ -127,15 +127,18 @@ def test_one_row_layer_gives_the_layer_ops_tokens_on_the_trained_model(monkeypat
     one = lambda tr: [tr.translate([x])[0] for x in lines]  # noqa: E731
     ref = one(Translator(TRAINED, precision="int8", one_row_layer=False))
     seen = layer_calls(monkeypatch)
-    assert one(Translator(TRAINED, precision="int8")) == ref
+    assert one(Translator(TRAINED, precision="int8", one_row_step=False)) == ref
     assert seen and all(seen)
 
 
 def test_one_row_layer_is_not_used_where_it_does_not_apply(model_dir, srcs, monkeypatch):
-    seen = layer_calls(monkeypatch)
+    seen, steps = layer_calls(monkeypatch), step_calls(monkeypatch)
     one_by_one(Translator(model_dir, precision="fp32"), srcs[:3])  # no int8 gemv linears
     one_by_one(Translator(model_dir, precision="int8", int8_gemv=False), srcs[:3])
     assert seen and not any(seen)
+    one_by_one(Translator(model_dir, precision="int8", no_repeat_ngram=2), srcs[:3])  # needs the logits
+    one_by_one(Translator(model_dir, precision="int8", one_row_layer=False), srcs[:3])
+    assert steps == []
 
 
 def test_one_row_layer_refuses_a_weight_list_of_the_wrong_length():
@@ -146,3 +149,50 @@ def test_one_row_layer_refuses_a_weight_list_of_the_wrong_length():
     kc = torch.zeros(1, 2, 5, 4)
     with pytest.raises(RuntimeError, match="6 linears"):
         torch.ops.decoder_ops.one_row_layer(x, x, [x] * 29, kc, kc.clone(), kc, kc, 0, 0, 1e-5, True)
+
+
+def step_calls(monkeypatch) -> list:
+    """Records the token of every step run by the whole-step C++ op (switch one_row_step)."""
+    seen, make = [], OneRowCache.step_argmax
+
+    def spy(self, out):
+        step = make(self, out)
+        return None if step is None else lambda tok, t: (seen.append(tok), step(tok, t))[1]
+    monkeypatch.setattr(OneRowCache, "step_argmax", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", [dict(int8_vnni_int_mm=False), dict(int8_vnni_int_mm=True)],
+                         ids=["fbgemm", "int_mm-where-vnni"])
+@pytest.mark.parametrize("settings", [dict(), dict(shortlist=True)], ids=["full", "shortlist"])
+def test_one_row_step_gives_the_per_layer_ops_tokens(shortlisted, srcs, kernel, settings, monkeypatch):
+    kw = dict(precision="int8", **kernel, **settings)
+    ref = one_by_one(Translator(shortlisted, one_row_step=False, **kw), srcs)
+    steps = step_calls(monkeypatch)
+    assert one_by_one(Translator(shortlisted, one_row_step=True, **kw), srcs) == ref
+    assert len(steps) >= len(srcs)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(TRAINED, "config.json")), reason="trained fixture absent")
+def test_one_row_step_gives_the_layer_ops_tokens_on_the_trained_model(monkeypatch):
+    with open(TRAINED_SRC, encoding="utf-8") as fh:
+        lines = [next(fh).rstrip("\n") for _ in range(40)]
+    one = lambda tr: [tr.translate([x])[0] for x in lines]  # noqa: E731
+    ref = one(Translator(TRAINED, precision="int8", one_row_layer=False, one_row_step=False))
+    steps = step_calls(monkeypatch)
+    assert one(Translator(TRAINED, precision="int8")) == ref
+    assert len(steps) >= len(lines)
+
+
+def test_one_row_step_refuses_a_token_outside_the_vocabulary_and_lists_of_the_wrong_length():
+    from decoder import ops
+    if not ops.available():
+        pytest.skip("C++ ops unavailable")
+    emb, pos, n = torch.zeros(10, 8), torch.zeros(12, 8), torch.ones(8)
+    out = [torch.zeros(4, 64, dtype=torch.int8), torch.ones(4), torch.zeros(4, dtype=torch.int32)]
+    step = lambda token, w, caches: torch.ops.decoder_ops.one_row_step(  # noqa: E731
+        token, 1, 0, emb, pos, n, n, 1e-5, w, caches, out, None, 0, 1e-5, True)
+    with pytest.raises(RuntimeError, match="token 10 outside"):
+        step(10, [n] * 30, [pos] * 4)
+    with pytest.raises(RuntimeError, match="30 weights and 4 caches per layer"):
+        step(3, [n] * 29, [pos] * 4)

@@ -115,6 +115,20 @@ def test_sliced_gemv_projection_equals_those_columns_of_the_full_one():
     assert isinstance(batch, FbgemmLinear) and torch.equal(batch(x), lin(x)[:, idx])
 
 
+@pytest.mark.parametrize("n_idx", [1, 6, 8])
+def test_sliced_gemv_rows_with_bias_equal_the_full_layers_columns_at_any_candidate_count(n_idx):
+    """The slice pads its rows to 4 by repeating a row; the output must still be exactly C columns."""
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(300, 200, generator=g) * 0.05, torch.randn(300, generator=g)
+    full = FbgemmLinear(w, b, gemv_rows=4).gemv
+    idx = torch.randperm(300, generator=g)[:n_idx].sort().values
+    one = full.rows(idx)
+    x = torch.randn(3, 200, generator=g)
+    assert one(x).shape == (3, n_idx)
+    assert torch.equal(one(x), full(x)[:, idx])
+    assert torch.equal(one.reference(x), one(x))
+
+
 def test_gemv_path_is_capped_with_atens_capability(monkeypatch):
     for cap, isa in (("avx2", 1), ("default", 0), ("avx512", 2), ("", 2)):
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
@@ -131,7 +145,8 @@ def test_int8_gemv_switch_puts_the_kernel_in_the_layers_and_off_leaves_the_big_k
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         model = make_model_dir(os.path.join(d, "model"), seed=1)
-        kw = dict(precision="int8", **KERNELS[kernel])
+        # the batch path: the one-row step runs its gemv products inside one C++ call
+        kw = dict(precision="int8", one_row=False, **KERNELS[kernel])
         on, off = Translator(model, **kw), Translator(model, int8_gemv=False, **kw)
         cls = {"fbgemm": FbgemmLinear, "int_mm": Int8Linear}[kernel]
         assert type(on.model.out_proj) is type(off.model.out_proj) is cls

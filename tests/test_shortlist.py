@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conftest import toy_parallel
-from decoder import Translator, modeldir
+from decoder import Translator, modeldir, ops
 from decoder.modeldir import ModelDirError
+from decoder.shortlist import Shortlist
 from fixture_model import make_model_dir, synthetic_corpus
 from student.shortlist import add_to_model_dir, build
 
@@ -93,7 +94,32 @@ def test_candidates_are_the_union_of_source_lists_frequent_and_eos(base_dir, tmp
     lists[10], lists[11] = [40, 30], [30, 50]
     d = copy_with(base_dir, tmp_path, lists, frequent=[7])
     tr = Translator(d, shortlist=True)
-    assert tr.shortlist.candidates(torch.tensor([[10, 11, 2], [11, 2, 1]])).tolist() == [2, 7, 30, 40, 50]
+    src = torch.tensor([[10, 11, 2], [11, 2, 1]])
+    assert tr.shortlist.candidates(src).tolist() == [2, 7, 30, 40, 50]
+    assert tr.shortlist.candidates_reference(src).tolist() == [2, 7, 30, 40, 50]
+
+
+@pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
+def test_candidates_kernel_equals_the_tensor_reference_on_random_lists():
+    g = torch.Generator().manual_seed(3)
+    V = 500
+    for trial in range(20):
+        n = torch.randint(0, 12, (V,), generator=g) * (torch.rand(V, generator=g) < 0.7)  # some empty lists
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+        ids = torch.randint(0, V, (int(offsets[-1]),), generator=g)  # duplicates within and across lists
+        frequent = torch.randint(0, V, (trial,), generator=g)
+        sl = Shortlist(offsets, ids, frequent, eos_id=2, device="cpu")
+        src = torch.randint(0, V, (1 + trial % 4, 1 + trial), generator=g)
+        assert torch.equal(sl.candidates(src), sl.candidates_reference(src)), trial
+
+
+@pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
+def test_candidates_kernel_refuses_ids_outside_the_vocabulary():
+    sl = Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 5]), torch.tensor([], dtype=torch.long), 0, "cpu")
+    with pytest.raises(RuntimeError, match="source id 3 outside"):
+        sl.candidates(torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match="target id 5 outside"):
+        sl.candidates(torch.tensor([[1]]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

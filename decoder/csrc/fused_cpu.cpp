@@ -340,31 +340,30 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const
   return attend(q, k, v, std::nullopt, rows);
 }
 
-// Linear i of one_row_layer's list: a GemvLinear's (wq, scale, shift, bias), checked by the gemv kernel's own rule.
-decoder_gemv::Weights gemv_weights(const at::TensorList w, int64_t i, int64_t K) {
-  return decoder_gemv::weights(K, w[i], w[i + 1], w[i + 2], w[i + 3]);
-}
-
 // One pre-norm decoder layer for one row, the math of decoder/model.py `layer`
 // with fused_norm, fused_qkv and int8 gemv products, in one call: at batch 1 a
 // step is ~30 small ops whose dispatch costs as much as their arithmetic.
-// x (1, 1, d) the residual stream, y = norm1(x); kc, vc (1, h, T, hd) this
-// layer's self-attention cache (k, v written at position t), ck, cv (1, h, S, hd)
-// the cross K/V. w: 6 linears x (wq, scale, shift, bias) -- q|k|v, out, cross q,
-// cross out, fc1, fc2 -- then the LayerNorm weights and biases of norm_mid,
-// norm_ffn and `nxt` (the next layer's norm1 or the decoder's final norm).
-// epilogue_bias: out, cross out and fc2 add their bias in the gemv's epilogue
-// and the norm adds none (decoder/optimisations.py add_norm_fused with fbgemm's
-// linears), else the norm adds it (with ours): the bits of the path it replaces.
-// Returns (x', nxt(x')), as `layer` does.
-std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::Tensor& y, at::TensorList w,
-                                                 at::Tensor& kc, at::Tensor& vc, const at::Tensor& ck,
-                                                 const at::Tensor& cv, int64_t t, int64_t isa, double eps,
-                                                 bool epilogue_bias) {
-  const int64_t d = x.size(-1), H = kc.size(1), hd = kc.size(3), T = kc.size(2), S = ck.size(2);
-  TORCH_CHECK(x.numel() == d && y.numel() == d && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                  x.is_contiguous() && y.is_contiguous(), "one_row_layer: x, y must be one float row of d");
-  TORCH_CHECK(w.size() == 30, "one_row_layer: 6 linears x 4 tensors and 3 norms x 2, got ", w.size());
+// kc, vc (1, h, T, hd) this layer's self-attention cache (k, v written at
+// position t), ck, cv (1, h, S, hd) the cross K/V. w: 6 linears x (wq, scale,
+// shift, bias) -- q|k|v, out, cross q, cross out, fc1, fc2 -- then the LayerNorm
+// weights and biases of norm_mid, norm_ffn and `nxt` (the next layer's norm1 or
+// the decoder's final norm). epilogue_bias: out, cross out and fc2 add their
+// bias in the gemv's epilogue and the norm adds none (decoder/optimisations.py
+// add_norm_fused with fbgemm's linears), else the norm adds it (with ours): the
+// bits of the path it replaces.
+struct RowLayer {
+  decoder_gemv::Weights qkv, out, cq, cout, fc1, fc2;
+  const float *out_b, *cout_b, *fc2_b;  // the biases the norms add (null: in the epilogue)
+  const float* norm[6];
+  float *kc, *vc;
+  const float *ck, *cv;
+  int64_t d, H, hd, S, ks1, ks2, vs1, vs2, cks1, cks2, cvs1, cvs2;
+};
+
+// w[at .. at+30) and the caches of one layer, checked (one error naming what is wrong)
+RowLayer row_layer(int64_t d, at::TensorList w, int64_t at, const at::Tensor& kc, const at::Tensor& vc,
+                   const at::Tensor& ck, const at::Tensor& cv, int64_t t, bool epilogue_bias) {
+  const int64_t H = kc.size(1), hd = kc.size(3), T = kc.size(2), S = ck.size(2);
   TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && H * hd == d && vc.sizes() == kc.sizes() && kc.stride(3) == 1 &&
                   vc.stride(3) == 1 && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
               "one_row_layer: kc, vc must be float (1, h, T, d/h)");
@@ -372,57 +371,76 @@ std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::
                   ck.stride(3) == 1 && cv.stride(3) == 1 && ck.scalar_type() == at::kFloat &&
                   cv.scalar_type() == at::kFloat, "one_row_layer: ck, cv must be float (1, h, S, d/h)");
   TORCH_CHECK(t >= 0 && t < T, "one_row_layer: position ", t, " outside the cache of ", T);
-  const decoder_gemv::Weights qkv = gemv_weights(w, 0, d), out = gemv_weights(w, 4, d), cq = gemv_weights(w, 8, d),
-                              cout = gemv_weights(w, 12, d), fc1 = gemv_weights(w, 16, d);
-  const decoder_gemv::Weights fc2 = gemv_weights(w, 20, fc1.N);
-  TORCH_CHECK(qkv.N == 3 * d && out.N == d && cq.N == d && cout.N == d && fc2.N == d,
+  auto g = [&](int64_t i, int64_t K) { return decoder_gemv::weights(K, w[at + i], w[at + i + 1], w[at + i + 2],
+                                                                    w[at + i + 3]); };
+  RowLayer L{g(0, d), g(4, d), g(8, d), g(12, d), g(16, d), {}, nullptr, nullptr, nullptr, {}, kc.data_ptr<float>(),
+             vc.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<float>(), d, H, hd, S, kc.stride(1),
+             kc.stride(2), vc.stride(1), vc.stride(2), ck.stride(1), ck.stride(2), cv.stride(1), cv.stride(2)};
+  L.fc2 = g(20, L.fc1.N);
+  TORCH_CHECK(L.qkv.N == 3 * d && L.out.N == d && L.cq.N == d && L.cout.N == d && L.fc2.N == d,
               "one_row_layer: linear shapes do not match d = ", d);
-  for (int64_t i = 24; i < 30; ++i)
-    TORCH_CHECK(w[i].numel() == d && w[i].scalar_type() == at::kFloat && w[i].is_contiguous(),
+  for (int64_t i = 0; i < 6; ++i) {
+    const at::Tensor& n = w[at + 24 + i];
+    TORCH_CHECK(n.numel() == d && n.scalar_type() == at::kFloat && n.is_contiguous(),
                 "one_row_layer: norm weights must be float (d,)");
-  const int path = decoder_gemv::isa(isa);
-  const float e = static_cast<float>(eps);
-  auto f = [&](int64_t i) { return w[i].data_ptr<float>(); };
-  std::vector<float> buf(3 * d + 2 * d + fc1.N + std::max(T, S));
-  float *qkv_o = buf.data(), *att = qkv_o + 3 * d, *h = att + d, *hid = h + d, *p = hid + fc1.N;
-  auto xo = at::empty_like(x), yo = at::empty_like(y);
-  float *r = xo.data_ptr<float>(), *yn = yo.data_ptr<float>();
-  const float* xin = x.data_ptr<float>();
-  auto attend_one = [&](const at::Tensor& k, const at::Tensor& v, const float* q, int64_t keys) {
-    const AttendArgs a{q, k.data_ptr<float>(), v.data_ptr<float>(), nullptr, nullptr, att, H, 1, hd, keys,
-                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+    L.norm[i] = n.data_ptr<float>();
+  }
+  if (!epilogue_bias)  // the norm adds the bias, the gemv none
+    for (auto [g, b] : {std::pair{&L.out, &L.out_b}, std::pair{&L.cout, &L.cout_b}, std::pair{&L.fc2, &L.fc2_b}}) {
+      *b = g->bias;
+      g->bias = nullptr;
+    }
+  return L;
+}
+
+// x (d) the residual stream and y = norm1(x) -> xo = x', yo = nxt(x'), as `layer` does.
+// buf: 5d + fc1.N + max(t+1, S) floats of scratch.
+void run_row_layer(const RowLayer& L, const float* x, const float* y, int64_t t, int path, float eps, float* xo,
+                   float* yo, float* buf) {
+  const int64_t d = L.d, H = L.H, hd = L.hd;
+  float *qkv_o = buf, *att = qkv_o + 3 * d, *h = att + d, *hid = h + d, *p = hid + L.fc1.N;
+  auto attend_one = [&](const float* k, const float* v, int64_t ks1, int64_t ks2, int64_t vs1, int64_t vs2,
+                        const float* q, int64_t keys) {
+    const AttendArgs a{q, k, v, nullptr, nullptr, att, H, 1, hd, keys, 0, ks1, ks2, 0, vs1, vs2,
                        1.f / std::sqrt(static_cast<float>(hd))};
     attend_heads(a, 0, H, p);
   };
-  // (the linear as the gemv runs it, the bias the norm adds)
-  auto split = [&](decoder_gemv::Weights g) -> std::pair<decoder_gemv::Weights, const float*> {
-    if (epilogue_bias) return {g, nullptr};
-    const float* b = g.bias;
-    g.bias = nullptr;
-    return {g, b};
-  };
-  const auto [out_g, out_b] = split(out);
-  const auto [cout_g, cout_b] = split(cout);
-  const auto [fc2_g, fc2_b] = split(fc2);
   // self-attention: q|k|v, k and v into the cache at t, attention over 0..t
-  decoder_gemv::gemv(y.data_ptr<float>(), 1, d, qkv, false, path, qkv_o);
-  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  decoder_gemv::gemv(y, 1, d, L.qkv, false, path, qkv_o);
   for (int64_t i = 0; i < H; ++i) {
-    std::copy(qkv_o + d + i * hd, qkv_o + d + (i + 1) * hd, kp + i * kc.stride(1) + t * kc.stride(2));
-    std::copy(qkv_o + 2 * d + i * hd, qkv_o + 2 * d + (i + 1) * hd, vp + i * vc.stride(1) + t * vc.stride(2));
+    std::copy(qkv_o + d + i * hd, qkv_o + d + (i + 1) * hd, L.kc + i * L.ks1 + t * L.ks2);
+    std::copy(qkv_o + 2 * d + i * hd, qkv_o + 2 * d + (i + 1) * hd, L.vc + i * L.vs1 + t * L.vs2);
   }
-  attend_one(kc, vc, qkv_o, t + 1);
-  decoder_gemv::gemv(att, 1, d, out_g, false, path, h);
-  residual_norm_row(xin, h, out_b, f(24), f(25), r, yn, d, e);
+  attend_one(L.kc, L.vc, L.ks1, L.ks2, L.vs1, L.vs2, qkv_o, t + 1);
+  decoder_gemv::gemv(att, 1, d, L.out, false, path, h);
+  residual_norm_row(x, h, L.out_b, L.norm[0], L.norm[1], xo, yo, d, eps);
   // cross-attention over the source
-  decoder_gemv::gemv(yn, 1, d, cq, false, path, qkv_o);
-  attend_one(ck, cv, qkv_o, S);
-  decoder_gemv::gemv(att, 1, d, cout_g, false, path, h);
-  residual_norm_row(r, h, cout_b, f(26), f(27), r, yn, d, e);
+  decoder_gemv::gemv(yo, 1, d, L.cq, false, path, qkv_o);
+  attend_one(L.ck, L.cv, L.cks1, L.cks2, L.cvs1, L.cvs2, qkv_o, L.S);
+  decoder_gemv::gemv(att, 1, d, L.cout, false, path, h);
+  residual_norm_row(xo, h, L.cout_b, L.norm[2], L.norm[3], xo, yo, d, eps);
   // feed-forward, relu in fc1's epilogue
-  decoder_gemv::gemv(yn, 1, d, fc1, true, path, hid);
-  decoder_gemv::gemv(hid, 1, fc1.N, fc2_g, false, path, h);
-  residual_norm_row(r, h, fc2_b, f(28), f(29), r, yn, d, e);
+  decoder_gemv::gemv(yo, 1, d, L.fc1, true, path, hid);
+  decoder_gemv::gemv(hid, 1, L.fc1.N, L.fc2, false, path, h);
+  residual_norm_row(xo, h, L.fc2_b, L.norm[4], L.norm[5], xo, yo, d, eps);
+}
+
+int64_t row_layer_scratch(const RowLayer& L, int64_t t) { return 5 * L.d + L.fc1.N + std::max(t + 1, L.S); }
+
+// x (1, 1, d) the residual stream, y = norm1(x) -> (x', nxt(x'))
+std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::Tensor& y, at::TensorList w,
+                                                 at::Tensor& kc, at::Tensor& vc, const at::Tensor& ck,
+                                                 const at::Tensor& cv, int64_t t, int64_t isa, double eps,
+                                                 bool epilogue_bias) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.numel() == d && y.numel() == d && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && y.is_contiguous(), "one_row_layer: x, y must be one float row of d");
+  TORCH_CHECK(w.size() == 30, "one_row_layer: 6 linears x 4 tensors and 3 norms x 2, got ", w.size());
+  const RowLayer L = row_layer(d, w, 0, kc, vc, ck, cv, t, epilogue_bias);
+  std::vector<float> buf(row_layer_scratch(L, t));
+  auto xo = at::empty_like(x), yo = at::empty_like(y);
+  run_row_layer(L, x.data_ptr<float>(), y.data_ptr<float>(), t, decoder_gemv::isa(isa), static_cast<float>(eps),
+                xo.data_ptr<float>(), yo.data_ptr<float>(), buf.data());
   return {xo, yo};
 }
 
@@ -575,6 +593,49 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const st
   return out;
 }
 
+// One greedy decode step for one sentence, whole (the latency mode): x =
+// emb[token] + pos[p], y = norm1(x) by ATen's layer_norm (as the path it
+// replaces), every decoder layer as one_row_layer, the output projection by the
+// gemv kernel and its argmax. Returns the argmax column. At batch 1 the ~10
+// tensor ops around the layers cost as much as a layer (decoder/README.md).
+// w: one_row_layer's 30 tensors per layer; caches: kc, vc, ck, cv per layer;
+// out, out_bias: the output projection's GemvLinear (wq, scale, shift), bias.
+int64_t one_row_step(int64_t token, int64_t p, int64_t t, const at::Tensor& emb, const at::Tensor& pos,
+                     const at::Tensor& norm_w, const at::Tensor& norm_b, double norm_eps, at::TensorList w,
+                     at::TensorList caches, at::TensorList out, const std::optional<at::Tensor>& out_bias, int64_t isa,
+                     double eps, bool epilogue_bias) {
+  const int64_t d = emb.size(-1), n = static_cast<int64_t>(caches.size()) / 4;
+  TORCH_CHECK(emb.dim() == 2 && pos.dim() == 2 && pos.size(1) == d && emb.scalar_type() == at::kFloat &&
+                  pos.scalar_type() == at::kFloat && emb.is_contiguous() && pos.is_contiguous(),
+              "one_row_step: emb (V, d) and pos (P, d) must be contiguous float");
+  TORCH_CHECK(token >= 0 && token < emb.size(0), "one_row_step: token ", token, " outside the vocabulary");
+  TORCH_CHECK(p >= 0 && p < pos.size(0), "one_row_step: position ", p, " outside the table of ", pos.size(0));
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(caches.size()) == 4 * n && static_cast<int64_t>(w.size()) == 30 * n,
+              "one_row_step: 30 weights and 4 caches per layer, got ", w.size(), " and ", caches.size());
+  TORCH_CHECK(out.size() == 3, "one_row_step: out must be (wq, scale, shift)");
+  const decoder_gemv::Weights o = decoder_gemv::weights(d, out[0], out[1], out[2], out_bias);
+  std::vector<RowLayer> layers;
+  int64_t scratch = o.N;
+  for (int64_t i = 0; i < n; ++i) {
+    layers.push_back(row_layer(d, w, 30 * i, caches[4 * i], caches[4 * i + 1], caches[4 * i + 2],
+                               caches[4 * i + 3], t, epilogue_bias));
+    scratch = std::max(scratch, row_layer_scratch(layers.back(), t));
+  }
+  auto x = at::empty({1, 1, d}, emb.options());
+  float* xp = x.data_ptr<float>();
+  const float *ep = emb.data_ptr<float>() + token * d, *pp = pos.data_ptr<float>() + p * d;
+  for (int64_t i = 0; i < d; ++i) xp[i] = ep[i] + pp[i];
+  auto y = at::layer_norm(x, {d}, norm_w, norm_b, norm_eps);  // (1, 1, d), contiguous
+  float* yp = y.data_ptr<float>();
+  std::vector<float> buf(scratch);
+  const int path = decoder_gemv::isa(isa);
+  for (const RowLayer& L : layers)  // in place: each layer reads x and y before it writes them
+    run_row_layer(L, xp, yp, t, path, static_cast<float>(eps), xp, yp, buf.data());
+  decoder_gemv::gemv(yp, 1, d, o, false, path, buf.data());
+  float best;
+  return row_argmax(buf.data(), o.N, &best);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
@@ -590,6 +651,9 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, int chunk) -> Tensor");
   m.def("one_row_layer(Tensor x, Tensor y, Tensor[] w, Tensor(a!) kc, Tensor(b!) vc, Tensor ck, Tensor cv, int t,"
         " int isa, float eps, bool epilogue_bias) -> (Tensor, Tensor)");
+  m.def("one_row_step(int token, int p, int t, Tensor emb, Tensor pos, Tensor norm_w, Tensor norm_b, float norm_eps,"
+        " Tensor[] w, Tensor(a!)[] caches, Tensor[] out, Tensor? out_bias, int isa, float eps, bool epilogue_bias)"
+        " -> int");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
@@ -603,4 +667,5 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);
   m.impl("one_row_layer", &one_row_layer);
+  m.impl("one_row_step", &one_row_step);
 }
