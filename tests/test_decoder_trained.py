@@ -49,6 +49,18 @@ def test_greedy_with_fused_kernels_equals_greedy_without_on_trained_model(data, 
     assert fused.translate(data[0]) == fp32
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_greedy_with_fused_encoder_attention_equals_greedy_without_on_trained_model(data, precision, monkeypatch):
+    from decoder import fused
+    calls = []
+    op = fused.encoder_attention
+    monkeypatch.setattr(fused, "encoder_attention", lambda *a: calls.append(1) or op(*a))
+    plain = Translator(MODEL, precision=precision, fused_encoder_attention=False).translate(data[0])
+    assert not calls
+    assert Translator(MODEL, precision=precision, fused_encoder_attention=True).translate(data[0]) == plain
+    assert calls  # the op ran
+
+
 # fused_project_argmax takes over from fused_argmax wherever it applies, so each is tried alone
 @pytest.mark.parametrize("switches", [dict(fused_argmax=True, fused_project_argmax=False),
                                       dict(fused_project_argmax=True)], ids=["fused_argmax", "fused_project_argmax"])
