@@ -123,14 +123,14 @@ def stack(plan: Plan, layers: list, x, ctx, final: Norm):
 
 
 class EncoderContext:
-    """Self-attention over the whole source, padding masked (mask (B, 1, 1, S), True = attend)."""
+    """Self-attention over the whole source, padding masked (mask (B, 1, 1, S), True = attend)
+    by the plan's `encoder_attend` (SDPA, or the C++ op on the fused q|k|v product)."""
 
-    def __init__(self, n_heads: int, mask):
-        self.h, self.mask = n_heads, mask
+    def __init__(self, plan: Plan, n_heads: int, mask):
+        self.plan, self.h, self.mask = plan, n_heads, mask
 
     def self_attend(self, i: int, attn: Attention, y):
-        q, k, v = (heads(t, self.h) for t in attn.project_qkv(y))
-        return merge(F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask))
+        return self.plan.encoder_attend(attn, y, self.h, self.mask)
 
 
 class Model:
@@ -170,8 +170,8 @@ class Model:
     def encode(self, src):
         """src (B, S) right-padded -> (encoder output (B, S, d), key mask (B, 1, 1, S))."""
         mask = (src != self.cfg.pad_id)[:, None, None, :]
-        return stack(self.plan, self.enc_layers, self.embed(src), EncoderContext(self.n_heads, mask),
-                     self.enc_norm), mask
+        ctx = EncoderContext(self.plan, self.n_heads, mask)
+        return stack(self.plan, self.enc_layers, self.embed(src), ctx, self.enc_norm), mask
 
     def decode(self, x, ctx):
         """Embedded target positions x (N, T, d) through the decoder -> normalised (N, T, d)."""

@@ -123,6 +123,10 @@ def _register_fakes() -> None:
     def _(q, k, v, rows):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("decoder_ops::encoder_attention")
+    def _(qkv, mask, heads):
+        return qkv.new_empty((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3))
+
     @torch.library.register_fake("decoder_ops::qkv_to_cache_")
     def _(kc, vc, qkv, t):
         return qkv.new_empty((kc.shape[0], 1, kc.shape[1] * kc.shape[3]))

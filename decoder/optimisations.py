@@ -60,6 +60,18 @@ def attend_sdpa(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def encoder_attend_plain(attn, y, heads: int, mask):
+    """The encoder's self-attention of y (B, S, d): q, k, v (one product or three), SDPA
+    over the heads, merged back to (B, S, d)."""
+    return fused.attention_heads(*attn.project_qkv(y), mask, heads)
+
+
+def encoder_attend_fused(attn, y, heads: int, mask):
+    if attn.qkv is None:  # the C++ op reads the one q|k|v product
+        return encoder_attend_plain(attn, y, heads, mask)
+    return fused.encoder_attention(attn.qkv(y), mask, heads)
+
+
 def write_kv_plain(attn, y, kc, vc, t: int):
     """q of y (N, 1, d); k, v written into the cache kc, vc (N, h, T, hd) at position t."""
     q, k, v = attn.project_qkv(y)
@@ -170,6 +182,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", fused.decode_attention,
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
                  detail="the cached step's attention for its few queries, reading the cache slice in place"),
+    Optimisation("fused_encoder_attention", True, "fused encoder self-attention (C++)", "encoder_attend",
+                 encoder_attend_fused, encoder_attend_plain,
+                 "chunk, head views, `scaled_dot_product_attention`, merge copy", "step",
+                 detail="the fused q|k|v product (B, S, 3d) to the merged heads (B, S, d) in one call, its loops "
+                 "vectorised over keys and features for many queries; on several threads SDPA keeps the big "
+                 "batches (`fused.ENCODER_ATTENTION_THREADED_MAX`)"),
     Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
                  detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
@@ -284,6 +302,7 @@ class Plan:
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)
     write_kv: Callable          # (attn, y, kc, vc, t) -> q; k, v written at t
+    encoder_attend: Callable    # encoder self-attention (attn, y, heads, mask) -> (B, S, d)
     argmax: Callable            # greedy: (rows, C) -> (rows,)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk

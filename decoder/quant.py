@@ -120,7 +120,7 @@ class Int8Linear:
         x2 = x.reshape(-1, shape[-1]).float()  # (M, in)
         # few, in-place passes: at decode shapes the elementwise work rivals the matmul
         amax = x2.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (M, 1)
-        xq = torch.mul(x2, 127.0 / amax).round_().to(torch.int8)
+        xq = torch.mul(x2, inv_scale(amax)).round_().to(torch.int8)
         y = torch._int_mm(xq, self.wq_t).float()  # (M, out)
         y.mul_(amax.mul_(1.0 / 127.0))
         if self.b is None or not bias:
@@ -185,7 +185,7 @@ class GemvLinear:
         shape, (n, k) = x.shape, self.shape
         x2 = x.reshape(-1, k).float()  # (M, in)
         amax = x2.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (M, 1)
-        q = torch.mul(x2, 127.0 / amax).round_()  # (M, in), integers in [-127, 127]
+        q = torch.mul(x2, inv_scale(amax)).round_()  # (M, in), integers in [-127, 127]
         acc = q.long() @ self.wq[:n, :k].long().t()  # (M, out) exact
         y = acc.float().mul_(amax.mul_(1.0 / 127.0) * self.w_scale)  # rounded once, then the bias once
         if bias and self.b is not None:
@@ -193,6 +193,14 @@ class GemvLinear:
         if relu:
             y.relu_()
         return y.view(*shape[:-1], n)
+
+
+def inv_scale(amax: torch.Tensor) -> torch.Tensor:
+    """127 / amax rounded once, as the C++ kernels compute it: `127.0 / amax` is
+    ATen's reciprocal times 127, two roundings, which moved an x * 127 / amax that
+    lands exactly on .5 to the other integer (one activation in a batch, a 1e-3
+    change in its output row, a flipped token on the trained fixture)."""
+    return torch.full_like(amax, 127.0).div_(amax)
 
 
 def gemv_isa_cap() -> int:

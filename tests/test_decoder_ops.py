@@ -36,6 +36,21 @@ def test_fused_int8_linear_matches_reference(M, K, N, bias, relu):
 
 
 @needs_ops
+def test_int8_references_quantise_an_exact_half_as_the_kernels_do():
+    """127 / amax once rounded (as the C++ kernels), not ATen's reciprocal times 127: for
+    this row 0.01102262... * 127 / 2.7997455 is exactly 0.5 (-> 0 half to even), but
+    0.50000006 with the reciprocal's extra rounding (-> 1): one quantisation step apart."""
+    x = torch.tensor([[2.799745559692383, 0.01102262083441019] + [0.0] * 62])  # (1, 64)
+    w = torch.eye(64)[:8] * 0.1  # output j = input j: the step shows in output 1
+    lin = Int8Linear(w, None, gemv_rows=4)
+    kernel = ops.int8_linear(x, lin.wq_t, lin.w_scale, None, False)
+    assert kernel[0, 1] == 0.0
+    assert torch.equal(lin.reference(x), kernel)
+    assert torch.equal(lin.gemv.reference(x), lin.gemv(x))
+    assert lin.gemv(x)[0, 1] == 0.0
+
+
+@needs_ops
 def test_fused_int8_linear_keeps_leading_dims():
     lin, x, _, _ = case(12, 64, 32)
     x3 = x.view(3, 4, 64)

@@ -222,6 +222,54 @@ def test_decode_attention_rows_passes_opcheck():
     _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, torch.randint(0, 3, (3, 11))))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,S,H,D,masked", [(1, 1, 4, 64, False), (1, 1, 4, 64, True), (1, 31, 4, 64, False),
+                                             (3, 17, 2, 7, True), (4, 40, 4, 64, True), (2, 130, 3, 20, True)])
+def test_encoder_attention_matches_chunk_heads_sdpa_merge(dtype, B, S, H, D, masked):
+    g = torch.Generator().manual_seed(B * 1000 + S)
+    qkv = torch.randn(B, S, 3 * H * D, generator=g).to(dtype)
+    mask = None
+    if masked:  # right padding, one row unpadded
+        lens = torch.randint(1, S + 1, (B,), generator=g)
+        lens[0] = S
+        mask = (torch.arange(S)[None] < lens[:, None])[:, None, None, :]
+    got = torch.ops.decoder_ops.encoder_attention(qkv, mask, H)
+    want = fused.encoder_attention_reference(qkv.float(), mask, H)
+    assert got.dtype == dtype and got.shape == (B, S, H * D)
+    close(got, want.to(dtype), dtype)
+
+
+def test_encoder_attention_skips_keys_masked_anywhere_and_gives_what_sdpa_gives_where_all_are():
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, 9, 3 * 2 * 16, generator=g)
+    mask = torch.rand(3, 1, 1, 9, generator=g) > 0.4  # holes, not only right padding
+    mask[0] = True
+    mask[2] = False
+    got = torch.ops.decoder_ops.encoder_attention(qkv, mask, 2)
+    want = fused.encoder_attention_reference(qkv, mask, 2)
+    close(got, want, torch.float32)  # a row with no key: SDPA's answer (zeros on CPU in torch 2.13)
+
+
+def test_encoder_attention_wrapper_keeps_sdpa_for_big_batches_on_several_threads(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.ops.decoder_ops, "encoder_attention", lambda *a: calls.append(a[0].shape) or 0)
+    big, small = torch.randn(12, 128, 3 * 256), torch.randn(1, 31, 3 * 256)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    fused.encoder_attention(big, None, 4)
+    fused.encoder_attention(small, None, 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    fused.encoder_attention(big, None, 4)
+    assert calls == [small.shape, big.shape]
+
+
+def test_encoder_attention_passes_opcheck():
+    qkv = torch.randn(2, 11, 3 * 4 * 8)
+    mask = torch.tensor([[True] * 11, [True] * 6 + [False] * 5])[:, None, None, :]
+    _opcheck(torch.ops.decoder_ops.encoder_attention.default, (qkv, None, 4))
+    _opcheck(torch.ops.decoder_ops.encoder_attention.default, (qkv, mask, 4))
+    _opcheck(torch.ops.decoder_ops.encoder_attention.default, (qkv.bfloat16(), mask, 4))
+
+
 needs_cuda_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() or not ops.cuda_available(),
     reason="needs a GPU and the CUDA kernels built by nvcc (decoder/csrc/fused_cuda.cu)")
@@ -403,7 +451,7 @@ def test_argmax_ops_pass_opcheck(dtype):
 # the float loops are plain C++ left to the compiler (csrc/multiversion.h): this
 # pins that each AVX2 / AVX-512 clone really holds packed vector code
 VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "row_argmax",
-                "attend_heads", "quantize_row", "dequant_row")  # attend_heads has dot, axpy, exp_shift_sum inlined
+                "attend_heads", "encoder_attend_heads", "quantize_row", "dequant_row")  # attend_heads has dot, axpy, exp_shift_sum inlined
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("objdump"), reason="needs x86-64 and objdump")

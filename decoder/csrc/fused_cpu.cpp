@@ -9,6 +9,9 @@
 //                                queries of a decode step (no ATen SDPA set-up)
 //   decode_attention_rows        the same with key j of row b read from cache row
 //                                rows[b, j]: beam search without moving its cache
+//   encoder_attention            the encoder's self-attention straight from the fused
+//                                q|k|v product (B, S, 3d) to the merged heads (B, S, d),
+//                                vectorised over keys and features for many queries
 //   qkv_to_cache_                the fused q|k|v projection of one step split:
 //                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
@@ -340,6 +343,134 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const
   return attend(q, k, v, std::nullopt, rows);
 }
 
+// -- encoder self-attention over the fused q|k|v product -------------------------------------
+// Many queries against the same keys: the decode kernel's dot product and axpy
+// per key (a horizontal sum per score) lose to SDPA there. Here, per (b, h), the
+// attended keys are gathered once, K transposed into Kt (D, Sp) and V into
+// (n, Dp), so both products are FMAs along a vector of keys (scores) or of
+// features (output) with kQB queries' accumulators held in registers: no
+// horizontal sum anywhere. Masked keys are left out of the gather, not given
+// -inf; a query with no key to attend gets zeros, as ATen's CPU SDPA gives.
+constexpr int64_t kW = 16;  // vector width of the register blocks (one zmm, two ymm)
+constexpr int64_t kQB = 4;  // queries per block: 4 x 16 accumulators
+
+struct EncAttnArgs {
+  const float* qkv;   // (B, S, 3 * H * D)
+  const bool* mask;   // (B, S) or null
+  float* out;         // (B, S, H * D)
+  int64_t H, S, D;
+  float scale;
+};
+
+// scratch floats one task needs: Q (Sq, D), Kt (D, Sp), V (S, Dp), scores (Sq, Sp)
+inline int64_t enc_scratch(int64_t S, int64_t D) {
+  const int64_t Sp = (S + kW - 1) / kW * kW, Dp = (D + kW - 1) / kW * kW, Sq = (S + kQB - 1) / kQB * kQB;
+  return Sq * D + D * Sp + S * Dp + Sq * Sp;
+}
+
+MULTIVERSION
+void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys) {
+  const int64_t H = a.H, S = a.S, D = a.D, d = H * D, row = 3 * d;
+  const int64_t Sp = (S + kW - 1) / kW * kW, Dp = (D + kW - 1) / kW * kW, Sq = (S + kQB - 1) / kQB * kQB;
+  float *Q = buf, *Kt = Q + Sq * D, *V = Kt + D * Sp, *P = V + S * Dp;
+  for (int64_t bh = lo; bh < hi; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* base = a.qkv + b * S * row + h * D;  // q of position 0; k at + d, v at + 2d
+    const bool* mb = a.mask ? a.mask + b * S : nullptr;
+    int64_t n = 0;
+    for (int64_t j = 0; j < S; ++j)
+      if (!mb || mb[j]) keys[n++] = j;
+    float* ob = a.out + b * S * d + h * D;
+    if (n == 0) {  // every key masked: zeros, as ATen's CPU SDPA gives (torch 2.13; older ones gave NaN)
+      for (int64_t i = 0; i < S; ++i) std::fill(ob + i * d, ob + i * d + D, 0.f);
+      continue;
+    }
+    const int64_t np = (n + kW - 1) / kW * kW;
+    // gather: Kt[c, jj] = k[keys[jj], c] (zero past n), V[jj, :] = v[keys[jj], :] (zero past D)
+    std::fill(Kt, Kt + D * np, 0.f);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const float* kr = base + keys[jj] * row + d;
+      for (int64_t c = 0; c < D; ++c) Kt[c * np + jj] = kr[c];
+      float* vr = V + jj * Dp;
+      std::copy(kr + d, kr + d + D, vr);
+      std::fill(vr + D, vr + Dp, 0.f);
+    }
+    for (int64_t i = 0; i < S; ++i) {
+      const float* qr = base + i * row;
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) Q[i * D + c] = qr[c] * a.scale;
+    }
+    std::fill(Q + S * D, Q + Sq * D, 0.f);
+    for (int64_t i0 = 0; i0 < S; i0 += kQB) {
+      // scores of queries i0..i0+kQB against the keys, kW keys at a time
+      for (int64_t j0 = 0; j0 < np; j0 += kW) {
+        float acc[kQB][kW] = {};
+        for (int64_t c = 0; c < D; ++c) {
+          const float* kt = Kt + c * np + j0;
+          for (int64_t qi = 0; qi < kQB; ++qi) {
+            const float qv = Q[(i0 + qi) * D + c];
+#pragma omp simd
+            for (int64_t w = 0; w < kW; ++w) acc[qi][w] += qv * kt[w];
+          }
+        }
+        for (int64_t qi = 0; qi < kQB; ++qi) std::copy(acc[qi], acc[qi] + kW, P + (i0 + qi) * np + j0);
+      }
+      // the softmax over whole vectors: the padding keys get -inf, so e^(s - max) = 0
+      float inv[kQB];
+      for (int64_t qi = 0; qi < kQB; ++qi) {
+        float* p = P + (i0 + qi) * np;
+        std::fill(p + n, p + np, -std::numeric_limits<float>::infinity());
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < np; ++j) mx = p[j] > mx ? p[j] : mx;
+        inv[qi] = 1.f / exp_shift_sum(p, np, mx);
+      }
+      // out[i] = sum_j p[i, j] V[j] / sum_j p[i, j], kW features at a time
+      const int64_t nq = std::min(kQB, S - i0);
+      for (int64_t c0 = 0; c0 < Dp; c0 += kW) {
+        float acc[kQB][kW] = {};
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const float* vr = V + jj * Dp + c0;
+          for (int64_t qi = 0; qi < kQB; ++qi) {
+            const float pv = P[(i0 + qi) * np + jj];
+#pragma omp simd
+            for (int64_t w = 0; w < kW; ++w) acc[qi][w] += pv * vr[w];
+          }
+        }
+        const int64_t w1 = std::min(kW, D - c0);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          float* o = ob + (i0 + qi) * d + c0;
+          for (int64_t w = 0; w < w1; ++w) o[w] = acc[qi][w] * inv[qi];
+        }
+      }
+    }
+  }
+}
+
+// qkv (B, S, 3 * H * D) as the fused q|k|v linear returns it, mask (B, 1, 1, S)
+// bool, True = attend -> softmax(q k^T / sqrt(D) + mask) v per head, the heads
+// merged: (B, S, H * D), the layout the out projection takes.
+at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
+              "encoder_attention: qkv must be (B, S, 3 * heads * D)");
+  const int64_t B = qkv.size(0), S = qkv.size(1), D = qkv.size(2) / (3 * heads);
+  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
+              "encoder_attention: mask must be bool (B, 1, 1, S)");
+  auto xf = qkv.to(at::kFloat).contiguous();
+  at::Tensor m;
+  if (mask.has_value()) m = mask->reshape({B, S}).contiguous();
+  auto out = at::empty({B, S, heads * D}, xf.options());
+  if (B * S == 0 || D == 0) return qkv.scalar_type() == at::kFloat ? out : out.to(qkv.scalar_type());
+  const EncAttnArgs args{xf.data_ptr<float>(), mask.has_value() ? m.data_ptr<bool>() : nullptr,
+                         out.data_ptr<float>(), heads, S, D, 1.f / std::sqrt(static_cast<float>(D))};
+  at::parallel_for(0, B * heads, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(enc_scratch(S, D));
+    std::vector<int64_t> keys(S);  // the attended key positions of a row
+    encoder_attend_heads(args, lo, hi, buf.data(), keys.data());
+  });
+  return qkv.scalar_type() == at::kFloat ? out : out.to(qkv.scalar_type());
+}
+
 // One pre-norm decoder layer for one row, the math of decoder/model.py `layer`
 // with fused_norm, fused_qkv and int8 gemv products, in one call: at batch 1 a
 // step is ~30 small ops whose dispatch costs as much as their arithmetic.
@@ -645,6 +776,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows) -> Tensor");
+  m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
   m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -663,6 +795,7 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("ngram_block_", &ngram_block_);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_rows", &decode_attention_rows);
+  m.impl("encoder_attention", &encoder_attention);
   m.impl("qkv_to_cache_", &qkv_to_cache_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);
