@@ -368,6 +368,21 @@ inline int64_t enc_scratch(int64_t S, int64_t D) {
   return Sq * D + D * Sp + S * Dp + Sq * Sp;
 }
 
+// acc[q][w] += sum_k a[q * lda + k] * b[k * ldb + w] for kQB rows of a and kW columns
+// of b: both products of the encoder attention (scores: a = Q, b = K^T; output:
+// a = P, b = V). Inlined into encoder_attend_heads, so each ISA clone vectorises it.
+inline void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
+                      int64_t steps) {
+  for (int64_t k = 0; k < steps; ++k) {
+    const float* bk = b + k * ldb;
+    for (int64_t qi = 0; qi < kQB; ++qi) {
+      const float av = a[qi * lda + k];
+#pragma omp simd
+      for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * bk[w];
+    }
+  }
+}
+
 MULTIVERSION
 void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys) {
   const int64_t H = a.H, S = a.S, D = a.D, d = H * D, row = 3 * d;
@@ -405,14 +420,7 @@ void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* b
       // scores of queries i0..i0+kQB against the keys, kW keys at a time
       for (int64_t j0 = 0; j0 < np; j0 += kW) {
         float acc[kQB][kW] = {};
-        for (int64_t c = 0; c < D; ++c) {
-          const float* kt = Kt + c * np + j0;
-          for (int64_t qi = 0; qi < kQB; ++qi) {
-            const float qv = Q[(i0 + qi) * D + c];
-#pragma omp simd
-            for (int64_t w = 0; w < kW; ++w) acc[qi][w] += qv * kt[w];
-          }
-        }
+        fma_block(acc, Q + i0 * D, D, Kt + j0, np, D);
         for (int64_t qi = 0; qi < kQB; ++qi) std::copy(acc[qi], acc[qi] + kW, P + (i0 + qi) * np + j0);
       }
       // the softmax over whole vectors: the padding keys get -inf, so e^(s - max) = 0
@@ -429,14 +437,7 @@ void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* b
       const int64_t nq = std::min(kQB, S - i0);
       for (int64_t c0 = 0; c0 < Dp; c0 += kW) {
         float acc[kQB][kW] = {};
-        for (int64_t jj = 0; jj < n; ++jj) {
-          const float* vr = V + jj * Dp + c0;
-          for (int64_t qi = 0; qi < kQB; ++qi) {
-            const float pv = P[(i0 + qi) * np + jj];
-#pragma omp simd
-            for (int64_t w = 0; w < kW; ++w) acc[qi][w] += pv * vr[w];
-          }
-        }
+        fma_block(acc, P + i0 * np, np, V + c0, Dp, n);
         const int64_t w1 = std::min(kW, D - c0);
         for (int64_t qi = 0; qi < nq; ++qi) {
           float* o = ob + (i0 + qi) * d + c0;
