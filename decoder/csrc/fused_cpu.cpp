@@ -279,7 +279,7 @@ void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
         mx = p[j] > mx ? p[j] : mx;
       }
       std::fill(oi, oi + D, 0.f);
-      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: NaN, as SDPA gives
+      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: NaN (older SDPA; 2.13 on CPU gives 0); decoding never has it
         std::fill(oi, oi + D, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
