@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .model import Model, heads, merge
+from .fused import heads, merge
+from .model import Model
 from .quant import GemvLinear
 
 

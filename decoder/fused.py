@@ -48,11 +48,21 @@ def decode_attention_reference(q, k, v, mask=None, rows=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def heads(x, h):
+    # (B, T, d) -> (B, h, T, hd)
+    B, T, d = x.shape
+    return x.view(B, T, h, d // h).transpose(1, 2)
+
+
+def merge(o):
+    # (B, h, T, hd) -> (B, T, d)
+    B, h, T, hd = o.shape
+    return o.transpose(1, 2).reshape(B, T, h * hd)
+
+
 def attention_heads(q, k, v, mask, h: int):
     """q, k, v (B, S, d) -> SDPA over h heads, merged back to (B, S, d); mask (B, 1, 1, S) bool."""
-    B, S, d = q.shape
-    q, k, v = (t.view(B, -1, h, d // h).transpose(1, 2) for t in (q, k, v))  # (B, h, S, d/h)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, S, d)
+    return merge(F.scaled_dot_product_attention(heads(q, h), heads(k, h), heads(v, h), attn_mask=mask))
 
 
 def encoder_attention_reference(qkv, mask, heads: int):

@@ -25,18 +25,6 @@ from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Linear, make_linear
 
 
-def heads(x, h):
-    # (B, T, d) -> (B, h, T, hd)
-    B, T, d = x.shape
-    return x.view(B, T, h, d // h).transpose(1, 2)
-
-
-def merge(o):
-    # (B, h, T, hd) -> (B, T, d)
-    B, h, T, hd = o.shape
-    return o.transpose(1, 2).reshape(B, T, h * hd)
-
-
 class Attention:
     """q/k/v/out projections; with `fused_qkv` one product for q|k|v (self) or k|v (cross)."""
 

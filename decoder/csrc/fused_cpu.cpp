@@ -362,11 +362,15 @@ struct EncAttnArgs {
   float scale;
 };
 
-// scratch floats one task needs: Q (Sq, D), Kt (D, Sp), V (S, Dp), scores (Sq, Sp)
-inline int64_t enc_scratch(int64_t S, int64_t D) {
-  const int64_t Sp = (S + kW - 1) / kW * kW, Dp = (D + kW - 1) / kW * kW, Sq = (S + kQB - 1) / kQB * kQB;
-  return Sq * D + D * Sp + S * Dp + Sq * Sp;
-}
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// One task's scratch: Q (Sq, D), Kt (D, Sp), V (S, Dp), scores (Sq, Sp), keys and
+// queries padded to whole register blocks.
+struct EncScratch {
+  int64_t Sp, Dp, Sq;
+  EncScratch(int64_t S, int64_t D) : Sp(round_up(S, kW)), Dp(round_up(D, kW)), Sq(round_up(S, kQB)) {}
+  int64_t floats(int64_t S, int64_t D) const { return Sq * D + D * Sp + S * Dp + Sq * Sp; }
+};
 
 // acc[q][w] += sum_k a[q * lda + k] * b[k * ldb + w] for kQB rows of a and kW columns
 // of b: both products of the encoder attention (scores: a = Q, b = K^T; output:
@@ -386,7 +390,8 @@ inline void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const 
 MULTIVERSION
 void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys) {
   const int64_t H = a.H, S = a.S, D = a.D, d = H * D, row = 3 * d;
-  const int64_t Sp = (S + kW - 1) / kW * kW, Dp = (D + kW - 1) / kW * kW, Sq = (S + kQB - 1) / kQB * kQB;
+  const EncScratch z(S, D);
+  const int64_t Sp = z.Sp, Dp = z.Dp, Sq = z.Sq;
   float *Q = buf, *Kt = Q + Sq * D, *V = Kt + D * Sp, *P = V + S * Dp;
   for (int64_t bh = lo; bh < hi; ++bh) {
     const int64_t b = bh / H, h = bh % H;
@@ -400,7 +405,7 @@ void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* b
       for (int64_t i = 0; i < S; ++i) std::fill(ob + i * d, ob + i * d + D, 0.f);
       continue;
     }
-    const int64_t np = (n + kW - 1) / kW * kW;
+    const int64_t np = round_up(n, kW);
     // gather: Kt[c, jj] = k[keys[jj], c] (zero past n), V[jj, :] = v[keys[jj], :] (zero past D)
     std::fill(Kt, Kt + D * np, 0.f);
     for (int64_t jj = 0; jj < n; ++jj) {
@@ -465,7 +470,7 @@ at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tens
   const EncAttnArgs args{xf.data_ptr<float>(), mask.has_value() ? m.data_ptr<bool>() : nullptr,
                          out.data_ptr<float>(), heads, S, D, 1.f / std::sqrt(static_cast<float>(D))};
   at::parallel_for(0, B * heads, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> buf(enc_scratch(S, D));
+    std::vector<float> buf(EncScratch(S, D).floats(S, D));
     std::vector<int64_t> keys(S);  // the attended key positions of a row
     encoder_attend_heads(args, lo, hi, buf.data(), keys.data());
   });
