@@ -19,7 +19,10 @@ import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("int8_linear.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp")
-CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+# -fopenmp, not just -fopenmp-simd: at::parallel_for is an OpenMP region compiled into the
+# caller, so without it every op ran serially in a multi-threaded process; the GOMP calls
+# resolve to the libgomp torch itself loads
+CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {}
 

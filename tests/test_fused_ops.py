@@ -473,3 +473,13 @@ def test_float_loops_are_vectorised_in_the_avx2_and_avx512_clones():
         for clone, pattern in packed.items():
             assert (fn, clone) in bodies, f"{fn} has no {clone} clone (MULTIVERSION dropped?)"
             assert re.search(pattern, bodies[fn, clone]), f"{fn} [{clone}] has no packed vector instruction"
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_fused_ops_library_is_built_with_openmp_so_parallel_for_uses_torchs_threads():
+    # without -fopenmp at::parallel_for compiles to a serial loop: every op ran on one
+    # thread in a multi-threaded process (--threads N) whatever torch.set_num_threads said
+    so = ops.build_library()
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", so], capture_output=True, text=True,
+                             check=True).stdout
+    assert "GOMP_parallel" in symbols
