@@ -102,6 +102,14 @@ def _register_fakes() -> None:
     def _(x, wq_t, w_scale, bias, relu):
         return x.new_empty((*x.shape[:-1], wq_t.shape[1]))
 
+    @torch.library.register_fake("decoder_ops::int8_linear_quantized")
+    def _(x, wq_t, w_scale, bias, relu):
+        return (x.new_empty((*x.shape[:-1], wq_t.shape[1]), dtype=torch.int8), x.new_empty(x.shape[:-1]))
+
+    @torch.library.register_fake("decoder_ops::int8_linear_prequantized")
+    def _(xq, xs, wq_t, w_scale, bias, relu):
+        return xs.new_empty((*xq.shape[:-1], wq_t.shape[1]))
+
     @torch.library.register_fake("decoder_ops::int8_gemv")
     def _(x, wq, w_scale, w_shift, bias, relu, isa):
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
@@ -193,6 +201,14 @@ def _stale(so: str) -> bool:
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False):
     return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu)
+
+
+def int8_linear_quantized(x, wq_t, w_scale, bias, relu: bool = False):
+    return torch.ops.decoder_ops.int8_linear_quantized(x, wq_t, w_scale, bias, relu)
+
+
+def int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu: bool = False):
+    return torch.ops.decoder_ops.int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu)
 
 
 def int8_gemv(x, wq, w_scale, w_shift, bias, relu: bool = False, isa: int = 2):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .quant import fbgemm_available, int_mm_vnni
+from .quant import Int8Linear, fbgemm_available, int_mm_vnni
 
 
 # -- the plain pieces and their optimised replacements ------------------------------------------
@@ -53,6 +53,15 @@ def hidden_plain(ffn, y):
 def hidden_fused(ffn, y):
     if ffn.relu and ffn.fc1.dense:
         return fused.add_bias_relu(ffn.fc1.mm(y), ffn.fc1.b)
+    return hidden_plain(ffn, y)
+
+
+def hidden_int8(ffn, y):
+    """int8 fc1 whose epilogue quantises relu(fc1(y)) for fc2 (`QuantRows`): the
+    (rows, ffn_dim) float hidden is never written nor read back."""
+    f1, f2 = ffn.fc1, ffn.fc2
+    if ffn.relu and isinstance(f1, Int8Linear) and isinstance(f2, Int8Linear) and f2.fused and f1.runs_int_mm(y):
+        return f1.quantized(y, relu=True)
     return hidden_plain(ffn, y)
 
 
@@ -179,6 +188,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
                  "`hidden_plain`: addmm with bias, relu", "step",
                  detail="fp32/bf16 fc1 as a bias-free product, then one C++ pass (int8 has it in its epilogue)"),
+    Optimisation("int8_quantized_hidden", True, "int8 fc1 quantises its output for fc2 (C++)", "hidden",
+                 hidden_int8, None, "fc1's float output, quantised again by fc2", "int8",
+                 needs=lambda o: not o.fused_relu,
+                 detail="`_int_mm` layers: each row of relu(fc1) is rescaled into a row buffer and quantised "
+                 "there, so the (rows, ffn_dim) float hidden is never written nor read back; the same bits "
+                 "(fused_relu, for fp32/bf16, takes the slot when on)"),
     Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", fused.decode_attention,
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
                  detail="the cached step's attention for its few queries, reading the cache slice in place"),

@@ -23,6 +23,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,13 @@ class Linear:
         new.w = self.w.index_select(0, idx)  # (C, in)
         new.b = None if self.b is None else self.b.index_select(0, idx)
         return new
+
+
+class QuantRows(NamedTuple):
+    """Activations already quantised as an int8 linear would: q (..., K) int8, s (...) the
+    rows' scales. An `Int8Linear` hands them to the next one (`Int8Linear.quantized`)."""
+    q: torch.Tensor
+    s: torch.Tensor
 
 
 class Int8Linear:
@@ -104,7 +112,9 @@ class Int8Linear:
         new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
         return new
 
-    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | QuantRows, relu: bool = False) -> torch.Tensor:
+        if isinstance(x, QuantRows):
+            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, self.b, relu)
         if self.gemv is not None and x.numel() <= self.gemv_numel:
             return self.gemv(x, relu)
         if self.fused:
@@ -112,8 +122,19 @@ class Int8Linear:
         y = self.reference(x)
         return y.relu_() if relu else y
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def runs_int_mm(self, x: torch.Tensor) -> bool:
+        """Whether a call on x runs the C++ `_int_mm` op (not the gemv kernel nor the reference)."""
+        return self.fused and not (self.gemv is not None and x.numel() <= self.gemv_numel)
+
+    def quantized(self, x: torch.Tensor, relu: bool = False) -> QuantRows:
+        """self(x, relu) quantised for the next int8 linear, in this call's own epilogue: the
+        float output is never written (the same bits as quantising it; needs `runs_int_mm(x)`)."""
+        return QuantRows(*ops.int8_linear_quantized(x, self.wq_t, self.w_scale, self.b, relu))
+
+    def mm(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         """Without the bias: a fused op downstream adds it."""
+        if isinstance(x, QuantRows):
+            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, None, False)
         if self.gemv is not None and x.numel() <= self.gemv_numel:
             return self.gemv.mm(x)
         if self.fused:

@@ -483,3 +483,12 @@ def test_fused_ops_library_is_built_with_openmp_so_parallel_for_uses_torchs_thre
     symbols = subprocess.run(["nm", "-D", "--undefined-only", so], capture_output=True, text=True,
                              check=True).stdout
     assert "GOMP_parallel" in symbols
+
+
+def test_int8_linear_quantized_and_prequantized_pass_opcheck():
+    from decoder.quant import Int8Linear
+    fc1, fc2 = Int8Linear(torch.randn(13, 37), torch.randn(13)), Int8Linear(torch.randn(7, 13), None)
+    x = torch.randn(5, 37)
+    _opcheck(torch.ops.decoder_ops.int8_linear_quantized.default, (x, fc1.wq_t, fc1.w_scale, fc1.b, True))
+    q, s = torch.ops.decoder_ops.int8_linear_quantized(x, fc1.wq_t, fc1.w_scale, fc1.b, True)
+    _opcheck(torch.ops.decoder_ops.int8_linear_prequantized.default, (q, s, fc2.wq_t, fc2.w_scale, None, False))

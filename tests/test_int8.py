@@ -269,3 +269,40 @@ def test_auto_keeps_fp32_where_int8_is_within_noise_or_the_products_are_tiny(mon
     monkeypatch.setattr(quant, "_time_int8", lambda p: 950e-6)
     monkeypatch.setattr(quant, "_probes", {})
     assert not quant.int8_pays(Probe(rows=1))
+
+
+cpp_ops = pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here")
+
+
+@cpp_ops
+@pytest.mark.parametrize("rows", [1, 5, 37, 300])
+def test_int8_fc1_quantising_its_own_output_gives_fc2_the_same_bits(rows):
+    g = torch.Generator().manual_seed(rows)
+    fc1 = Int8Linear(torch.randn(96, 32, generator=g) * 0.1, torch.randn(96, generator=g))
+    fc2 = Int8Linear(torch.randn(32, 96, generator=g) * 0.1, torch.randn(32, generator=g))
+    x = torch.randn(rows, 1, 32, generator=g)
+    h = fc1.quantized(x, relu=True)
+    assert h.q.dtype == torch.int8 and h.q.shape == (rows, 1, 96) and h.s.shape == (rows, 1)
+    assert torch.equal(fc2.mm(h), fc2.mm(fc1(x, relu=True)))
+    assert torch.equal(fc2(h), fc2(fc1(x, relu=True)))
+    assert torch.equal(fc2(fc1.quantized(x)), fc2(fc1(x)))  # no relu: negative outputs kept
+
+
+@cpp_ops
+@pytest.mark.parametrize("kernel", ["int_mm"])
+def test_greedy_and_beam_tokens_equal_with_int8_quantized_hidden_on_and_off(model_dir, kernel):
+    lines = ["a b c d e", "f g", "h i j k l m n o p", "q"] * 4
+    for beam in (1, 4):
+        on, off = (Translator(model_dir, precision="int8", beam=beam, int8_quantized_hidden=v, **KERNELS[kernel])
+                   for v in (True, False))
+        assert on.plan.hidden is not off.plan.hidden
+        assert on.translate(lines) == off.translate(lines)
+
+
+@trained
+def test_int8_quantized_hidden_keeps_the_trained_models_tokens():
+    with open(SRC, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()[:150]
+    on, off = (Translator(TRAINED, precision="int8", int8_quantized_hidden=v, **KERNELS["int_mm"])
+               for v in (True, False))
+    assert on.translate(lines) == off.translate(lines)

@@ -3,7 +3,9 @@
 // One pass quantises each activation row (abs-max scale, round-to-nearest), the
 // int8 x int8 -> int32 product is ATen's _int_mm (oneDNN picks VNNI / AVX-512 /
 // AVX2 kernels at run time), and one pass rescales, adds the bias and applies
-// relu. The Python reference is decoder/quant.py:Int8Linear.reference; the
+// relu. `int8_linear_quantized` ends in the next layer's quantisation instead
+// (fc1 -> fc2: the float hidden never written) and `int8_linear_prequantized`
+// starts from it. The Python reference is decoder/quant.py:Int8Linear.reference; the
 // inner loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and baseline x86 and the loader
 // picks one at run time (GCC target_clones), so one build runs on any x86.
 #include <torch/library.h>
@@ -13,6 +15,8 @@
 
 #include "multiversion.h"
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -43,12 +47,10 @@ void dequant_row(const int32_t* acc, float* y, int64_t n, float xs, const float*
     for (int64_t j = 0; j < n; ++j) y[j] = y[j] > 0.f ? y[j] : 0.f;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, bool relu) {
+// x (..., K) float -> its rows quantised (M, K) int8 and their scales (M,)
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
-  TORCH_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
-  const int64_t K = x.size(-1), N = wq_t.size(1);
-  TORCH_CHECK(wq_t.size(0) == K, "int8_linear: x has ", K, " features, weight expects ", wq_t.size(0));
+  const int64_t K = x.size(-1);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto xq = at::empty({M, K}, x2.options().dtype(at::kChar));
@@ -59,29 +61,107 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Te
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) sp[r] = quantize_row(xp + r * K, qp + r * K, K);
   });
-  auto acc = at::_int_mm(xq, wq_t);  // (M, N) int32
-  auto y = at::empty({M, N}, x2.options());
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  float* yp = y.data_ptr<float>();
-  auto ws = w_scale.contiguous();
-  const float* wsp = ws.data_ptr<float>();
-  at::Tensor b;
-  if (bias.has_value()) b = bias->contiguous();
-  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) dequant_row(ap + r * N, yp + r * N, N, sp[r], wsp, bp, relu);
-  });
+  return {xq, xs};
+}
+
+struct Product {  // _int_mm of quantised rows and what its epilogue needs
+  at::Tensor acc, ws, b;
+  const int32_t* ap;
+  const float *wsp, *bp;
+  int64_t M, N;
+};
+
+Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w_scale,
+               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
+  TORCH_CHECK(wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1), " features, weight expects ",
+              wq_t.size(0));
+  Product p;
+  p.acc = at::_int_mm(xq, wq_t);  // (M, N) int32
+  p.ws = w_scale.contiguous();
+  if (bias.has_value()) p.b = bias->contiguous();
+  p.ap = p.acc.data_ptr<int32_t>();
+  p.wsp = p.ws.data_ptr<float>();
+  p.bp = bias.has_value() ? p.b.data_ptr<float>() : nullptr;
+  p.M = xq.size(0);
+  p.N = wq_t.size(1);
+  return p;
+}
+
+at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
   shape.back() = N;
   return y.view(shape);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, bool relu) {
+  auto [xq, xs] = quantize_rows(x);
+  auto p = int_mm(xq, wq_t, w_scale, bias);
+  auto y = at::empty({p.M, p.N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
+  });
+  return out_shape(y, x, p.N);
+}
+
+// int8_linear whose output is quantised for the next int8 linear (fc1 -> fc2): each
+// row is rescaled into a row-sized buffer and quantised from there, so the (M, N)
+// float output is never written nor read back; the same bits as int8_linear
+// followed by the next call's quantize_rows. Returns (q (..., N) int8, scales (...)).
+std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, const at::Tensor& wq_t,
+                                                         const at::Tensor& w_scale,
+                                                         const std::optional<at::Tensor>& bias, bool relu) {
+  auto [xq, xs] = quantize_rows(x);
+  auto p = int_mm(xq, wq_t, w_scale, bias);
+  auto q = at::empty({p.M, p.N}, xq.options());
+  auto qs = at::empty({p.M}, xs.options());
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* qsp = qs.data_ptr<float>();
+  const float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> row(p.N);
+    for (int64_t r = lo; r < hi; ++r) {
+      dequant_row(p.ap + r * p.N, row.data(), p.N, sp[r], p.wsp, p.bp, relu);
+      qsp[r] = quantize_row(row.data(), qp + r * p.N, p.N);
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.pop_back();
+  return {out_shape(q, x, p.N), qs.view(shape)};
+}
+
+// int8_linear of rows already quantised (int8_linear_quantized's output)
+at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq_t,
+                                    const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool relu) {
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xs.scalar_type() == at::kFloat && xs.numel() * xq.size(-1) ==
+              xq.numel(), "int8_linear_prequantized: xq must be int8 (..., K) with one float scale per row");
+  const int64_t K = xq.size(-1);
+  auto q2 = xq.reshape({-1, K}).contiguous();
+  auto s2 = xs.reshape({-1}).contiguous();
+  auto p = int_mm(q2, wq_t, w_scale, bias);
+  auto y = at::empty({p.M, p.N}, s2.options());
+  float* yp = y.data_ptr<float>();
+  const float* sp = s2.data_ptr<float>();
+  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
+  });
+  return out_shape(y, xq, p.N);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(decoder_ops, m) {
   m.def("int8_linear(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) -> Tensor");
+  m.def("int8_linear_quantized(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) -> (Tensor, Tensor)");
+  m.def("int8_linear_prequantized(Tensor xq, Tensor xs, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear_quantized", &int8_linear_quantized);
+  m.impl("int8_linear_prequantized", &int8_linear_prequantized);
 }
