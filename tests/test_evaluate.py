@@ -146,6 +146,21 @@ def test_ct2_throughput_runs_one_worker_per_thread_as_its_guide_recommends():
     assert "4x1t" in by_mode["throughput"].label and "4t" in by_mode["latency"].label
 
 
+def test_our_throughput_runs_one_worker_process_per_thread_as_the_containers_cpu_all_mode(tiny, tmp_path):
+    from submission.evaluate import worker
+    from submission.evaluate.systems import grid
+    by_mode = {s.mode: s for s in grid([("m", tiny["model"])], ["decoder"], ["int8"], [1], [2],
+                                       ["throughput", "latency"])}
+    assert by_mode["throughput"].extra == {"workers": 2} and "2x1t" in by_mode["throughput"].label
+    assert by_mode["latency"].extra == {} and "2t" in by_mode["latency"].label
+    assert grid([("m", tiny["model"])], ["decoder"], ["int8"], [1], [1], ["throughput"])[0].extra == {}
+    spec = {"engine": "decoder", "model_dir": tiny["model"], "mode": "throughput", "precision": "int8", "beam": 1,
+            "threads": 2, "max_tokens": 100, "device": "cpu", "extra": by_mode["throughput"].extra}
+    go, facts = worker.load(spec, str(tmp_path))
+    assert len(facts["pids"]) == 2 and go(["a b c", "", "d e"])[1] == ""
+    assert worker.peak_rss_mb(facts["pids"]) > worker.peak_rss_mb() + 20  # the workers' model copies count
+
+
 def test_a_shortlisted_model_gets_our_shortlist_row_beside_ct2s_vmap_row(tiny, tmp_path, monkeypatch):
     import shutil
 
@@ -159,7 +174,8 @@ def test_a_shortlisted_model_gets_our_shortlist_row_beside_ct2s_vmap_row(tiny, t
     V = modeldir.read_config(d).arch.vocab_size
     modeldir.write_shortlist(d, torch.arange(0, 2 * V + 1, 2), torch.arange(2 * V) % V, torch.arange(4, 8))
     systems = grid([("m", d)], ["decoder", "ct2"], ["int8"], [1], [2], ["throughput"])
-    assert sorted(tuple(sorted(s.extra)) for s in systems if s.engine == "decoder") == [(), ("shortlist",)]
+    assert sorted(tuple(sorted(s.extra)) for s in systems if s.engine == "decoder") == [("shortlist", "workers"),
+                                                                                     ("workers",)]
     vmap = [s for s in systems if s.engine == "ct2" and s.extra.get("ct2_vmap")]
     assert len(vmap) == 1 and vmap[0].extra["ct2_inter_threads"] == 2 and "vmap" in vmap[0].label
     assert len(grid([("m", tiny["model"])], ["decoder", "ct2"], ["int8"], [1], [2], ["throughput"])) == 2

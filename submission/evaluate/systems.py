@@ -40,7 +40,7 @@ class System:
         search = "greedy" if self.beam == 1 else f"beam {self.beam}"
         engine = {"decoder": "ours", "ct2": "CT2", "hf": "HF"}[self.engine]
         dev = "" if self.device == "cpu" else f" {self.device}"
-        inter = self.extra.get("ct2_inter_threads", 1)
+        inter = self.extra.get("workers") or self.extra.get("ct2_inter_threads", 1)
         threads = f"{inter}x{self.threads // inter}t" if inter > 1 else f"{self.threads}t"
         vocab = " shortlist" if self.extra.get("shortlist") else " vmap" if self.extra.get("ct2_vmap") else ""
         return (f"{self.name} {engine} {self.precision} {search} {threads}{dev}{vocab}"
@@ -102,7 +102,7 @@ def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str
                             if key in seen:
                                 continue
                             seen.add(key)
-                            extra = ct2_layout(mode, t, dev) if engine == "ct2" else {}
+                            extra = LAYOUT.get(engine, lambda *a: {})(mode, t, dev)
                             out.append(System(engine, name, mode, path, prec, beam, t, dev, extra=extra))
                             # a model dir's lexical shortlist: our row with it beside CT2's with its
                             # vocabulary map built from it (each engine's own best, as tools.bench)
@@ -122,6 +122,17 @@ def ct2_layout(mode: str, threads: int, device: str) -> dict:
     if mode == "throughput" and device == "cpu" and threads > 1:
         return {"ct2_inter_threads": threads, "ct2_intra_threads": 1}
     return {"ct2_inter_threads": 1, "ct2_intra_threads": threads}
+
+
+def decoder_layout(mode: str, threads: int, device: str) -> dict:
+    """Ours as the container's CPU-ALL mode runs it (submission/container/serve.py): for
+    throughput on CPU one pinned 1-thread worker process per core; latency one process."""
+    if mode == "throughput" and device == "cpu" and threads > 1:
+        return {"workers": threads}
+    return {}
+
+
+LAYOUT = {"ct2": ct2_layout, "decoder": decoder_layout}
 
 
 def container_systems(image: str, name: str, hardware: list[str], modes: list[str],

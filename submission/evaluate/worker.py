@@ -18,8 +18,17 @@ import time
 from decoder.textio import read_file
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def peak_rss_mb(pids=()) -> float:
+    """This process's peak RSS plus that of the live worker processes `pids` (their own
+    peak, VmHWM: RUSAGE_CHILDREN counts only children already waited for)."""
+    mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                mb += next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM:")) / 1024
+        except (OSError, StopIteration, ValueError):
+            pass
+    return mb
 
 
 def load(spec: dict, tmp: str):
@@ -28,11 +37,15 @@ def load(spec: dict, tmp: str):
     latency = spec["mode"] == "latency"
     if engine == "decoder":
         from decoder.translator import Translator
-        tr = Translator(model, device=spec["device"], precision=spec["precision"], threads=spec["threads"],
-                        beam=spec["beam"], max_tokens=spec["max_tokens"],
-                        shortlist=spec.get("extra", {}).get("shortlist", False),
+        extra = spec.get("extra", {})
+        workers = extra.get("workers", 0)  # systems.decoder_layout: 1-thread worker processes
+        tr = Translator(model, device=spec["device"], precision=spec["precision"],
+                        threads=1 if workers else spec["threads"], workers=workers,
+                        beam=spec["beam"], max_tokens=spec["max_tokens"], shortlist=extra.get("shortlist", False),
                         pipeline=not latency)  # one line at a time has nothing to overlap (serve.py)
-        return tr.translate, {"model_bytes": dir_bytes(model)}
+        if tr.pool is not None:
+            tr.pool.wait_started()  # their loading is load time, not the first timed pass
+        return tr.translate, {"model_bytes": dir_bytes(model), "pids": tr.pool.pids() if tr.pool else []}
     if engine == "ct2":
         from tools.baselines import CT2Run, ct2_translator
         from tools.convert import to_ctranslate2
@@ -69,8 +82,9 @@ def measure(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         go, facts = load(spec, tmp)
+        pids = facts.pop("pids", [])
         res.update(facts, load_s=time.perf_counter() - t - facts.get("convert_s", 0.0),
-                   rss_after_load_mb=peak_rss_mb())
+                   rss_after_load_mb=peak_rss_mb(pids))
         # warm-up: allocator, oneDNN primitive caches, CT2's first-call setup; timed apart
         warm = lines[:spec["warmup_lines"]]
         t = time.perf_counter()
@@ -94,8 +108,9 @@ def measure(spec: dict) -> dict:
                 hyps = go(lines)
                 runs.append({"seconds": time.perf_counter() - t})
             outputs.append(hyps)
+        peak = peak_rss_mb(pids)
     res.update(runs=runs, hyps=outputs[-1], identical_repeats=all(o == outputs[0] for o in outputs),
-               peak_rss_mb=peak_rss_mb())
+               peak_rss_mb=peak)
     return res
 
 
