@@ -90,7 +90,14 @@ class Int8Linear:
         self.gemv_numel = gemv_rows * wq.shape[1]  # x.numel() at which a call still takes gemv
         self.pack = packed and self.fused and ops.int8_gemm_available()
         self.packed = ops.int8_gemm_pack(wq) if self.pack else None  # (bytes,) int8, decoder/csrc/int8_gemm.cpp
-        self.packed_rows = packed_rows(*wq.shape)
+        self.packed_rows = self.PACKED_ROWS
+
+    # Calls of at most this many rows take the packed product (int8_packed_gemm): it saves
+    # `_int_mm`'s per-call weight reorder, 1.1-1.9x at 8-40 rows, 1.02-1.03x at 160 (every
+    # layer shape of the KD student, one thread, AVX-512 VNNI EPYC), a tie at 256-1,500 rows
+    # but for the 4,450-column projection (0.86-0.9x, never that many rows a step): the
+    # encoder's big batches stay on _int_mm, every decode step (beam 4 x 40: 160) takes it
+    PACKED_ROWS = 256
 
     @property
     def out_features(self) -> int:
@@ -119,7 +126,7 @@ class Int8Linear:
         new._wq_rows = None
         new.b = None if self.b is None else self.b.index_select(0, idx)
         # packed again per batch (226 us at 4,450 of 8,000 columns, K 256), only where its steps take it
-        new.pack, new.packed_rows = self.pack, packed_rows(idx.numel(), self.wq_t.shape[0])
+        new.pack, new.packed_rows = self.pack, self.packed_rows
         new.packed = ops.int8_gemm_pack(self._wq_rows, idx) if self.pack and batch_rows <= new.packed_rows else None
         # early stop shrinks a batch to its last few rows: they run gemv, as the full layer's would
         new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
@@ -236,15 +243,6 @@ class GemvLinear:
         if relu:
             y.relu_()
         return y.view(*shape[:-1], n)
-
-
-def packed_rows(n: int, k: int) -> int:
-    """Up to how many rows a call of an (n out, k in) int8 layer takes the packed product
-    (int8_packed_gemm): its gain is `_int_mm`'s per-call weight reorder, fixed per call,
-    so the rows at which it stops paying grow with the weights. Measured crossovers
-    (AVX-512 VNNI EPYC, one thread): k 256 n 768: 32 rows, 1024: 48, 1500: 64, 4450:
-    128-160; k 1024 n 256: 16 (its 64 KB panels outgrow L1)."""
-    return n * k // (8192 if k <= 512 else 16384)
 
 
 def inv_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from decoder import Translator, ops, quant
+from decoder import Translator, ops
 from decoder.quant import Int8Linear, QuantRows
 from fixture_model import make_model_dir
 
@@ -62,8 +62,7 @@ def _pair(N, K, bias, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_outputs_are_bit_equal_with_packed_weights(N, K, bias):
     on, off, g = _pair(N, K, bias)
-    rows = min(on.packed_rows, 40) or 1
-    on.packed_rows = max(on.packed_rows, rows)  # every call here takes the packed product
+    rows = 40
     x = torch.randn(rows, 1, K, generator=g)
     assert on._packed(x.numel()) is not None
     assert torch.equal(on(x), off(x)) and on(x).shape == (rows, 1, N)
@@ -73,7 +72,6 @@ def test_int8_linear_outputs_are_bit_equal_with_packed_weights(N, K, bias):
     q_on, q_off = on.quantized(x, relu=True), off.quantized(x, relu=True)
     assert torch.equal(q_on.q, q_off.q) and torch.equal(q_on.s, q_off.s)
     nxt_on, nxt_off, _ = _pair(13, N, bias, seed=1)
-    nxt_on.packed_rows = rows
     assert torch.equal(nxt_on(QuantRows(*q_on)), nxt_off(QuantRows(*q_off)))
     assert torch.equal(nxt_on.mm(QuantRows(*q_on)), nxt_off.mm(QuantRows(*q_off)))
 
@@ -89,13 +87,12 @@ def test_int8_linear_takes_int_mm_above_its_packed_rows():
 def test_shortlist_slice_is_packed_per_batch_and_equals_those_columns(C):
     on, off, g = _pair(8000, 256, True)
     idx = torch.randperm(8000, generator=g)[:C].sort().values
-    s_on, s_off = on.rows(idx, batch_rows=1), off.rows(idx, batch_rows=1)
+    s_on, s_off = on.rows(idx, batch_rows=40), off.rows(idx, batch_rows=40)
     assert s_on.packed is not None and s_off.packed is None
-    s_on.packed_rows = 40
     x = torch.randn(40, 256, generator=g)
     assert torch.equal(s_on(x), s_off(x)) and torch.equal(s_on(x), off(x)[:, idx])
     # a batch of more rows a step than the slice's packed product takes: not packed at all
-    assert on.rows(idx, batch_rows=quant.packed_rows(C, 256) + 1).packed is None
+    assert on.rows(idx, batch_rows=Int8Linear.PACKED_ROWS + 1).packed is None
 
 
 def test_switch_packs_only_where_int_mm_runs_vnni(monkeypatch, tmp_path):
@@ -112,8 +109,8 @@ def test_switch_packs_only_where_int_mm_runs_vnni(monkeypatch, tmp_path):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_tokens_on_trained_model_are_the_same_with_packed_weights(monkeypatch, beam):
     """Every Int8Linear call above the gemv rows takes the packed product (its rows gate
-    opened: the fixture's layers are too small to take it by default)."""
-    monkeypatch.setattr(quant, "packed_rows", lambda n, k: 1 << 20)
+    opened: the encoder's batches too)."""
+    monkeypatch.setattr(Int8Linear, "PACKED_ROWS", 1 << 20)
     src = open(SRC).read().splitlines()[:60]
     calls = []
     real = ops.int8_gemm_pack

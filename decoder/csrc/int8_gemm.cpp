@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -36,6 +37,7 @@ namespace {
 constexpr int64_t kCols = 64;       // columns a panel: four zmm of int32
 constexpr int64_t kRows = 6;        // rows a micro-tile: 6 x 4 accumulators of 32 zmm
 constexpr int64_t kTaskRows = 96;   // rows a task (16 tiles) over one panel
+constexpr int64_t kBlockK4 = 64;    // k groups a pass over a task's tiles: a 16 KB slice of the panel
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -132,6 +134,14 @@ VNNI inline __m512i dpbusd(__m512i c, __m512i a, __m512i w) {
     c##r##2 = dpbusd(c##r##2, a, w2);                                     \
     c##r##3 = dpbusd(c##r##3, a, w3);                                     \
   }
+#define ROW_LOAD(r)                                                                    \
+  if constexpr (MR > r) {                                                              \
+    const int32_t* cr = c + r * ldc;                                                   \
+    c##r##0 = _mm512_maskz_loadu_epi32(m0, cr);                                        \
+    c##r##1 = _mm512_maskz_loadu_epi32(m1, cr + 16);                                   \
+    c##r##2 = _mm512_maskz_loadu_epi32(m2, cr + 32);                                   \
+    c##r##3 = _mm512_maskz_loadu_epi32(m3, cr + 48);                                   \
+  }
 #define ROW_STORE(r)                                                                   \
   if constexpr (MR > r) {                                                              \
     int32_t* cr = c + r * ldc;                                                         \
@@ -146,35 +156,51 @@ inline __mmask16 cols_mask(int64_t n) {  // the first n (clamped to 0..16) of 16
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// c (MR, ncols <= 64) = u (MR, 4 K4) . panel - shift: u the shifted activations (row stride ldu)
+// c (MR, ncols <= 64) = u (MR, 4 K4) . panel - shift: u the shifted activations (row stride ldu);
+// first: c starts at minus the shift, else at what an earlier k block left in c
 template <int MR>
 VNNI void tile(const uint8_t* u, int64_t ldu, const int8_t* panel, int64_t K4, const int32_t* shift, int32_t* c,
-               int64_t ldc, int64_t ncols) {
+               int64_t ldc, int64_t ncols, bool first) {
+  // the last panel stores only its columns below N
+  const __mmask16 m0 = cols_mask(ncols), m1 = cols_mask(ncols - 16), m2 = cols_mask(ncols - 32),
+                  m3 = cols_mask(ncols - 48);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i n0 = _mm512_sub_epi32(zero, _mm512_loadu_si512(shift)),
                 n1 = _mm512_sub_epi32(zero, _mm512_loadu_si512(shift + 16)),
                 n2 = _mm512_sub_epi32(zero, _mm512_loadu_si512(shift + 32)),
                 n3 = _mm512_sub_epi32(zero, _mm512_loadu_si512(shift + 48));
   ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
+  if (!first) {
+    ROW_LOAD(0) ROW_LOAD(1) ROW_LOAD(2) ROW_LOAD(3) ROW_LOAD(4) ROW_LOAD(5)
+  }
   for (int64_t g = 0; g < K4; ++g) {
     const int8_t* b = panel + g * kCols * 4;
     const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 64), w2 = _mm512_loadu_si512(b + 128),
                   w3 = _mm512_loadu_si512(b + 192);
     ROW_STEP(0) ROW_STEP(1) ROW_STEP(2) ROW_STEP(3) ROW_STEP(4) ROW_STEP(5)
   }
-  // the last panel stores only its columns below N
-  const __mmask16 m0 = cols_mask(ncols), m1 = cols_mask(ncols - 16), m2 = cols_mask(ncols - 32),
-                  m3 = cols_mask(ncols - 48);
   ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
 }
 #undef ROW_INIT
 #undef ROW_STEP
 #undef ROW_STORE
+#undef ROW_LOAD
 
-using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int32_t*, int64_t, int64_t);
+using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int32_t*, int64_t, int64_t,
+                     bool);
 const Tile kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 #endif
 
+}  // namespace
+
+namespace {
+MULTIVERSION
+void shift_rows(const uint8_t* x, uint8_t* u, int64_t M, int64_t K, int64_t Kp) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t k = 0; k < K; ++k) u[r * Kp + k] = x[r * K + k] ^ 0x80u;
+    for (int64_t k = K; k < Kp; ++k) u[r * Kp + k] = 0x80u;
+  }
+}
 }  // namespace
 
 namespace decoder_gemm {
@@ -191,11 +217,9 @@ at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
   if (M == 0 || N == 0) return out;
   const int64_t Np = round_up(N, kCols), Kp = round_up(K, 4), K4 = Kp / 4;
   // u = q + 128 (the sign bit flipped), rows padded with u = 128 (q = 0) against zero weights
-  std::vector<uint8_t> u(M * Kp, 0x80u);
+  std::unique_ptr<uint8_t[]> u(new uint8_t[M * Kp]);
   const auto x = xq.contiguous();
-  const uint8_t* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>());
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t k = 0; k < K; ++k) u[r * Kp + k] = xp[r * K + k] ^ 0x80u;
+  shift_rows(reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>()), u.get(), M, K, Kp);
   const int32_t* shift = reinterpret_cast<const int32_t*>(packed.data_ptr<int8_t>());
   const int8_t* panels = packed.data_ptr<int8_t>() + Np * 4;
   int32_t* cp = out.data_ptr<int32_t>();
@@ -207,9 +231,14 @@ at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
       const int64_t p = t / chunks, r0 = (t % chunks) * kTaskRows, r1 = std::min(M, r0 + kTaskRows);
       const int8_t* panel = panels + p * K4 * kCols * 4;
       const int64_t ncols = std::min(kCols, N - p * kCols);
-      for (int64_t r = r0; r < r1; r += kRows) {
-        const int64_t mr = std::min(kRows, r1 - r);
-        kTiles[mr](u.data() + r * Kp, Kp, panel, K4, shift + p * kCols, cp + r * N + p * kCols, N, ncols);
+      // K in blocks: at K 1024 a whole panel (64 KB) fell out of L1 between tiles
+      for (int64_t g0 = 0; g0 < K4; g0 += kBlockK4) {
+        const int64_t gn = std::min(kBlockK4, K4 - g0);
+        for (int64_t r = r0; r < r1; r += kRows) {
+          const int64_t mr = std::min(kRows, r1 - r);
+          kTiles[mr](u.get() + r * Kp + 4 * g0, Kp, panel + g0 * kCols * 4, gn, shift + p * kCols,
+                     cp + r * N + p * kCols, N, ncols, g0 == 0);
+        }
       }
     }
   });
