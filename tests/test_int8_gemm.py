@@ -139,3 +139,16 @@ def test_packed_ops_pass_opcheck():
     q, s = torch.ops.decoder_ops.int8_linear_quantized(x, fc1.wq_t, fc1.w_scale, fc1.b, True, fc1.packed)
     _opcheck(torch.ops.decoder_ops.int8_linear_prequantized.default,
              (q, s, fc2.wq_t, fc2.w_scale, None, False, fc2.packed))
+
+
+def test_packed_product_split_over_threads_equals_int_mm():
+    g = torch.Generator().manual_seed(3)
+    w, x = _int8((4450, 256), g), _int8((1500, 256), g)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed = ops.int8_gemm_pack(w)
+        assert torch.equal(ops.int8_gemm(x, packed, 4450), torch._int_mm(x, w.t()))
+        assert torch.equal(ops.int8_gemm(x[:40], packed, 4450), torch._int_mm(x[:40], w.t()))
+    finally:
+        torch.set_num_threads(n)
