@@ -179,7 +179,8 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("int8_packed_gemm", True, "int8 product on weights packed once (C++, VNNI)", "int8_packed_gemm",
                  True, False, "`torch._int_mm` (oneDNN reorders the int8 weights on every call)", "int8",
                  row={"fbgemm_int8": True, "int8_vnni_int_mm": True, "fused_ops": True},
-                 needs=lambda o: int_mm_vnni() and o.fused_ops,
+                 needs=lambda o: int_mm_vnni() and o.fused_ops and (o.int8_vnni_int_mm or not o.fbgemm_int8
+                                                                    or not fbgemm_available()),
                  detail="`Int8Linear` calls run decoder/csrc/int8_gemm.cpp on weights packed at load time (the "
                  "shortlist's slice: per batch) for `vpdpbusd`, 6 rows x 64 columns a tile, the same integers as "
                  "`_int_mm`; calls of up to 256 rows (`Int8Linear.PACKED_ROWS`: every decode step, not the encoder's "
