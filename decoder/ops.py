@@ -18,7 +18,7 @@ import threading
 import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("int8_linear.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp")
+SOURCES = ("int8_linear.cpp", "int8_gemm.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp")
 # -fopenmp, not just -fopenmp-simd: at::parallel_for is an OpenMP region compiled into the
 # caller, so without it every op ran serially in a multi-threaded process; the GOMP calls
 # resolve to the libgomp torch itself loads
@@ -99,16 +99,25 @@ def build_cuda_library(build_dir: str | None = None, verbose: bool = False) -> N
 def _register_fakes() -> None:
     """Shapes and dtypes without computing (torch.compile, opcheck, meta tensors)."""
     @torch.library.register_fake("decoder_ops::int8_linear")
-    def _(x, wq_t, w_scale, bias, relu):
+    def _(x, wq_t, w_scale, bias, relu, packed=None):
         return x.new_empty((*x.shape[:-1], wq_t.shape[1]))
 
     @torch.library.register_fake("decoder_ops::int8_linear_quantized")
-    def _(x, wq_t, w_scale, bias, relu):
+    def _(x, wq_t, w_scale, bias, relu, packed=None):
         return (x.new_empty((*x.shape[:-1], wq_t.shape[1]), dtype=torch.int8), x.new_empty(x.shape[:-1]))
 
     @torch.library.register_fake("decoder_ops::int8_linear_prequantized")
-    def _(xq, xs, wq_t, w_scale, bias, relu):
+    def _(xq, xs, wq_t, w_scale, bias, relu, packed=None):
         return xs.new_empty((*xq.shape[:-1], wq_t.shape[1]))
+
+    @torch.library.register_fake("decoder_ops::int8_gemm_pack")
+    def _(wq, idx=None):
+        n, k = (wq.shape[0] if idx is None else idx.shape[0]), wq.shape[1]
+        return wq.new_empty((gemm_packed_numel(n, k),))
+
+    @torch.library.register_fake("decoder_ops::int8_gemm")
+    def _(xq, packed, n):
+        return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
 
     @torch.library.register_fake("decoder_ops::int8_gemv")
     def _(x, wq, w_scale, w_shift, bias, relu, isa):
@@ -199,16 +208,38 @@ def _stale(so: str) -> bool:
     return os.path.getmtime(so) < newest
 
 
-def int8_linear(x, wq_t, w_scale, bias, relu: bool = False):
-    return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu)
+def int8_linear(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
+    """packed: wq_t's columns as `int8_gemm_pack` lays them out (our VNNI product), or None (`_int_mm`)."""
+    return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu, packed)
 
 
-def int8_linear_quantized(x, wq_t, w_scale, bias, relu: bool = False):
-    return torch.ops.decoder_ops.int8_linear_quantized(x, wq_t, w_scale, bias, relu)
+def int8_linear_quantized(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
+    return torch.ops.decoder_ops.int8_linear_quantized(x, wq_t, w_scale, bias, relu, packed)
 
 
-def int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu: bool = False):
-    return torch.ops.decoder_ops.int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu)
+def int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu: bool = False, packed=None):
+    return torch.ops.decoder_ops.int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu, packed)
+
+
+def int8_gemm_pack(wq, idx=None):
+    """wq (out, in) int8 (rows idx only, if given) packed for `int8_gemm` (decoder/csrc/int8_gemm.cpp)."""
+    return torch.ops.decoder_ops.int8_gemm_pack(wq, idx)
+
+
+def int8_gemm(xq, packed, n: int):
+    """xq (M, K) int8 times the packed (n, K) weights: (M, n) int32, exactly `torch._int_mm(xq, wq.t())`."""
+    return torch.ops.decoder_ops.int8_gemm(xq, packed, n)
+
+
+def int8_gemm_available() -> bool:
+    """Whether this CPU runs `int8_gemm` (AVX-512 VNNI)."""
+    return available() and torch.ops.decoder_ops.int8_gemm_available()
+
+
+def gemm_packed_numel(n: int, k: int) -> int:
+    """Bytes of int8_gemm_pack's layout: (n padded to 64) x (4 shift bytes + k padded to 4)."""
+    np_ = -(-n // 64) * 64
+    return np_ * (4 + -(-k // 4) * 4)
 
 
 def int8_gemv(x, wq, w_scale, w_shift, bias, relu: bool = False, isa: int = 2):

@@ -176,6 +176,15 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "it below (`quant.int_mm_vnni`), every int8 linear, the output projection and the shortlist's "
                  "slice included, runs `Int8Linear` above the gemv rows: up to 1.35x fbgemm's speed at the layer "
                  "linears, 1.25x at the projection's >= 64 rows (decoder/README.md); elsewhere fbgemm stays"),
+    Optimisation("int8_packed_gemm", True, "int8 product on weights packed once (C++, VNNI)", "int8_packed_gemm",
+                 True, False, "`torch._int_mm` (oneDNN reorders the int8 weights on every call)", "int8",
+                 row={"fbgemm_int8": True, "int8_vnni_int_mm": True, "fused_ops": True},
+                 needs=lambda o: int_mm_vnni() and o.fused_ops and (o.int8_vnni_int_mm or not o.fbgemm_int8
+                                                                    or not fbgemm_available()),
+                 detail="`Int8Linear` calls run decoder/csrc/int8_gemm.cpp on weights packed at load time (the "
+                 "shortlist's slice: per batch) for `vpdpbusd`, 6 rows x 64 columns a tile, the same integers as "
+                 "`_int_mm`; calls of up to 256 rows (`Int8Linear.PACKED_ROWS`: every decode step, not the encoder's "
+                 "batches): 1.1-1.9x `_int_mm` at 8-40 rows, 1.03x at 160 on an AVX-512 VNNI EPYC"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
@@ -313,6 +322,7 @@ class Plan:
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
+    int8_packed_gemm: bool      # Int8Linear: our packed VNNI product in place of _int_mm (int8_gemm.cpp)
     int8_gemv_rows: int         # int8 calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))

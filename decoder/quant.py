@@ -72,8 +72,12 @@ class Int8Linear:
     """Dynamic int8: per-row activation scales, per-output-channel weight scales."""
     dense = False  # bias and relu go into the int8 op's own epilogue
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True, gemv_rows: int = 0):
-        """gemv_rows > 0: calls of at most that many rows run `GemvLinear` (int8_gemv)."""
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True, gemv_rows: int = 0,
+                 packed: bool = False):
+        """gemv_rows > 0: calls of at most that many rows run `GemvLinear` (int8_gemv).
+        packed: the C++ op's product runs our VNNI kernel (decoder/csrc/int8_gemm.cpp) on
+        weights packed here (int8_packed_gemm) at calls of at most `packed_rows` rows, `_int_mm`
+        above: the same integers, without oneDNN's weight reorder on every call."""
         # fused: one C++ call (decoder/csrc/int8_linear.cpp) instead of ~8 tensor ops
         self.fused = fused and ops.available()
         w = w.float()
@@ -85,16 +89,31 @@ class Int8Linear:
         # the same integers and scales in the gemv kernel's (out, in) layout
         self.gemv = GemvLinear(wq, self.w_scale, self.b) if gemv_rows and ops.available() else None
         self.gemv_numel = gemv_rows * wq.shape[1]  # x.numel() at which a call still takes gemv
+        self.pack = packed and self.fused and ops.int8_gemm_available()
+        self.packed = ops.int8_gemm_pack(wq) if self.pack else None  # (bytes,) int8, decoder/csrc/int8_gemm.cpp
+        self.packed_rows = self.PACKED_ROWS
+
+    # Calls of at most this many rows take the packed product (int8_packed_gemm): it saves
+    # `_int_mm`'s per-call weight reorder, 1.1-1.9x at 8-40 rows, 1.02-1.03x at 160 (every
+    # layer shape of the KD student, one thread, AVX-512 VNNI EPYC), a tie at 256-1,500 rows
+    # but for the 4,450-column projection (0.86-0.9x, never that many rows a step): the
+    # encoder's big batches stay on _int_mm, every decode step (beam 4 x 40: 160) takes it
+    PACKED_ROWS = 256
 
     @property
     def out_features(self) -> int:
         return self.wq_t.shape[1]
 
+    def _packed(self, numel: int) -> torch.Tensor | None:
+        """The packed weights for a call on `numel` activations, if that call takes them."""
+        return self.packed if self.packed is not None and numel <= self.packed_rows * self.wq_t.shape[0] else None
+
     def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "Int8Linear | GemvLinear":
         """This layer restricted to the output features idx (C,): weights, scales and
         bias sliced together, so the result equals those columns of the full output
-        at every row count. A column slice, no packing: cheap enough per batch.
-        Batches of at most the gemv rows get the gemv layout's rows alone."""
+        at every row count. A row gather (and, with int8_packed_gemm, those rows packed
+        again: 0.23 ms at 4,450 of 8,000, against 30-40 us saved a step at 40 rows): cheap
+        enough per batch. Batches of at most the gemv rows get the gemv layout's rows alone."""
         if self.gemv is not None and batch_rows * self.wq_t.shape[0] <= self.gemv_numel:
             return self.gemv.rows(idx)
         new = Int8Linear.__new__(Int8Linear)
@@ -108,17 +127,21 @@ class Int8Linear:
         new.wq_t = self._wq_rows.index_select(0, idx).t()  # (in, C) view
         new._wq_rows = None
         new.b = None if self.b is None else self.b.index_select(0, idx)
+        # packed again per batch (226 us at 4,450 of 8,000 columns, K 256), only where its steps take it
+        new.pack, new.packed_rows = self.pack, self.packed_rows
+        new.packed = ops.int8_gemm_pack(self._wq_rows, idx) if self.pack and batch_rows <= new.packed_rows else None
         # early stop shrinks a batch to its last few rows: they run gemv, as the full layer's would
         new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
         return new
 
     def __call__(self, x: torch.Tensor | QuantRows, relu: bool = False) -> torch.Tensor:
         if isinstance(x, QuantRows):
-            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, self.b, relu)
+            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, self.b, relu,
+                                                self._packed(x.q.numel()))
         if self.gemv is not None and x.numel() <= self.gemv_numel:
             return self.gemv(x, relu)
         if self.fused:
-            return ops.int8_linear(x, self.wq_t, self.w_scale, self.b, relu)
+            return ops.int8_linear(x, self.wq_t, self.w_scale, self.b, relu, self._packed(x.numel()))
         y = self.reference(x)
         return y.relu_() if relu else y
 
@@ -129,16 +152,18 @@ class Int8Linear:
     def quantized(self, x: torch.Tensor, relu: bool = False) -> QuantRows:
         """self(x, relu) quantised for the next int8 linear, in this call's own epilogue: the
         float output is never written (the same bits as quantising it; needs `runs_int_mm(x)`)."""
-        return QuantRows(*ops.int8_linear_quantized(x, self.wq_t, self.w_scale, self.b, relu))
+        return QuantRows(*ops.int8_linear_quantized(x, self.wq_t, self.w_scale, self.b, relu,
+                                                    self._packed(x.numel())))
 
     def mm(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         """Without the bias: a fused op downstream adds it."""
         if isinstance(x, QuantRows):
-            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, None, False)
+            return ops.int8_linear_prequantized(x.q, x.s, self.wq_t, self.w_scale, None, False,
+                                                self._packed(x.q.numel()))
         if self.gemv is not None and x.numel() <= self.gemv_numel:
             return self.gemv.mm(x)
         if self.fused:
-            return ops.int8_linear(x, self.wq_t, self.w_scale, None, False)
+            return ops.int8_linear(x, self.wq_t, self.w_scale, None, False, self._packed(x.numel()))
         return self.reference(x, bias=False)
 
     def reference(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
@@ -368,13 +393,15 @@ _fbgemm: dict = {}
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=None):
     """The linear layer of `precision`; int8 runs the kernels the plan chose
     (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op,
-    and `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer)."""
+    `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer, and
+    `plan.int8_packed_gemm`: our packed VNNI product in place of `_int_mm`)."""
     if precision != "int8":
         return Linear(w, b, DTYPES[precision])
     gemv_rows = 0 if plan is None else plan.int8_gemv_rows
     if plan is not None and plan.int8_kernel == "fbgemm" and fbgemm_available():
         return FbgemmLinear(w, b, gemv_rows=gemv_rows)
-    return Int8Linear(w, b, fused=plan is None or plan.int8_fused, gemv_rows=gemv_rows)
+    return Int8Linear(w, b, fused=plan is None or plan.int8_fused, gemv_rows=gemv_rows,
+                      packed=plan is not None and plan.int8_packed_gemm)
 
 
 def int8_available() -> bool:

@@ -2,7 +2,8 @@
 //
 // One pass quantises each activation row (abs-max scale, round-to-nearest), the
 // int8 x int8 -> int32 product is ATen's _int_mm (oneDNN picks VNNI / AVX-512 /
-// AVX2 kernels at run time), and one pass rescales, adds the bias and applies
+// AVX2 kernels at run time) or, given `packed` weights, int8_gemm.cpp's VNNI kernel
+// (the same integers, no per-call weight reorder), and one pass rescales, adds the bias and applies
 // relu. `int8_linear_quantized` ends in the next layer's quantisation instead
 // (fc1 -> fc2: the float hidden never written) and `int8_linear_prequantized`
 // starts from it. The Python reference is decoder/quant.py:Int8Linear.reference; the
@@ -13,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+#include "gemm.h"
 #include "multiversion.h"
 #include <cstdint>
 #include <tuple>
@@ -71,13 +73,16 @@ struct Product {  // _int_mm of quantised rows and what its epilogue needs
   int64_t M, N;
 };
 
+using Packed = std::optional<at::Tensor>;  // int8_gemm_pack's layout of wq_t's columns, or _int_mm
+
 Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w_scale,
-               const std::optional<at::Tensor>& bias) {
+               const std::optional<at::Tensor>& bias, const Packed& packed) {
   TORCH_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
   TORCH_CHECK(wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1), " features, weight expects ",
               wq_t.size(0));
   Product p;
-  p.acc = at::_int_mm(xq, wq_t);  // (M, N) int32
+  // (M, N) int32
+  p.acc = packed.has_value() ? decoder_gemm::int_mm(xq, *packed, wq_t.size(1)) : at::_int_mm(xq, wq_t);
   p.ws = w_scale.contiguous();
   if (bias.has_value()) p.b = bias->contiguous();
   p.ap = p.acc.data_ptr<int32_t>();
@@ -95,9 +100,9 @@ at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, bool relu) {
+                       const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
   auto [xq, xs] = quantize_rows(x);
-  auto p = int_mm(xq, wq_t, w_scale, bias);
+  auto p = int_mm(xq, wq_t, w_scale, bias, packed);
   auto y = at::empty({p.M, p.N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* sp = xs.data_ptr<float>();
@@ -113,9 +118,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Te
 // followed by the next call's quantize_rows. Returns (q (..., N) int8, scales (...)).
 std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, const at::Tensor& wq_t,
                                                          const at::Tensor& w_scale,
-                                                         const std::optional<at::Tensor>& bias, bool relu) {
+                                                         const std::optional<at::Tensor>& bias, bool relu,
+                                                         const Packed& packed) {
   auto [xq, xs] = quantize_rows(x);
-  auto p = int_mm(xq, wq_t, w_scale, bias);
+  auto p = int_mm(xq, wq_t, w_scale, bias, packed);
   auto q = at::empty({p.M, p.N}, xq.options());
   auto qs = at::empty({p.M}, xs.options());
   int8_t* qp = q.data_ptr<int8_t>();
@@ -135,13 +141,14 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, co
 
 // int8_linear of rows already quantised (int8_linear_quantized's output)
 at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq_t,
-                                    const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool relu) {
+                                    const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool relu,
+                                    const Packed& packed) {
   TORCH_CHECK(xq.scalar_type() == at::kChar && xs.scalar_type() == at::kFloat && xs.numel() * xq.size(-1) ==
               xq.numel(), "int8_linear_prequantized: xq must be int8 (..., K) with one float scale per row");
   const int64_t K = xq.size(-1);
   auto q2 = xq.reshape({-1, K}).contiguous();
   auto s2 = xs.reshape({-1}).contiguous();
-  auto p = int_mm(q2, wq_t, w_scale, bias);
+  auto p = int_mm(q2, wq_t, w_scale, bias, packed);
   auto y = at::empty({p.M, p.N}, s2.options());
   float* yp = y.data_ptr<float>();
   const float* sp = s2.data_ptr<float>();
@@ -154,10 +161,12 @@ at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, 
 }  // namespace
 
 TORCH_LIBRARY(decoder_ops, m) {
-  m.def("int8_linear(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) -> Tensor");
-  m.def("int8_linear_quantized(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) -> (Tensor, Tensor)");
-  m.def("int8_linear_prequantized(Tensor xq, Tensor xs, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu) "
-        "-> Tensor");
+  // packed: wq_t's columns in int8_gemm_pack's layout (int8_gemm.cpp), or None for _int_mm
+  m.def("int8_linear(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu, Tensor? packed=None) -> Tensor");
+  m.def("int8_linear_quantized(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu, "
+        "Tensor? packed=None) -> (Tensor, Tensor)");
+  m.def("int8_linear_prequantized(Tensor xq, Tensor xs, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu, "
+        "Tensor? packed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
