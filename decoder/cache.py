@@ -119,8 +119,9 @@ class RowTableCache(IncrementalCache):
         t = self.t
         self.table[:, :t] = self.table[:, :t].index_select(0, rows)
 
-    @staticmethod
-    def new_kv(L: int, N: int, h: int, T: int, hd: int, dtype, device):
+    def new_kv(self, L: int, N: int, h: int, T: int, hd: int, dtype, device):
+        if self.plan.kv_half and dtype == torch.float32:
+            dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
         # stored position-major (L, 2, T, rows, h, hd): a step's keys and values are one
         # contiguous block (the write misses no more lines than it fills: qkv_to_cache_
         # 209 -> 124 us at ~180 rows), and a shrink's gather through the table is one
