@@ -45,6 +45,8 @@ def decode_attention_reference(q, k, v, mask=None, rows=None):
         pos = torch.arange(k.shape[2], device=k.device)  # (T,)
         # (N, T, H, D)[rows, pos] -> (B, T, H, D)
         k, v = (t.transpose(1, 2)[rows, pos].transpose(1, 2) for t in (k, v))
+    if k.dtype != q.dtype:  # a half-precision cache (switch kv_half): fp32 arithmetic, as the kernel
+        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

@@ -238,6 +238,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  needs=lambda o: o.fused_attention and o.cache,
                  detail="decoder/cache.py RowTableCache: a reorder rewrites a (rows, T) table of cache rows, the "
                  "attention kernel reads key j of row b from row table[b, j] (decode_attention_rows)"),
+    Optimisation("kv_half", False, "fp16 self-attention K/V cache (beam)", "kv_half", True, False,
+                 "the fp32 K/V cache", "beam", needs=lambda o: o.kv_row_table and o.fused_attention and o.cache,
+                 detail="with kv_row_table and an fp32 model: RowTableCache stores the self-attention keys and "
+                 "values in fp16 (rounded as `Tensor.to`), the C++ cache write and attention convert with F16C: "
+                 "half the bytes of the step's bandwidth-bound attention; a numeric change"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", fused.ngram_block_,
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
@@ -339,6 +344,7 @@ class Plan:
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
     kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
+    kv_half: bool               # beam, row table: an fp32 model's self-attention K/V cache in fp16
     one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
     one_row_step: bool          # one-row state, greedy: the whole step one C++ call, the argmax column back
 

@@ -116,7 +116,11 @@ def beam_search(state, limits, s: Search, vocab=None) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty.
     `plan.topk` (fused_topk, fused_log_softmax) replaces the add and the top-2k
-    (decoder/optimisations.py); steps that force </s> use the plain path."""
+    (decoder/optimisations.py); steps that force </s> use the plain path.
+
+    The per-sentence bookkeeping (limits, finished, done) lives in Python lists:
+    a step's tensor ops are the ones on (sentences, 2K) picks, no host syncs but
+    the one that tells whether a hypothesis ended."""
     B, K, dev = limits.shape[0], s.beam, limits.device
     p, eos_id = s.plan, s.eos_id
     tokens = torch.full((B * K,), s.start_id, dtype=torch.long, device=dev)
@@ -125,34 +129,34 @@ def beam_search(state, limits, s: Search, vocab=None) -> list[list[int]]:
     hist = torch.empty((B * K, 0), dtype=torch.long, device=dev)  # (rows, t)
     finals: list[list] = [[] for _ in range(B)]
     alive = list(range(B))
-    done = torch.zeros(B, dtype=torch.bool)
+    lims = limits.tolist()  # the same limits as Python ints: no tensor op to test them
+    done = [False] * B
+    first = torch.arange(B, device=dev)[:, None] * K  # (sentences, 1) each sentence's first row
     beam_ar = torch.arange(K, device=dev)
     shrink = p.early_stop and state.can_shrink
     eos_c = eos_id if vocab is None else int(torch.searchsorted(vocab, eos_id))  # </s>'s column
     if vocab is not None and (eos_c >= vocab.numel() or int(vocab[eos_c]) != eos_id):
         raise ValueError("the shortlist candidates must include </s>")
-    for t in range(int(limits.max())):
+    for t in range(max(lims)):
         logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
-        nb, V = limits.shape[0], logits.shape[-1]
+        nb, V = len(alive), logits.shape[-1]
         if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
             p.block(logits, hist, s.no_repeat_ngram, vocab)
         n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
-        force = limits <= t + 1  # (nb,) last allowed step: only </s>
-        forced = bool(force.any())
+        forced = min(lims) <= t + 1  # some sentence's last allowed step: only </s>
         if p.topk is not None and not forced:
             top_s, top_i = p.topk(logits, scores.view(-1), K, n_top)  # (nb, n_top)
         else:
             # over a shortlist this normalises over the candidates only (as Marian does)
             cand = torch.log_softmax(logits.float(), -1).view(nb, K, V) + scores[..., None]
             if forced:
+                force = limits <= t + 1  # (nb,)
                 eos_col = cand[:, :, eos_c].clone()
                 cand[force] = NEG_INF
                 cand[:, :, eos_c] = torch.where(force[:, None], eos_col, cand[:, :, eos_c])
             top_s, top_i = cand.view(nb, K * V).topk(n_top, dim=1)  # (nb, n_top)
-        src_beam, tok = top_i // V, top_i % V
-        if vocab is not None:
-            tok = vocab[tok]
-        is_eos = tok == eos_id
+        src_beam, col = top_i // V, top_i % V
+        is_eos = col == eos_c  # the shortlist maps columns to ids in ascending order: only eos_c is </s>
         ends = is_eos[:, :K] & (top_s[:, :K] > NEG_INF)
         if bool(ends.any()):
             for b, j in ends.nonzero().tolist():
@@ -160,28 +164,30 @@ def beam_search(state, limits, s: Search, vocab=None) -> list[list[int]]:
                 if len(fb) < K and not done[b]:
                     r = b * K + int(src_beam[b, j])
                     fb.append((float(top_s[b, j]) / (t + 1) ** s.length_penalty, hist[r].tolist()))
-        # the best K continuations that are not </s>
-        rank = torch.arange(n_top, device=dev).expand(nb, -1) + is_eos.long() * n_top
-        sel = rank.topk(K, dim=1, largest=False).indices  # (nb, K) ascending rank
+        # the best K continuations that are not </s>: the K lowest ranks, </s> ranked after the rest
+        if t == 0:
+            rank, rank_eos = torch.arange(n_top, device=dev), torch.arange(n_top, 2 * n_top, device=dev)
+        sel = torch.where(is_eos, rank_eos, rank).topk(K, dim=1, largest=False).indices  # (nb, K) by score
         scores = top_s.gather(1, sel)
-        rows = (torch.arange(nb, device=dev)[:, None] * K + src_beam.gather(1, sel)).view(-1)
-        tokens = tok.gather(1, sel).view(-1)
+        rows = (first[:nb] + src_beam.gather(1, sel)).view(-1)
+        tokens = col.gather(1, sel).view(-1)
+        if vocab is not None:
+            tokens = vocab.index_select(0, tokens)
         hist = torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
         # forced </s> ends a sentence even if fewer than K hypotheses were finite
-        now_done = torch.tensor([len(finals[a]) >= K for a in alive]) | force.cpu()
-        if bool(now_done.all()):
+        done = [len(finals[a]) >= K or lim <= t + 1 for a, lim in zip(alive, lims)]
+        n_done = sum(done)
+        if n_done == nb:
             break
-        done = now_done
-        if shrink and int(done.sum()) >= max(1.0, s.shrink_ratio * nb):
-            keep = (~done).nonzero()[:, 0]
-            kd = keep.to(dev)
+        if shrink and n_done >= max(1.0, s.shrink_ratio * nb):
+            keep = [b for b in range(nb) if not done[b]]
+            kd = torch.tensor(keep, device=dev)
             rows = rows.view(nb, K)[kd].view(-1)
             state.keep(kd, rows)  # reorder and shrink in one gather
-            krows = (kd[:, None] * K + beam_ar).view(-1)
-            alive = [alive[i] for i in keep.tolist()]
+            krows = (first[kd] + beam_ar).view(-1)
+            alive, lims, done = [alive[b] for b in keep], [lims[b] for b in keep], [False] * len(keep)
             scores, limits = scores[kd], limits[kd]
             tokens, hist = tokens[krows], hist[krows]
-            done = done[keep]
         else:
             state.reorder(rows)
     return [max(f, key=lambda s: s[0])[1] for f in finals]

@@ -177,3 +177,13 @@ def test_bench_fused_prints_every_switch_with_its_ratio(capsys):
     names = [r.split(" | ")[0][2:] for r in rows]
     assert names == [k for k in list(GREEDY) + list(BEAM) if "shortlist" not in k]  # the fixture has none
     assert all(r.split(" | ")[2] for r in rows) and rows[0].split(" | ")[2] == "1.000"
+
+
+def test_beam_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data):
+    # switch kv_half (numeric): fp16 K/V flips near ties. Measured: these 150 lines 36 differ, BLEU
+    # 4.92 -> 4.87 (a model that repeats itself: many near ties); the KD student's 1,003 test lines at
+    # int8 + shortlist 94 differ, BLEU 22.33 -> 22.35. More lines than the house's few %: off by default.
+    ref = Translator(MODEL, precision="int8", beam=4, kv_half=False).translate(data[0])
+    half = Translator(MODEL, precision="int8", beam=4, kv_half=True).translate(data[0])
+    assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 3
+    assert abs(bleu(half, data[1]) - bleu(ref, data[1])) < 0.2

@@ -359,6 +359,35 @@ def test_qkv_to_cache_matches_reference(dtype, N, H, D, T, t):
     assert torch.equal(q, q_ref) and torch.equal(cache, want_cache)
 
 
+@pytest.mark.parametrize("N,H,D,T,t", [(1, 1, 1, 1, 0), (3, 4, 16, 9, 5), (64, 8, 64, 40, 39), (5, 3, 7, 4, 0)])
+def test_qkv_to_cache_into_an_fp16_cache_rounds_as_tensor_to(N, H, D, T, t):
+    # switch kv_half: an fp32 q|k|v into the fp16 cache, rounded to nearest even as `Tensor.to`
+    g = torch.Generator().manual_seed(N + T)
+    qkv = torch.randn(N, 1, 3 * H * D, generator=g) * 3
+    qkv.view(-1)[::5] = 1 + 2.0 ** -11  # halfway between two fp16 values: ties go to even
+    qkv.view(-1)[1::7] = 7e4  # beyond fp16's range: inf
+    cache = torch.randn(2, 2, T, N, H, D, generator=g).half().permute(0, 1, 3, 4, 2, 5)  # position-major
+    want_cache = cache.clone()
+    q = torch.ops.decoder_ops.qkv_to_cache_(cache[1, 0], cache[1, 1], qkv, t)
+    q_ref = fused.qkv_to_cache_reference(want_cache[1, 0], want_cache[1, 1], qkv, t)
+    assert q.dtype == torch.float32 and torch.equal(q, q_ref) and torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("B,T,D", [(1, 1, 64), (8, 13, 64), (12, 40, 64), (3, 5, 20)])
+def test_decode_attention_rows_reads_an_fp16_cache_as_its_values(B, T, D):
+    # switch kv_half: fp32 queries against an fp16 cache, arithmetic in fp32
+    g = torch.Generator().manual_seed(B * 10 + T)
+    q = torch.randn(B, 4, 1, D, generator=g)
+    cache = torch.randn(2, B, 4, T + 3, D, generator=g).half()
+    k, v = cache[0, :, :, :T], cache[1, :, :, :T]
+    rows = torch.randint(0, B, (B, T), generator=g)
+    got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
+    assert got.dtype == torch.float32
+    want = fused.decode_attention_reference(q, k.float(), v.float(), rows=rows)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.decode_attention_reference(q, k, v, rows=rows), want, atol=1e-6, rtol=1e-6)
+
+
 def test_qkv_to_cache_passes_opcheck():
     cache = torch.zeros(2, 3, 4, 6, 8)
     _opcheck(torch.ops.decoder_ops.qkv_to_cache_.default, (cache[0], cache[1], torch.randn(3, 1, 96), 2))

@@ -34,6 +34,9 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <bit>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 
 #include "gemv.h"
@@ -249,8 +252,50 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// The same over an fp16 cache (uint16_t bits): F16C converts 8 at a time (GCC 12
+// does not vectorise _Float16 conversions), so these are only called from
+// attend_heads_f16, compiled for AVX2+FMA+F16C and run where the CPU has them.
+#if defined(__x86_64__)
+#define F16C_TARGET __attribute__((target("avx2,fma,f16c")))
+F16C_TARGET inline __m256 load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+F16C_TARGET inline float dot(const float* a, const uint16_t* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_f16(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_f16(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_f16(b + i), s0);
+  s0 = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  for (; i < n; ++i) s += a[i] * _cvtsh_ss(b[i]);
+  return s;
+}
+
+F16C_TARGET inline void axpy(float a, const uint16_t* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load_f16(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * _cvtsh_ss(x[i]);
+}
+
+bool has_f16c() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+#else
+bool has_f16c() { return false; }
+#endif
+
 struct AttendArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;    // float, or fp16 bits (uint16_t: a half-precision cache)
   const bool* mask;     // (B, T) or null
   const int64_t* rows;  // (B, T) or null: key j of row b is in k's row rows[b, j], else in row b
   float* out;
@@ -260,16 +305,18 @@ struct AttendArgs {
 
 // The (b, h) pairs [lo, hi): Q*T dot products of length D, a softmax over T,
 // and T axpys each. p is T floats of scratch.
-MULTIVERSION
-void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
+// always_inline: its body must be compiled in each ISA clone below, not once for baseline x86
+template <typename KV>
+inline __attribute__((always_inline)) void attend_heads_of(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
   const int64_t H = a.H, Q = a.Q, D = a.D, T = a.T;
+  const KV *k = static_cast<const KV*>(a.k), *v = static_cast<const KV*>(a.v);
   for (int64_t bh = lo; bh < hi; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     const bool* mb = a.mask ? a.mask + b * T : nullptr;
     const int64_t* rb = a.rows ? a.rows + b * T : nullptr;
     // key/value j: row b's own, or the row the table names (same head, same position)
-    auto key = [&](int64_t j) { return a.k + (rb ? rb[j] : b) * a.ks0 + h * a.ks1 + j * a.ks2; };
-    auto val = [&](int64_t j) { return a.v + (rb ? rb[j] : b) * a.vs0 + h * a.vs1 + j * a.vs2; };
+    auto key = [&](int64_t j) { return k + (rb ? rb[j] : b) * a.ks0 + h * a.ks1 + j * a.ks2; };
+    auto val = [&](int64_t j) { return v + (rb ? rb[j] : b) * a.vs0 + h * a.vs1 + j * a.vs2; };
     for (int64_t i = 0; i < Q; ++i) {
       const float* qi = a.q + (bh * Q + i) * D;
       float* oi = a.out + (bh * Q + i) * D;
@@ -289,6 +336,17 @@ void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
     }
   }
 }
+
+MULTIVERSION
+void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) { attend_heads_of<float>(a, lo, hi, p); }
+
+#if defined(__x86_64__)
+F16C_TARGET void attend_heads_f16(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
+  attend_heads_of<uint16_t>(a, lo, hi, p);
+}
+#else
+void attend_heads_f16(const AttendArgs&, int64_t, int64_t, float*) {}
+#endif
 
 // q (B, H, Q, D), k and v (N, H, T, D) with any strides but the last (the cache
 // slice [:, :, :t+1] is not contiguous), mask (B, 1, 1, T) bool, True = attend;
@@ -315,20 +373,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "decode_attention_rows: a row index is outside the cache's ", N, " rows");
   }
   auto qf = q.to(at::kFloat).contiguous();
-  auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+  // a half-precision cache is read as it is (half the bytes of a bandwidth-bound loop)
+  const bool f16 = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf &&
+                   v.scalar_type() == at::kHalf && has_f16c();
+  auto kf = f16 ? k : k.to(at::kFloat), vf = f16 ? v : v.to(at::kFloat);
   if (kf.stride(3) != 1) kf = kf.contiguous();
   if (vf.stride(3) != 1) vf = vf.contiguous();
   at::Tensor m;
   if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
   auto out = at::empty({B, H, Q, D}, qf.options());
-  const AttendArgs args{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
+  const AttendArgs args{qf.data_ptr<float>(), kf.data_ptr(), vf.data_ptr(),
                         mask.has_value() ? m.data_ptr<bool>() : nullptr,
                         rows.has_value() ? r.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
                         H, Q, D, T, kf.stride(0), kf.stride(1), kf.stride(2), vf.stride(0), vf.stride(1),
                         vf.stride(2), 1.f / std::sqrt(static_cast<float>(D))};
   at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(T);
-    attend_heads(args, lo, hi, p.data());
+    if (f16) attend_heads_f16(args, lo, hi, p.data());
+    else attend_heads(args, lo, hi, p.data());
   });
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
@@ -581,18 +643,60 @@ std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::
   return {xo, yo};
 }
 
+// k or v of one head (n floats) into the fp16 cache, rounded to nearest even as
+// Tensor.to(torch.float16): vcvtps2ph where the CPU has F16C, c10::Half elsewhere.
+#if defined(__x86_64__)
+F16C_TARGET void to_f16_f16c(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+#endif
+
+inline void to_f16(const float* x, uint16_t* y, int64_t n) {
+#if defined(__x86_64__)
+  if (has_f16c()) return to_f16_f16c(x, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = c10::Half(x[i]).x;
+}
+
 // qkv (N, 1, 3*H*D) -> q (N, 1, H*D); k and v of row r, head h go to
 // kc[r, h, t, :] and vc[r, h, t, :] of the (N, H, T, D) cache views, whose
-// rows and heads may be strided (a slice of the preallocated cache).
+// rows and heads may be strided (a slice of the preallocated cache). The caches
+// have qkv's dtype, or are fp16 for an fp32 qkv (a half-precision cache).
 at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
   TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "qkv_to_cache_: caches must be (N, H, T, D)");
   const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3), d = H * D;
   TORCH_CHECK(qkv.numel() == N * 3 * d, "qkv_to_cache_: qkv must be (N, 1, 3*H*D)");
   TORCH_CHECK(t >= 0 && t < T, "qkv_to_cache_: position ", t, " outside the cache of ", T);
-  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && kc.scalar_type() == qkv.scalar_type() &&
-              vc.scalar_type() == qkv.scalar_type(), "qkv_to_cache_: caches must match qkv's dtype, last dim dense");
+  const bool f16 = qkv.scalar_type() == at::kFloat && kc.scalar_type() == at::kHalf &&
+                   vc.scalar_type() == at::kHalf;
+  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && (f16 || (kc.scalar_type() == qkv.scalar_type() &&
+              vc.scalar_type() == qkv.scalar_type())),
+              "qkv_to_cache_: caches must match qkv's dtype (or be fp16 for fp32), last dim dense");
   auto src = qkv.reshape({N, 3 * d}).contiguous();
   auto q = at::empty({N, 1, d}, src.options());
+  if (f16) {
+    const float* sp = src.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    auto* kp = reinterpret_cast<uint16_t*>(kc.data_ptr<at::Half>());
+    auto* vp = reinterpret_cast<uint16_t*>(vc.data_ptr<at::Half>());
+    const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
+    const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
+    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* row = sp + r * 3 * d;
+        std::copy(row, row + d, qp + r * d);
+        for (int64_t h = 0; h < H; ++h) {
+          to_f16(row + d + h * D, kp + r * k0 + h * k1 + t * k2, D);
+          to_f16(row + 2 * d + h * D, vp + r * v0 + h * v1 + t * v2, D);
+        }
+      }
+    });
+    return q;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "qkv_to_cache_", [&] {
     const scalar_t* sp = src.data_ptr<scalar_t>();
     scalar_t *qp = q.data_ptr<scalar_t>(), *kp = kc.data_ptr<scalar_t>(), *vp = vc.data_ptr<scalar_t>();
