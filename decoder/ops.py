@@ -141,8 +141,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("decoder_ops::cross_arrange")
     def _(k, v, mask):
         B, H, S, D = k.shape
-        span = 64  # kSpan in csrc/fused_cpu.cpp: keys and features padded to whole blocks of it
-        pad = lambda n: (n + span - 1) // span * span  # noqa: E731
+        pad = lambda n: (n + 15) // 16 * 16  # noqa: E731 (kW in csrc/fused_cpu.cpp: keys, features to whole vectors)
         return (k.new_empty((B, H, D, pad(S)), dtype=torch.float32),
                 k.new_empty((B, H, S, pad(D)), dtype=torch.float32), k.new_empty((B,), dtype=torch.int64))
 

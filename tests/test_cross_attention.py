@@ -60,7 +60,7 @@ def test_cross_arrange_lays_each_sentences_keys_transposed_and_padded():
     lens = [19, 5, 1]
     kt, va, n = torch.ops.decoder_ops.cross_arrange(k, v, right_padding(lens, S))
     assert n.tolist() == lens
-    assert kt.shape == (B, H, D, 64) and va.shape == (B, H, S, 64)  # padded to whole 4 x 16 blocks
+    assert kt.shape == (B, H, D, 32) and va.shape == (B, H, S, 32)  # padded to whole vectors of 16
     for b, m in enumerate(lens):
         assert torch.equal(kt[b, :, :, :m], k[b, :, :m].transpose(1, 2))
         assert torch.equal(va[b, :, :m, :D], v[b, :, :m])

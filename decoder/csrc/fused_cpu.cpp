@@ -377,16 +377,17 @@ struct EncScratch {
   int64_t floats(int64_t S, int64_t D) const { return Sq * D + D * Sp + S * Dp + kQB * Sp; }
 };
 
-// acc[r][w] += sum_k a[r * lda + k] * b[k * ldb + r * rb + w] for kQB rows r and kW
-// columns w. rb = 0: kQB rows of a (queries) against the same kW columns of b (keys
-// of K^T, features of V); lda = 0, rb = kW: one row of a against kQB x kW side-by-side
-// columns of b (one query, keeping all accumulators busy). Inlined into the attention
+// acc[r][w] += sum_k a[r * lda + k] * b[k * ldb + r * rb + w] for the first R rows r and
+// kW columns w. rb = 0: R rows of a (queries) against the same kW columns of b (keys of
+// K^T, features of V); lda = 0, rb = kW: one row of a against R x kW side-by-side
+// columns of b (one query, keeping the accumulators busy). Inlined into the attention
 // kernels, so each ISA clone vectorises it.
+template <int64_t R = kQB>
 CLONE_INLINE void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
                             int64_t rb, int64_t steps) {
   for (int64_t k = 0; k < steps; ++k) {
     const float* bk = b + k * ldb;
-    for (int64_t qi = 0; qi < kQB; ++qi) {
+    for (int64_t qi = 0; qi < R; ++qi) {
       const float av = a[qi * lda + k];
 #pragma omp simd
       for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * bk[qi * rb + w];
@@ -509,27 +510,41 @@ at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tens
 // The cross K/V of a batch never change while it decodes, so cross_arrange lays
 // them out once for the encoder's blocks: per (sentence, head) the attended keys
 // first (the rest left out: a key count per sentence replaces the mask), K
-// transposed to (D, Sp) and V as (S, Dv), both zero-padded to whole kSpan blocks.
+// transposed to (D, Sp) and V as (S, Dv), both zero-padded to whole kW vectors.
 // Each step, cross_attention runs the beams of a sentence (its Q queries) through
 // attend_queries, or greedy's one query through attend_query: FMAs along vectors
 // of keys and features, no horizontal sum per key as in decode_attention.
 constexpr int64_t kSpan = kQB * kW;  // one query's accumulators side by side: kQB vectors
 
-// One query q (D, scaled) against n keys: the kQB accumulator rows hold kQB blocks of
-// kW keys (scores) or features (output) side by side rather than kQB queries. Kt (D,
-// ldk) and V (n, ldv) are zero-padded to round_up(n, kSpan) keys and round_up(D, kSpan)
-// features; P: round_up(n, kSpan) floats of scratch. Writes out[0, D).
+// acc[r] += sum_k a[k] * b[k * ldb + r * kW] for the rows r < blocks (1..kQB): one query
+// against `blocks` side-by-side vectors of b, as many accumulators as there are vectors.
+CLONE_INLINE void fma_span(float (&acc)[kQB][kW], int64_t blocks, const float* a, const float* b, int64_t ldb,
+                           int64_t steps) {
+  switch (blocks) {
+    case 1: fma_block<1>(acc, a, 0, b, ldb, kW, steps); break;
+    case 2: fma_block<2>(acc, a, 0, b, ldb, kW, steps); break;
+    case 3: fma_block<3>(acc, a, 0, b, ldb, kW, steps); break;
+    default: fma_block<kQB>(acc, a, 0, b, ldb, kW, steps);
+  }
+}
+
+// One query q (D, scaled) against n keys: the kQB accumulator rows hold up to kQB
+// vectors of keys (scores) or features (output) side by side rather than kQB queries.
+// Kt (D, ldk) and V (n, ldv) are zero-padded to round_up(n, kW) keys and round_up(D,
+// kW) features; P: round_up(n, kW) floats of scratch. Writes out[0, D).
 CLONE_INLINE void attend_query(const float* q, int64_t D, const float* Kt, int64_t ldk, const float* V,
                                int64_t ldv, int64_t n, float* P, float* out) {
-  for (int64_t j0 = 0; j0 < n; j0 += kSpan) {
+  const int64_t np = round_up(n, kW), Dp = round_up(D, kW);
+  for (int64_t j0 = 0; j0 < np; j0 += kSpan) {
+    const int64_t blocks = std::min(kQB, (np - j0) / kW);
     float acc[kQB][kW] = {};
-    fma_block(acc, q, 0, Kt + j0, ldk, kW, D);
-    for (int64_t r = 0; r < kQB; ++r) std::copy(acc[r], acc[r] + kW, P + j0 + r * kW);
+    fma_span(acc, blocks, q, Kt + j0, ldk, D);
+    for (int64_t r = 0; r < blocks; ++r) std::copy(acc[r], acc[r] + kW, P + j0 + r * kW);
   }
-  const float inv = softmax_unscaled(P, n, round_up(n, kW));
-  for (int64_t c0 = 0; c0 < D; c0 += kSpan) {
+  const float inv = softmax_unscaled(P, n, np);
+  for (int64_t c0 = 0; c0 < Dp; c0 += kSpan) {
     float acc[kQB][kW] = {};
-    fma_block(acc, P, 0, V + c0, ldv, kW, n);
+    fma_span(acc, std::min(kQB, (Dp - c0) / kW), P, V + c0, ldv, n);
     const int64_t w1 = std::min(kSpan, D - c0);
     for (int64_t c = 0; c < w1; ++c) out[c0 + c] = acc[c / kW][c % kW] * inv;
   }
@@ -558,6 +573,15 @@ void cross_attend_heads(const CrossArgs& a, int64_t lo, int64_t hi, float* buf) 
       continue;
     }
     const float *Kt = a.kt + bh * D * a.Sp, *V = a.v + bh * a.S * a.Dv;
+    // beams: the next pair's keys and values towards L2 while this one computes (the K/V
+    // of a batch outgrow L2, and the rest of the step evicts them); greedy's one query is
+    // done too soon for that to pay (measured: 15% slower with it)
+    if (Q > 1 && bh + 1 < hi) {
+      const int64_t m = a.lens[(bh + 1) / H];
+      for (int64_t c = 0; c < D; ++c)
+        for (int64_t j = 0; j < m; j += kW) __builtin_prefetch(Kt + D * a.Sp + c * a.Sp + j, 0, 2);
+      for (const float *p = V + a.S * a.Dv, *e = p + m * a.Dv; p < e; p += kW) __builtin_prefetch(p, 0, 2);
+    }
     scaled_queries(a.q + b * Q * d + h * D, d, Q, D, a.scale, Qs);
     if (Q == 1) {
       attend_query(Qs, D, Kt, a.Sp, V, a.Dv, n, P, ob);
@@ -584,7 +608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k
   if (vf.stride(3) != 1) vf = vf.contiguous();
   at::Tensor m;
   if (mask.has_value()) m = mask->reshape({B, S}).contiguous();
-  const int64_t Sp = round_up(S, kSpan), Dv = round_up(D, kSpan);
+  const int64_t Sp = round_up(S, kW), Dv = round_up(D, kW);
   auto kt = at::empty({B, H, D, Sp}, kf.options());
   auto va = at::zeros({B, H, S, Dv}, kt.options());  // the rows past a sentence's keys stay zero
   auto lens = at::empty({B}, kt.options().dtype(at::kLong));
@@ -610,8 +634,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k
 at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& va, const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && va.dim() == 4 && lens.dim() == 1 && kt.size(0) == q.size(0) &&
                   va.size(0) == q.size(0) && va.size(1) == kt.size(1) && lens.size(0) == q.size(0) &&
-                  kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kSpan == 0 && kt.size(3) >= va.size(2) &&
-                  va.size(3) % kSpan == 0 && va.size(3) >= kt.size(2) && kt.scalar_type() == at::kFloat &&
+                  kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kW == 0 && kt.size(3) >= va.size(2) &&
+                  va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && kt.scalar_type() == at::kFloat &&
                   va.scalar_type() == at::kFloat && lens.scalar_type() == at::kLong && kt.is_contiguous() &&
                   va.is_contiguous(),
               "cross_attention: q must be (B, Q, H * D) and kt, va, lens as cross_arrange gives them: (B, H, D, Sp), "
