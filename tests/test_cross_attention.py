@@ -159,6 +159,20 @@ def test_switch_off_keeps_the_decode_attention_on_the_projected_kv():
     assert isinstance(on(k, v, right_padding([9, 4], 9), None), fused.CrossAttention)
 
 
+def test_switch_on_without_the_cpu_op_keeps_the_plan_attention(monkeypatch):
+    # CUDA tensors or no compiler: the cross K/V stay as projected and `attend` (CUDA's
+    # decode_attention kernel there) runs, not the SDPA reference
+    monkeypatch.setattr(fused, "_kernel", lambda t: False)
+    g = torch.Generator().manual_seed(7)
+    k, v = projected_kv(2, 4, 9, 16, g)
+    seen = []
+    attend = lambda *a: seen.append(1) or fused.decode_attention_reference(*a)  # noqa: E731
+    kv = resolve(Switches(fused_cross_attention=True), no_repeat_ngram=0).cross_kv(k, v, None, attend)
+    q = torch.randn(2, 3, 64, generator=g)
+    torch.testing.assert_close(kv(q), fused.cross_attention_reference(q, k, v))
+    assert isinstance(kv, CrossPlain) and seen
+
+
 # -- in the decoder ----------------------------------------------------------------------------
 
 def spy(monkeypatch) -> dict:
