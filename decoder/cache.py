@@ -47,8 +47,11 @@ class IncrementalCache:
         self.m, self.plan, self.beam, self.mask = model, model.plan, beam, mask
         B, S, _ = enc.shape
         h, hd = model.n_heads, model.d // model.n_heads
-        # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd)
+        # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd); cross_attend
+        # takes them into plan.cross_kv's stores on its first call (the subclasses that attend
+        # their own way never pay for that), which hold them from then on
         self.cross = [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
+        self.cross_kv = None
         self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, model.dtype, enc.device)
         self.t = 0
 
@@ -67,11 +70,13 @@ class IncrementalCache:
         return merge(self.plan.attend(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t]))
 
     def cross_attend(self, i: int, attn, y):
+        if self.cross_kv is None:
+            self.cross_kv = [self.plan.cross_kv(k, v, self.mask, self.plan.attend) for k, v in self.cross]
+            self.cross = None
         # beams of a sentence are the query positions: (B, beam, d) against (B, h, S, hd)
         N = y.shape[0]
         q = attn.q(y).view(N // self.beam, self.beam, -1)
-        ck, cv = self.cross[i]
-        return merge(self.plan.attend(heads(q, self.m.n_heads), ck, cv, self.mask)).view(N, 1, -1)
+        return self.cross_kv[i](q).view(N, 1, -1)
 
     def reorder(self, rows):
         """Row r takes the history of row rows[r] (beam reorder), in place."""
@@ -88,7 +93,11 @@ class IncrementalCache:
         self.keep_sentences(sents)
 
     def keep_sentences(self, sents):
-        self.cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
+        if self.cross_kv is None:
+            self.cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
+        else:
+            for kv in self.cross_kv:
+                kv.keep(sents)
         self.mask = self.mask.index_select(0, sents)
 
 

@@ -188,6 +188,33 @@ def encoder_attention(qkv, mask, heads: int):
     return encoder_attention_reference(qkv, mask, heads)
 
 
+def cross_attention_reference(q, k, v, mask=None):
+    """The decoder's cross-attention: q (B, Q, d), the Q queries of a sentence (its beams),
+    against its cross K/V k, v (B, h, S, hd); mask (B, 1, 1, S) bool, True = attend -> (B, Q, d)."""
+    return merge(F.scaled_dot_product_attention(heads(q, k.shape[1]), k, v, attn_mask=mask))
+
+
+class CrossAttention:
+    """A batch's cross K/V arranged once for the C++ op (decoder_ops::cross_arrange: per
+    sentence and head the attended keys transposed and padded to register blocks, a key
+    count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). Without the
+    kernel, the reference on the K/V as given."""
+
+    def __init__(self, k, v, mask=None):
+        self.kernel = _kernel(k) and k.device.type == "cpu"
+        # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
+        self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
+
+    def __call__(self, q):
+        if self.kernel:
+            return torch.ops.decoder_ops.cross_attention(q, *self.kv)
+        return cross_attention_reference(q, *self.kv)
+
+    def keep(self, sents):
+        """Only the sentences `sents` stay: each sentence's arrangement is its own, so it carries over."""
+        self.kv = tuple(t if t is None else t.index_select(0, sents) for t in self.kv)
+
+
 def qkv_to_cache_(kc, vc, qkv, t: int):
     if _kernel(qkv):
         return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)

@@ -147,6 +147,17 @@ def _register_fakes() -> None:
     def _(qkv, mask, heads):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3))
 
+    @torch.library.register_fake("decoder_ops::cross_arrange")
+    def _(k, v, mask):
+        B, H, S, D = k.shape
+        pad = lambda n: (n + 15) // 16 * 16  # noqa: E731 (kW in csrc/fused_cpu.cpp: keys, features to whole vectors)
+        return (k.new_empty((B, H, D, pad(S)), dtype=torch.float32),
+                k.new_empty((B, H, S, pad(D)), dtype=torch.float32), k.new_empty((B,), dtype=torch.int64))
+
+    @torch.library.register_fake("decoder_ops::cross_attention")
+    def _(q, kt, va, lens):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("decoder_ops::qkv_to_cache_")
     def _(kc, vc, qkv, t):
         return qkv.new_empty((kc.shape[0], 1, kc.shape[1] * kc.shape[3]))

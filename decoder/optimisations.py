@@ -81,6 +81,28 @@ def encoder_attend_fused(attn, y, heads: int, mask):
     return fused.encoder_attention(attn.qkv(y), mask, heads)
 
 
+class CrossPlain:
+    """A batch's cross K/V (B, h, S, hd) as projected, with its padding mask; each step's
+    queries q (B, Q, d) (a sentence's beams) through the plan's decode-step attention."""
+
+    def __init__(self, k, v, mask, attend):
+        self.k, self.v, self.mask, self.attend = k, v, mask, attend
+
+    def __call__(self, q):
+        return fused.merge(self.attend(fused.heads(q, self.k.shape[1]), self.k, self.v, self.mask))
+
+    def keep(self, sents):
+        """Only the sentences `sents` stay."""
+        self.k, self.v = self.k.index_select(0, sents), self.v.index_select(0, sents)
+        self.mask = None if self.mask is None else self.mask.index_select(0, sents)
+
+
+def cross_fused(k, v, mask, attend):
+    kv = fused.CrossAttention(k, v, mask)
+    # no C++ op here (CUDA, no compiler): today's path, which keeps CUDA's decode_attention kernel
+    return kv if kv.kernel else CrossPlain(k, v, mask, attend)
+
+
 def write_kv_plain(attn, y, kc, vc, t: int):
     """q of y (N, 1, d); k, v written into the cache kc, vc (N, h, T, hd) at position t."""
     q, k, v = attn.project_qkv(y)
@@ -212,6 +234,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the fused q|k|v product (B, S, 3d) to the merged heads (B, S, d) in one call, its loops "
                  "vectorised over keys and features for many queries; on several threads SDPA keeps the big "
                  "batches (`fused.ENCODER_ATTENTION_THREADED_MAX`)"),
+    Optimisation("fused_cross_attention", True, "fused cross-attention on K/V arranged per batch (C++)",
+                 "cross_kv", cross_fused, CrossPlain,
+                 "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
+                 detail="the cross K/V laid out once per batch (per sentence and head: K transposed, padded to "
+                 "register blocks, the padding left out); each step a sentence's beams (greedy: its one query) "
+                 "run the encoder op's register blocks, FMAs along keys and features with no horizontal sums"),
     Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
                  detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
@@ -333,6 +361,7 @@ class Plan:
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)
     write_kv: Callable          # (attn, y, kc, vc, t) -> q; k, v written at t
+    cross_kv: Callable          # (k, v, mask, attend) -> a batch's cross K/V, kv(q (B, Q, d)) -> (B, Q, d)
     encoder_attend: Callable    # encoder self-attention (attn, y, heads, mask) -> (B, S, d)
     argmax: Callable            # greedy: (rows, C) -> (rows,)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself

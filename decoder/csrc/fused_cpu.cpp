@@ -12,6 +12,9 @@
 //   encoder_attention            the encoder's self-attention straight from the fused
 //                                q|k|v product (B, S, 3d) to the merged heads (B, S, d),
 //                                vectorised over keys and features for many queries
+//   cross_arrange, cross_attention  the decoder's cross-attention: the cross K/V laid
+//                                out once per batch for the encoder op's register
+//                                blocks, then each step's queries (a sentence's beams)
 //   qkv_to_cache_                the fused q|k|v projection of one step split:
 //                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
@@ -116,7 +119,7 @@ float row_sum_exp(const float* x, int64_t n, float m) {
 }
 
 // p[j] = e^(p[j] - m) in place; returns their sum (inlined into its caller's clones)
-inline float exp_shift_sum(float* p, int64_t n, float m) {
+CLONE_INLINE float exp_shift_sum(float* p, int64_t n, float m) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) {
@@ -413,6 +416,8 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const
 // features (output) with kQB queries' accumulators held in registers: no
 // horizontal sum anywhere. Masked keys are left out of the gather, not given
 // -inf; a query with no key to attend gets zeros, as ATen's CPU SDPA gives.
+// The decoder's cross-attention (below) runs the same blocks on keys gathered
+// once per batch.
 constexpr int64_t kW = 16;  // vector width of the register blocks (one zmm, two ymm)
 constexpr int64_t kQB = 4;  // queries per block: 4 x 16 accumulators
 
@@ -426,25 +431,96 @@ struct EncAttnArgs {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// One task's scratch: Q (Sq, D), Kt (D, Sp), V (S, Dp), scores (Sq, Sp), keys and
+// One task's scratch: Q (Sq, D), Kt (D, Sp), V (S, Dp), scores (kQB, Sp), keys and
 // queries padded to whole register blocks.
 struct EncScratch {
   int64_t Sp, Dp, Sq;
   EncScratch(int64_t S, int64_t D) : Sp(round_up(S, kW)), Dp(round_up(D, kW)), Sq(round_up(S, kQB)) {}
-  int64_t floats(int64_t S, int64_t D) const { return Sq * D + D * Sp + S * Dp + Sq * Sp; }
+  int64_t floats(int64_t S, int64_t D) const { return Sq * D + D * Sp + S * Dp + kQB * Sp; }
 };
 
-// acc[q][w] += sum_k a[q * lda + k] * b[k * ldb + w] for kQB rows of a and kW columns
-// of b: both products of the encoder attention (scores: a = Q, b = K^T; output:
-// a = P, b = V). Inlined into encoder_attend_heads, so each ISA clone vectorises it.
-inline void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
-                      int64_t steps) {
+// acc[r][w] += sum_k a[r * lda + k] * b[k * ldb + r * rb + w] for the first R rows r and
+// kW columns w. rb = 0: R rows of a (queries) against the same kW columns of b (keys of
+// K^T, features of V); lda = 0, rb = kW: one row of a against R x kW side-by-side
+// columns of b (one query, keeping the accumulators busy). Inlined into the attention
+// kernels, so each ISA clone vectorises it.
+template <int64_t R = kQB>
+CLONE_INLINE void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
+                            int64_t rb, int64_t steps) {
   for (int64_t k = 0; k < steps; ++k) {
     const float* bk = b + k * ldb;
-    for (int64_t qi = 0; qi < kQB; ++qi) {
+    for (int64_t qi = 0; qi < R; ++qi) {
       const float av = a[qi * lda + k];
 #pragma omp simd
-      for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * bk[w];
+      for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * bk[qi * rb + w];
+    }
+  }
+}
+
+// The positions j < S with m[j] (every one when m is null) into keys; returns how many.
+inline int64_t attended_keys(const bool* m, int64_t S, int64_t* keys) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < S; ++j)
+    if (!m || m[j]) keys[n++] = j;
+  return n;
+}
+
+// Kt (D, ldk): the keys keys[0..n) of k transposed, zero from n to ldk; V (n, ldv):
+// their values, zero past D. Row j of k starts at k + j * ks, of v at v + j * vs.
+inline void gather_keys(const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* keys, int64_t n,
+                        int64_t D, float* Kt, int64_t ldk, float* V, int64_t ldv) {
+  for (int64_t c = 0; c < D; ++c) std::fill(Kt + c * ldk + n, Kt + (c + 1) * ldk, 0.f);
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* kr = k + keys[jj] * ks;
+    for (int64_t c = 0; c < D; ++c) Kt[c * ldk + jj] = kr[c];
+    const float* vr = v + keys[jj] * vs;
+    std::copy(vr, vr + D, V + jj * ldv);
+    std::fill(V + jj * ldv + D, V + (jj + 1) * ldv, 0.f);
+  }
+}
+
+// Q (round_up(n, kQB), D) = the n query rows q + i * ldq times scale, zero rows after.
+CLONE_INLINE void scaled_queries(const float* q, int64_t ldq, int64_t n, int64_t D, float scale, float* Q) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* qr = q + i * ldq;
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) Q[i * D + c] = qr[c] * scale;
+  }
+  std::fill(Q + n * D, Q + round_up(n, kQB) * D, 0.f);
+}
+
+// The first n of the np scores p -> e^(p - max) in place, the rest -> 0 (padding keys
+// get -inf, so the softmax runs over whole vectors); returns 1 / their sum.
+CLONE_INLINE float softmax_unscaled(float* p, int64_t n, int64_t np) {
+  std::fill(p + n, p + np, -std::numeric_limits<float>::infinity());
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < np; ++j) mx = p[j] > mx ? p[j] : mx;
+  return 1.f / exp_shift_sum(p, np, mx);
+}
+
+// kQB queries (the rows of Q, D each, scaled) against n keys: Kt (D, ldk) the keys
+// transposed, V (n, ldv) their values (ldv >= round_up(D, kW), zero past D). P:
+// kQB x round_up(n, kW) floats of scratch. The first nq queries' outputs go to
+// out + qi * ldo, D features each.
+CLONE_INLINE void attend_queries(const float* Q, int64_t D, const float* Kt, int64_t ldk, const float* V,
+                                 int64_t ldv, int64_t n, float* P, float* out, int64_t ldo, int64_t nq) {
+  const int64_t np = round_up(n, kW);
+  for (int64_t j0 = 0; j0 < np; j0 += kW) {  // scores, kW keys at a time
+    float acc[kQB][kW] = {};
+    fma_block(acc, Q, D, Kt + j0, ldk, 0, D);
+    for (int64_t qi = 0; qi < kQB; ++qi) std::copy(acc[qi], acc[qi] + kW, P + qi * np + j0);
+  }
+  float inv[kQB];
+  for (int64_t qi = 0; qi < kQB; ++qi) inv[qi] = softmax_unscaled(P + qi * np, n, np);
+  // out[i] = sum_j p[i, j] V[j] / sum_j p[i, j], kW features at a time
+  for (int64_t c0 = 0; c0 < D; c0 += kW) {
+    float acc[kQB][kW] = {};
+    fma_block(acc, P, np, V + c0, ldv, 0, n);
+    const int64_t w1 = std::min(kW, D - c0);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      float* o = out + qi * ldo + c0;
+      for (int64_t w = 0; w < w1; ++w) o[w] = acc[qi][w] * inv[qi];
     }
   }
 }
@@ -453,71 +529,24 @@ MULTIVERSION
 void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys) {
   const int64_t H = a.H, S = a.S, D = a.D, d = H * D, row = 3 * d;
   const EncScratch z(S, D);
-  const int64_t Sp = z.Sp, Dp = z.Dp, Sq = z.Sq;
-  float *Q = buf, *Kt = Q + Sq * D, *V = Kt + D * Sp, *P = V + S * Dp;
+  float *Q = buf, *Kt = Q + z.Sq * D, *V = Kt + D * z.Sp, *P = V + S * z.Dp;
   for (int64_t bh = lo; bh < hi; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     const float* base = a.qkv + b * S * row + h * D;  // q of position 0; k at + d, v at + 2d
-    const bool* mb = a.mask ? a.mask + b * S : nullptr;
-    int64_t n = 0;
-    for (int64_t j = 0; j < S; ++j)
-      if (!mb || mb[j]) keys[n++] = j;
+    const int64_t n = attended_keys(a.mask ? a.mask + b * S : nullptr, S, keys);
     float* ob = a.out + b * S * d + h * D;
     if (n == 0) {  // every key masked: zeros, as ATen's CPU SDPA gives (torch 2.13; older ones gave NaN)
       for (int64_t i = 0; i < S; ++i) std::fill(ob + i * d, ob + i * d + D, 0.f);
       continue;
     }
     const int64_t np = round_up(n, kW);
-    // gather: Kt[c, jj] = k[keys[jj], c] (zero past n), V[jj, :] = v[keys[jj], :] (zero past D)
-    std::fill(Kt, Kt + D * np, 0.f);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const float* kr = base + keys[jj] * row + d;
-      for (int64_t c = 0; c < D; ++c) Kt[c * np + jj] = kr[c];
-      float* vr = V + jj * Dp;
-      std::copy(kr + d, kr + d + D, vr);
-      std::fill(vr + D, vr + Dp, 0.f);
-    }
-    for (int64_t i = 0; i < S; ++i) {
-      const float* qr = base + i * row;
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) Q[i * D + c] = qr[c] * a.scale;
-    }
-    std::fill(Q + S * D, Q + Sq * D, 0.f);
-    for (int64_t i0 = 0; i0 < S; i0 += kQB) {
-      // scores of queries i0..i0+kQB against the keys, kW keys at a time
-      for (int64_t j0 = 0; j0 < np; j0 += kW) {
-        float acc[kQB][kW] = {};
-        fma_block(acc, Q + i0 * D, D, Kt + j0, np, D);
-        for (int64_t qi = 0; qi < kQB; ++qi) std::copy(acc[qi], acc[qi] + kW, P + (i0 + qi) * np + j0);
-      }
-      // the softmax over whole vectors: the padding keys get -inf, so e^(s - max) = 0
-      float inv[kQB];
-      for (int64_t qi = 0; qi < kQB; ++qi) {
-        float* p = P + (i0 + qi) * np;
-        std::fill(p + n, p + np, -std::numeric_limits<float>::infinity());
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < np; ++j) mx = p[j] > mx ? p[j] : mx;
-        inv[qi] = 1.f / exp_shift_sum(p, np, mx);
-      }
-      // out[i] = sum_j p[i, j] V[j] / sum_j p[i, j], kW features at a time
-      const int64_t nq = std::min(kQB, S - i0);
-      for (int64_t c0 = 0; c0 < Dp; c0 += kW) {
-        float acc[kQB][kW] = {};
-        fma_block(acc, P + i0 * np, np, V + c0, Dp, n);
-        const int64_t w1 = std::min(kW, D - c0);
-        for (int64_t qi = 0; qi < nq; ++qi) {
-          float* o = ob + (i0 + qi) * d + c0;
-          for (int64_t w = 0; w < w1; ++w) o[w] = acc[qi][w] * inv[qi];
-        }
-      }
-    }
+    gather_keys(base + d, row, base + 2 * d, row, keys, n, D, Kt, np, V, z.Dp);
+    scaled_queries(base, row, S, D, a.scale, Q);
+    for (int64_t i0 = 0; i0 < S; i0 += kQB)
+      attend_queries(Q + i0 * D, D, Kt, np, V, z.Dp, n, P, ob + i0 * d, d, std::min(kQB, S - i0));
   }
 }
 
-// qkv (B, S, 3 * H * D) as the fused q|k|v linear returns it, mask (B, 1, 1, S)
-// bool, True = attend -> softmax(q k^T / sqrt(D) + mask) v per head, the heads
-// merged: (B, S, H * D), the layout the out projection takes.
 at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
               "encoder_attention: qkv must be (B, S, 3 * heads * D)");
@@ -537,6 +566,159 @@ at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tens
     encoder_attend_heads(args, lo, hi, buf.data(), keys.data());
   });
   return qkv.scalar_type() == at::kFloat ? out : out.to(qkv.scalar_type());
+}
+
+// -- decoder cross-attention over K/V arranged once per batch --------------------------------
+// The cross K/V of a batch never change while it decodes, so cross_arrange lays
+// them out once for the encoder's blocks: per (sentence, head) the attended keys
+// first (the rest left out: a key count per sentence replaces the mask), K
+// transposed to (D, Sp) and V as (S, Dv), both zero-padded to whole kW vectors.
+// Each step, cross_attention runs the beams of a sentence (its Q queries) through
+// attend_queries, or greedy's one query through attend_query: FMAs along vectors
+// of keys and features, no horizontal sum per key as in decode_attention.
+constexpr int64_t kSpan = kQB * kW;  // one query's accumulators side by side: kQB vectors
+
+// acc[r] += sum_k a[k] * b[k * ldb + r * kW] for the rows r < blocks (1..kQB): one query
+// against `blocks` side-by-side vectors of b, as many accumulators as there are vectors.
+CLONE_INLINE void fma_span(float (&acc)[kQB][kW], int64_t blocks, const float* a, const float* b, int64_t ldb,
+                           int64_t steps) {
+  switch (blocks) {
+    case 1: fma_block<1>(acc, a, 0, b, ldb, kW, steps); break;
+    case 2: fma_block<2>(acc, a, 0, b, ldb, kW, steps); break;
+    case 3: fma_block<3>(acc, a, 0, b, ldb, kW, steps); break;
+    default: fma_block<kQB>(acc, a, 0, b, ldb, kW, steps);
+  }
+}
+
+// One query q (D, scaled) against n keys: the kQB accumulator rows hold up to kQB
+// vectors of keys (scores) or features (output) side by side rather than kQB queries.
+// Kt (D, ldk) and V (n, ldv) are zero-padded to round_up(n, kW) keys and round_up(D,
+// kW) features; P: round_up(n, kW) floats of scratch. Writes out[0, D).
+CLONE_INLINE void attend_query(const float* q, int64_t D, const float* Kt, int64_t ldk, const float* V,
+                               int64_t ldv, int64_t n, float* P, float* out) {
+  const int64_t np = round_up(n, kW), Dp = round_up(D, kW);
+  for (int64_t j0 = 0; j0 < np; j0 += kSpan) {
+    const int64_t blocks = std::min(kQB, (np - j0) / kW);
+    float acc[kQB][kW] = {};
+    fma_span(acc, blocks, q, Kt + j0, ldk, D);
+    for (int64_t r = 0; r < blocks; ++r) std::copy(acc[r], acc[r] + kW, P + j0 + r * kW);
+  }
+  const float inv = softmax_unscaled(P, n, np);
+  for (int64_t c0 = 0; c0 < Dp; c0 += kSpan) {
+    float acc[kQB][kW] = {};
+    fma_span(acc, std::min(kQB, (Dp - c0) / kW), P, V + c0, ldv, n);
+    const int64_t w1 = std::min(kSpan, D - c0);
+    for (int64_t c = 0; c < w1; ++c) out[c0 + c] = acc[c / kW][c % kW] * inv;
+  }
+}
+
+struct CrossArgs {
+  const float *q, *kt, *v;  // q (B, Q, H * D); kt (B, H, D, Sp); v (B, H, S, Dv)
+  const int64_t* lens;      // (B,) the keys of each sentence
+  float* out;               // (B, Q, H * D)
+  int64_t H, Q, D, S, Sp, Dv;
+  float scale;
+};
+
+// Scratch: the scaled queries (round_up(Q, kQB), D) and the scores (kQB, Sp).
+int64_t cross_scratch(int64_t Q, int64_t D, int64_t Sp) { return round_up(Q, kQB) * D + kQB * Sp; }
+
+MULTIVERSION
+void cross_attend_heads(const CrossArgs& a, int64_t lo, int64_t hi, float* buf) {
+  const int64_t H = a.H, Q = a.Q, D = a.D, d = H * D;
+  float *Qs = buf, *P = Qs + round_up(Q, kQB) * D;
+  for (int64_t bh = lo; bh < hi; ++bh) {
+    const int64_t b = bh / H, h = bh % H, n = a.lens[b];
+    float* ob = a.out + b * Q * d + h * D;
+    if (n == 0) {  // no key: zeros, as the encoder op and ATen's CPU SDPA give
+      for (int64_t i = 0; i < Q; ++i) std::fill(ob + i * d, ob + i * d + D, 0.f);
+      continue;
+    }
+    const float *Kt = a.kt + bh * D * a.Sp, *V = a.v + bh * a.S * a.Dv;
+    // beams: the next pair's keys and values towards L2 while this one computes (the K/V
+    // of a batch outgrow L2, and the rest of the step evicts them); greedy's one query is
+    // done too soon for that to pay (measured: 15% slower with it)
+    if (Q > 1 && bh + 1 < hi) {
+      const int64_t m = a.lens[(bh + 1) / H];
+      for (int64_t c = 0; c < D; ++c)
+        for (int64_t j = 0; j < m; j += kW) __builtin_prefetch(Kt + D * a.Sp + c * a.Sp + j, 0, 2);
+      for (const float *p = V + a.S * a.Dv, *e = p + m * a.Dv; p < e; p += kW) __builtin_prefetch(p, 0, 2);
+    }
+    scaled_queries(a.q + b * Q * d + h * D, d, Q, D, a.scale, Qs);
+    if (Q == 1) {
+      attend_query(Qs, D, Kt, a.Sp, V, a.Dv, n, P, ob);
+      continue;
+    }
+    for (int64_t i0 = 0; i0 < Q; i0 += kQB)
+      attend_queries(Qs + i0 * D, D, Kt, a.Sp, V, a.Dv, n, P, ob + i0 * d, d, std::min(kQB, Q - i0));
+  }
+}
+
+// k, v (B, H, S, D) as the cross projection gives them (any strides but the last),
+// mask (B, 1, 1, S) bool, True = attend, or none -> kt (B, H, D, Sp) fp32, va (B, H,
+// S, Dv) fp32, lens (B,) long: see above. Any mask works (the attended keys move
+// first, and the softmax does not care about their order); the decoder's is right
+// padding, where nothing moves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k, const at::Tensor& v,
+                                                             const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "cross_arrange: k and v must be (B, H, S, D), the same");
+  const int64_t B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
+  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
+              "cross_arrange: mask must be bool (B, 1, 1, S)");
+  auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+  if (kf.stride(3) != 1) kf = kf.contiguous();
+  if (vf.stride(3) != 1) vf = vf.contiguous();
+  at::Tensor m;
+  if (mask.has_value()) m = mask->reshape({B, S}).contiguous();
+  const int64_t Sp = round_up(S, kW), Dv = round_up(D, kW);
+  auto kt = at::empty({B, H, D, Sp}, kf.options());
+  auto va = at::zeros({B, H, S, Dv}, kt.options());  // the rows past a sentence's keys stay zero
+  auto lens = at::empty({B}, kt.options().dtype(at::kLong));
+  const float *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
+  const bool* mp = mask.has_value() ? m.data_ptr<bool>() : nullptr;
+  float *ktp = kt.data_ptr<float>(), *vap = va.data_ptr<float>();
+  int64_t* lp = lens.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> keys(S);
+    for (int64_t b = lo; b < hi; ++b) {
+      lp[b] = attended_keys(mp ? mp + b * S : nullptr, S, keys.data());
+      for (int64_t h = 0; h < H; ++h)
+        gather_keys(kp + b * kf.stride(0) + h * kf.stride(1), kf.stride(2), vp + b * vf.stride(0) + h * vf.stride(1),
+                    vf.stride(2), keys.data(), lp[b], D, ktp + (b * H + h) * D * Sp, Sp,
+                    vap + (b * H + h) * S * Dv, Dv);
+    }
+  });
+  return {kt, va, lens};
+}
+
+// q (B, Q, H * D): the Q queries of each sentence (its beams), heads side by side,
+// against cross_arrange's kt, va, lens -> (B, Q, H * D) in q's dtype, heads merged.
+at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& va, const at::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && va.dim() == 4 && lens.dim() == 1 && kt.size(0) == q.size(0) &&
+                  va.size(0) == q.size(0) && va.size(1) == kt.size(1) && lens.size(0) == q.size(0) &&
+                  kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kW == 0 && kt.size(3) >= va.size(2) &&
+                  va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && kt.scalar_type() == at::kFloat &&
+                  va.scalar_type() == at::kFloat && lens.scalar_type() == at::kLong && kt.is_contiguous() &&
+                  va.is_contiguous(),
+              "cross_attention: q must be (B, Q, H * D) and kt, va, lens as cross_arrange gives them: (B, H, D, Sp), "
+              "(B, H, S, Dv) contiguous float and (B,) long; got q ", q.sizes(), ", kt ", kt.sizes(), ", va ",
+              va.sizes(), ", lens ", lens.sizes());
+  const int64_t B = q.size(0), Q = q.size(1), H = kt.size(1), D = kt.size(2), S = va.size(2), Sp = kt.size(3);
+  auto lc = lens.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  // a count past the arranged keys would read past them: one pass over B integers a call
+  TORCH_CHECK(std::all_of(lp, lp + B, [S](int64_t n) { return n >= 0 && n <= S; }),
+              "cross_attention: a key count is outside [0, ", S, "]");
+  auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({B, Q, H * D}, qf.options());
+  if (B * Q * H * D == 0) return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  const CrossArgs args{qf.data_ptr<float>(), kt.data_ptr<float>(), va.data_ptr<float>(), lp, out.data_ptr<float>(),
+                       H, Q, D, S, Sp, va.size(3), 1.f / std::sqrt(static_cast<float>(D))};
+  at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(cross_scratch(Q, D, Sp));
+    cross_attend_heads(args, lo, hi, buf.data());
+  });
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 // One pre-norm decoder layer for one row, the math of decoder/model.py `layer`
@@ -887,6 +1069,8 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows) -> Tensor");
   m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
+  m.def("cross_arrange(Tensor k, Tensor v, Tensor? mask) -> (Tensor, Tensor, Tensor)");
+  m.def("cross_attention(Tensor q, Tensor kt, Tensor va, Tensor lens) -> Tensor");
   m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -906,6 +1090,8 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_rows", &decode_attention_rows);
   m.impl("encoder_attention", &encoder_attention);
+  m.impl("cross_arrange", &cross_arrange);
+  m.impl("cross_attention", &cross_attention);
   m.impl("qkv_to_cache_", &qkv_to_cache_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);

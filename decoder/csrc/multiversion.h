@@ -8,3 +8,12 @@
 #else
 #define MULTIVERSION
 #endif
+
+// CLONE_INLINE: a helper of MULTIVERSION functions, always inlined into them, so that
+// each clone compiles it for its own ISA (GCC may keep a larger helper out of line,
+// and that one copy is built for baseline x86: no FMA, 4-wide vectors).
+#if defined(__GNUC__)
+#define CLONE_INLINE inline __attribute__((always_inline))
+#else
+#define CLONE_INLINE inline
+#endif
