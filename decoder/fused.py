@@ -173,17 +173,10 @@ def decode_attention(q, k, v, mask=None, rows=None):
     return decode_attention_reference(q, k, v, mask)
 
 
-# The C++ op is serial (one (row, head) after another) and beats SDPA at every shape
-# on one thread, 1.2-4x (AVX-512 EPYC, d256, 4 heads of 64; decoder/README.md); with
-# more threads SDPA's parallel kernel wins above about this many score products
-# (B * heads * S * S): 0.95x at (12, 128), 1.35x at (48, 31) on 2 threads.
-ENCODER_ATTENTION_THREADED_MAX = 400_000
-
-
 def encoder_attention(qkv, mask, heads: int):
-    B, S = qkv.shape[:2]
-    if (_kernel(qkv) and qkv.device.type == "cpu"
-            and (B * heads * S * S <= ENCODER_ATTENTION_THREADED_MAX or torch.get_num_threads() == 1)):
+    # 1.2-4x SDPA at every shape on one thread, 1.7-4.2x on two (its (row, head) pairs
+    # split over torch's threads; decoder/README.md)
+    if _kernel(qkv) and qkv.device.type == "cpu":
         return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
     return encoder_attention_reference(qkv, mask, heads)
 

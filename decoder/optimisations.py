@@ -232,8 +232,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  encoder_attend_fused, encoder_attend_plain,
                  "chunk, head views, `scaled_dot_product_attention`, merge copy", "step",
                  detail="the fused q|k|v product (B, S, 3d) to the merged heads (B, S, d) in one call, its loops "
-                 "vectorised over keys and features for many queries; on several threads SDPA keeps the big "
-                 "batches (`fused.ENCODER_ATTENTION_THREADED_MAX`)"),
+                 "vectorised over keys and features for many queries, its (row, head) pairs split over the threads"),
     Optimisation("fused_cross_attention", True, "fused cross-attention on K/V arranged per batch (C++)",
                  "cross_kv", cross_fused, CrossPlain,
                  "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
