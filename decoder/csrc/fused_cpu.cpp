@@ -860,40 +860,30 @@ at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, 
               "qkv_to_cache_: caches must match qkv's dtype (or be fp16 for fp32), last dim dense");
   auto src = qkv.reshape({N, 3 * d}).contiguous();
   auto q = at::empty({N, 1, d}, src.options());
-  if (f16) {
-    const float* sp = src.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    auto* kp = reinterpret_cast<uint16_t*>(kc.data_ptr<at::Half>());
-    auto* vp = reinterpret_cast<uint16_t*>(vc.data_ptr<at::Half>());
-    const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
-    const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
+  const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
+  const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
+  // q to its own rows, k and v of each head into the caches through write(from, to, D)
+  auto split = [&](const auto* sp, auto* qp, auto* kp, auto* vp, auto write) {
     at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        const float* row = sp + r * 3 * d;
+        const auto* row = sp + r * 3 * d;
         std::copy(row, row + d, qp + r * d);
         for (int64_t h = 0; h < H; ++h) {
-          to_f16(row + d + h * D, kp + r * k0 + h * k1 + t * k2, D);
-          to_f16(row + 2 * d + h * D, vp + r * v0 + h * v1 + t * v2, D);
+          write(row + d + h * D, kp + r * k0 + h * k1 + t * k2, D);
+          write(row + 2 * d + h * D, vp + r * v0 + h * v1 + t * v2, D);
         }
       }
     });
+  };
+  if (f16) {
+    split(src.data_ptr<float>(), q.data_ptr<float>(), reinterpret_cast<uint16_t*>(kc.data_ptr<at::Half>()),
+          reinterpret_cast<uint16_t*>(vc.data_ptr<at::Half>()),
+          [](const float* from, uint16_t* to, int64_t n) { to_f16(from, to, n); });
     return q;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "qkv_to_cache_", [&] {
-    const scalar_t* sp = src.data_ptr<scalar_t>();
-    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = kc.data_ptr<scalar_t>(), *vp = vc.data_ptr<scalar_t>();
-    const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
-    const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
-    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const scalar_t* row = sp + r * 3 * d;
-        std::copy(row, row + d, qp + r * d);
-        for (int64_t h = 0; h < H; ++h) {
-          std::copy(row + d + h * D, row + d + (h + 1) * D, kp + r * k0 + h * k1 + t * k2);
-          std::copy(row + 2 * d + h * D, row + 2 * d + (h + 1) * D, vp + r * v0 + h * v1 + t * v2);
-        }
-      }
-    });
+    split(src.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+          [](const scalar_t* from, scalar_t* to, int64_t n) { std::copy(from, from + n, to); });
   });
   return q;
 }

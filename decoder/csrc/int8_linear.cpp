@@ -93,6 +93,17 @@ Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w
   return p;
 }
 
+// the product's epilogue: y (M, N) = acc * xs[row] * w_scale [+ b] [, relu]
+at::Tensor dequantized(const Product& p, const at::Tensor& xs, bool relu) {
+  auto y = at::empty({p.M, p.N}, xs.options());
+  float* yp = y.data_ptr<float>();
+  const float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
+  });
+  return y;
+}
+
 at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -102,14 +113,7 @@ at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
   auto [xq, xs] = quantize_rows(x);
-  auto p = int_mm(xq, wq_t, w_scale, bias, packed);
-  auto y = at::empty({p.M, p.N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const float* sp = xs.data_ptr<float>();
-  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
-  });
-  return out_shape(y, x, p.N);
+  return out_shape(dequantized(int_mm(xq, wq_t, w_scale, bias, packed), xs, relu), x, wq_t.size(1));
 }
 
 // int8_linear whose output is quantised for the next int8 linear (fc1 -> fc2): each
@@ -148,14 +152,7 @@ at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, 
   const int64_t K = xq.size(-1);
   auto q2 = xq.reshape({-1, K}).contiguous();
   auto s2 = xs.reshape({-1}).contiguous();
-  auto p = int_mm(q2, wq_t, w_scale, bias, packed);
-  auto y = at::empty({p.M, p.N}, s2.options());
-  float* yp = y.data_ptr<float>();
-  const float* sp = s2.data_ptr<float>();
-  at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
-  });
-  return out_shape(y, xq, p.N);
+  return out_shape(dequantized(int_mm(q2, wq_t, w_scale, bias, packed), s2, relu), xq, wq_t.size(1));
 }
 
 }  // namespace
