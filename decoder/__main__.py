@@ -12,7 +12,7 @@ import os
 import sys
 
 from . import cliargs
-from .cliargs import MAX_BEAM, MAX_TOKENS, int_range, nonneg_float, nonneg_int, positive_int
+from .cliargs import BEAM_MAX_TOKENS, MAX_BEAM, MAX_TOKENS, int_range, nonneg_float, nonneg_int, positive_int
 from .modeldir import ModelDirError
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
@@ -44,8 +44,9 @@ def parse_args(argv=None):
                    help="CPU: N processes, each pinned to a core with one thread, fed whole batches "
                         "(same output as one process with --threads 1; often faster than N threads)")
     cliargs.alias(p, "--max-tokens", p.add_argument(
-        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=MAX_TOKENS,
-        help="padded source tokens per batch (old name: --max-tokens)"))
+        "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=None,
+        help=f"padded source tokens per batch (default: {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a beam; "
+             "old name: --max-tokens)"))
     cliargs.alias(p, "--max-sentences", p.add_argument(
         "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=512,
         help="sentences per batch, at most (old name: --max-sentences)"))

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import torch
 
 from . import modeldir, ops
-from .cliargs import MAX_TOKENS
+from .cliargs import max_tokens_for
 from .batching import make_batches, restore
 from .cache import new_state
 from .model import Model
@@ -34,12 +34,16 @@ class Options:
     length_penalty: float = 1.0
     max_len_a: float = 1.5      # output cap a * source tokens + b
     max_len_b: int = 10
-    max_tokens: int = MAX_TOKENS  # padded source tokens per batch
+    max_tokens: int | None = None  # padded source tokens per batch; None: cliargs.max_tokens_for(beam)
     max_sentences: int = 512
     chunk_lines: int = 20000    # lines read, sorted and batched together
     workers: int = 0            # CPU: >1 = that many pinned 1-thread processes fed whole batches (workers.py)
     static_shapes: bool = False  # the fixed-shape (CUDA-graph) cache without graphs, on any device (tests)
     switches: Switches = field(default_factory=Switches)
+
+    def __post_init__(self):
+        if self.max_tokens is None:
+            self.max_tokens = max_tokens_for(self.beam)
 
     @classmethod
     def make(cls, **kw) -> "Options":

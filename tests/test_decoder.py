@@ -297,3 +297,13 @@ def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypat
     monkeypatch.setattr(quant, "_time_int8", lambda p: int8_s)
     monkeypatch.setattr(quant, "_time_fp32", lambda p: fp32_s)
     assert resolve_device_precision("cpu", "auto") == ("cpu", want)
+
+
+def test_beam_search_batches_half_the_source_tokens_unless_told(model_dir):
+    from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS
+    assert Translator(model_dir).opts.max_tokens == MAX_TOKENS
+    assert Translator(model_dir, beam=4).opts.max_tokens == BEAM_MAX_TOKENS < MAX_TOKENS
+    assert Translator(model_dir, beam=4, max_tokens=999).opts.max_tokens == 999
+    from decoder.translator import Options
+    # the workers get the resolved number, not a None to resolve again
+    assert Options.make(beam=2).flat()["max_tokens"] == BEAM_MAX_TOKENS

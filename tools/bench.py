@@ -30,7 +30,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 from decoder import cliargs, textio
-from decoder.cliargs import MAX_TOKENS, nonneg_int, positive_int
+from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
 from decoder.quant import int8_pays
@@ -209,8 +209,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                    help="cores for the throughput and beam-4 groups (default: all of this machine's)")
     cliargs.alias(p, "--max-tokens", p.add_argument(
-        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=MAX_TOKENS, metavar="N",
-        help="padded source tokens per batch (ours and CT2's max_batch_size, batch_type tokens)"))
+        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=None, metavar="N",
+        help=f"our padded source tokens per batch (default: {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a "
+             "beam); CTranslate2 runs token batches of 4,096 (tools/baselines.py ct2_runs)"))
     p.add_argument("--isa", default="native",
                    help="comma list of ISA families to measure: native (this CPU's best), avx2 (every engine "
                         "capped to AVX2 in a child process; the same as native on an AVX2-only CPU)")

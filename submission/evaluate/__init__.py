@@ -14,7 +14,6 @@ import re
 import sys
 import tempfile
 
-from decoder.cliargs import MAX_TOKENS
 
 from . import container, local, report
 from .hardware import describe
@@ -77,7 +76,7 @@ def summarise(system: System, res: dict, lines: list[str], refs: list[list[str]]
 
 
 def evaluate(systems: list[System], ts: TestSet, out_dir: str, *, repeats: int = 3, warmup_lines: int = 100,
-             latency_lines: int = 200, max_tokens: int = MAX_TOKENS, mem_limit: str = "2g",
+             latency_lines: int = 200, max_tokens: int | None = None, mem_limit: str = "2g",
              timeout: float | None = None, log=None) -> list[dict]:
     """Measure every system on ts; write the outputs; return the summary records."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))

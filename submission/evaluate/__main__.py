@@ -13,7 +13,7 @@ import os
 import sys
 
 from decoder import cliargs
-from decoder.cliargs import MAX_BEAM, MAX_TOKENS, int_list, nonneg_int, positive_float, positive_int
+from decoder.cliargs import BEAM_MAX_TOKENS, MAX_BEAM, MAX_TOKENS, int_list, nonneg_int, positive_float, positive_int
 
 from .systems import EvalError
 
@@ -68,8 +68,9 @@ def parse_args(argv=None):
     m.add_argument("--warmup-lines", type=nonneg_int, default=100, help="lines of the untimed-for-words/s warm-up pass")
     m.add_argument("--latency-lines", type=nonneg_int, default=200, help="lines in latency mode (0 = all)")
     cliargs.alias(m, "--max-tokens", m.add_argument(
-        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=MAX_TOKENS, metavar="N",
-        help="padded source tokens per batch"))
+        "--max-batch-tokens", dest="max_tokens", type=positive_int, default=None, metavar="N",
+        help=f"padded source tokens per batch (default: ours {MAX_TOKENS} greedy and {BEAM_MAX_TOKENS} with a "
+             f"beam, CTranslate2 {MAX_TOKENS})"))
     m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
     p.add_argument("--replot", metavar="SUMMARY", help="measure nothing: draw the charts again from a "

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 
-from decoder.cliargs import MAX_TOKENS
 
 from .systems import System
 
@@ -26,7 +25,7 @@ def child_env(system: System, ct2_isa: str | None) -> dict:
     return env
 
 
-def run_local(system: System, lines: list[str], repeats: int, warmup_lines: int, max_tokens: int = MAX_TOKENS,
+def run_local(system: System, lines: list[str], repeats: int, warmup_lines: int, max_tokens: int | None = None,
               ct2_isa: str | None = None, timeout: float | None = None) -> dict:
     """The worker's result: load_s, warmup, runs (seconds, per-line latencies), hyps,
     peak_rss_mb, model_bytes; or {"error": one line}."""

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 
+from decoder.cliargs import MAX_TOKENS
 from decoder.textio import read_file
 
 
@@ -60,7 +61,7 @@ def load(spec: dict, tmp: str):
         # the thread layout systems.ct2_layout chose (CT2's guide: parallel 1-thread workers for throughput)
         extra = spec.get("extra", {})
         inter, intra = extra.get("ct2_inter_threads", 1), extra.get("ct2_intra_threads", spec["threads"])
-        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"],
+        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"] or MAX_TOKENS,
                      use_vmap=extra.get("ct2_vmap", False))
         go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda")
         return go, facts
