@@ -89,8 +89,8 @@ class Int8Linear:
         # the same integers and scales in the gemv kernel's (out, in) layout
         self.gemv = GemvLinear(wq, self.w_scale, self.b) if gemv_rows and ops.available() else None
         self.gemv_numel = gemv_rows * wq.shape[1]  # x.numel() at which a call still takes gemv
-        self.pack = packed and self.fused and ops.int8_gemm_available()
-        self.packed = ops.int8_gemm_pack(wq) if self.pack else None  # (bytes,) int8, decoder/csrc/int8_gemm.cpp
+        pack = packed and self.fused and ops.int8_gemm_available()
+        self.packed = ops.int8_gemm_pack(wq) if pack else None  # (bytes,) int8, decoder/csrc/int8_gemm.cpp
         self.packed_rows = self.PACKED_ROWS
 
     # Calls of at most this many rows take the packed product (int8_packed_gemm): it saves
@@ -128,8 +128,9 @@ class Int8Linear:
         new._wq_rows = None
         new.b = None if self.b is None else self.b.index_select(0, idx)
         # packed again per batch (226 us at 4,450 of 8,000 columns, K 256), only where its steps take it
-        new.pack, new.packed_rows = self.pack, self.packed_rows
-        new.packed = ops.int8_gemm_pack(self._wq_rows, idx) if self.pack and batch_rows <= new.packed_rows else None
+        new.packed_rows = self.packed_rows
+        new.packed = (ops.int8_gemm_pack(self._wq_rows, idx)
+                      if self.packed is not None and batch_rows <= self.packed_rows else None)
         # early stop shrinks a batch to its last few rows: they run gemv, as the full layer's would
         new.gemv, new.gemv_numel = None if self.gemv is None else self.gemv.rows(idx), self.gemv_numel
         return new
