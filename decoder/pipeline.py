@@ -53,9 +53,17 @@ class Text:
 
     def encode(self, lines: list[str]) -> list[list[int] | None]:
         """Source ids + </s> per line; None for an empty line (it never reaches the model)."""
-        first, self.lines_seen = self.lines_seen, self.lines_seen + len(lines)
+        out, cut = self.ids(lines)
+        self.seen(len(lines), cut)
+        return out
+
+    def ids(self, lines: list[str]) -> tuple[list[list[int] | None], list[tuple[int, int]]]:
+        """`encode` without its warning, so that any process can run it: the ids, and
+        (index in lines, untruncated token count) of each line cut to the model's limit."""
         keep = [i for i, s in enumerate(lines) if s.strip()]
         out: list = [None] * len(lines)
+        cut: list[tuple[int, int]] = []
+        limit = self.max_source_tokens - 1
         # a few lines at a time: ids are truncated before the next group is encoded,
         # so untruncated ids never exceed about ENCODE_CHARS tokens
         for group in _groups(keep, [min(len(lines[i]), self.max_line_chars) for i in keep], ENCODE_CHARS):
@@ -63,18 +71,21 @@ class Text:
             if self.normalise is not None:
                 texts = [self.normalise(s) for s in texts]
             for i, ids in zip(group, self.sp.encode(texts)):
-                out[i] = self._truncate(ids, first + i + 1) + [self.cfg.eos_id]
-        return out
+                if len(ids) > limit:
+                    cut.append((i, len(ids) + 1))
+                    ids = ids[:limit]
+                out[i] = ids + [self.cfg.eos_id]
+        return out, cut
 
-    def _truncate(self, ids: list[int], line_no: int) -> list[int]:
-        limit = self.max_source_tokens - 1
-        if len(ids) > limit:
-            if not self.warned:
-                print(f"warning: input line {line_no} has {len(ids) + 1} tokens; "
-                      f"truncating lines to the model limit of {limit + 1}", file=sys.stderr, flush=True)
-                self.warned = True
-            ids = ids[:limit]
-        return ids
+    def seen(self, n: int, cut: list[tuple[int, int]]) -> None:
+        """Counts n more input lines, `cut` (from `ids`) among them: the first line
+        truncated in the whole input is named once, by its line number there."""
+        first, self.lines_seen = self.lines_seen, self.lines_seen + n
+        if cut and not self.warned:
+            i, tokens = cut[0]
+            print(f"warning: input line {first + i + 1} has {tokens} tokens; "
+                  f"truncating lines to the model limit of {self.max_source_tokens}", file=sys.stderr, flush=True)
+            self.warned = True
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return [_LINE_BREAKS.sub(" ", s) for s in self.sp.decode(ids)]

@@ -177,14 +177,39 @@ class Translator:
         return self.search.run(state, limits, vocab)
 
     # -- text level ----------------------------------------------------------------
+    # Chunks of at least this many lines are encoded by the workers, a share each; below it
+    # one round trip to a worker (~0.1-0.2 ms) costs more than the parent's own encoding.
+    SPLIT_ENCODE_LINES = 64
+
+    def ids(self, lines: list[str]):
+        """Text.ids in this process: what the workers run on their share of a chunk."""
+        return self.text.ids(lines)
+
+    def translate_text(self, srcs: list[list[int]]) -> list[str]:
+        """translate_ids, then detokenised: what the workers run on a batch."""
+        return self.text.decode(self.translate_ids(srcs))
+
+    def _encode(self, lines: list[str]) -> list:
+        """Text.encode; with workers, each encodes a contiguous share of the chunk (by characters),
+        while in one process every worker would wait for the parent."""
+        if self.pool is None or len(lines) < self.SPLIT_ENCODE_LINES:
+            return self.text.encode(lines)
+        jobs = [(lo, self.pool.submit(lines[lo:hi], "ids")) for lo, hi in shares(lines, self.pool.n)]
+        out, cut = [], []
+        for lo, job in jobs:
+            ids, c = job.result()
+            out += ids
+            cut += [(lo + i, n) for i, n in c]
+        self.text.seen(len(lines), cut)
+        return out
+
     def _compute(self, srcs: list, submit):
         o = self.opts
         idx = [i for i, s in enumerate(srcs) if s is not None]
         batches = make_batches([len(srcs[i]) for i in idx], o.max_tokens, o.max_sentences, self.plan.sort)
         if self.pool is not None:
             # every batch of the chunk is queued first, so the workers never wait on the parent
-            work = [self.pool.submit([srcs[idx[j]] for j in b]) for b in batches]
-            futs = [submit(lambda w: self.text.decode(w.result()), w) for w in work]
+            futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
         else:
             futs = [submit(self.text.decode, self.translate_ids([srcs[idx[j]] for j in b]))
                     for b in batches]
@@ -199,7 +224,7 @@ class Translator:
 
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
-        return run(lines, self.opts.chunk_lines, self.text.encode, self._compute,
+        return run(lines, self.opts.chunk_lines, self._encode, self._compute,
                    overlap=self.plan.pipeline)
 
     def translate(self, lines: Iterable[str]) -> list[str]:
@@ -216,3 +241,14 @@ class Translator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def shares(lines: list[str], n: int) -> list[tuple[int, int]]:
+    """(lo, hi) of n contiguous runs of lines with about equal characters (none empty)."""
+    total, cuts, acc = sum(map(len, lines)) or 1, [0], 0
+    for i, line in enumerate(lines):
+        acc += len(line)
+        if len(cuts) < n and acc * n >= total * len(cuts) and i + 1 < len(lines):
+            cuts.append(i + 1)
+    cuts.append(len(lines))
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]

@@ -3,10 +3,13 @@
 At student sizes one matrix product is too small to keep several intra-op
 threads busy, and the threads wait for one another at every op; independent
 batches on pinned cores do not wait (docs/container.md: 1.2-1.4x on 2 cores).
-The parent reads, encodes, forms the batches and decodes the text exactly as
-one process would; the workers only run `translate_ids` on whole batches. A
-batch's output therefore does not depend on how many workers there are, and
-the result equals a one-process run with one thread.
+The parent reads the input and forms the batches exactly as one process
+would; the workers run the translator's methods the parent names on parts it
+hands them: `ids` on a share of a chunk's lines (Moses and SentencePiece in
+parallel, not in the parent while every worker waits), `translate_text` on
+whole batches (their detokenisation too). A batch's output therefore does not
+depend on how many workers there are, and the result equals a one-process run
+with one thread.
 
 A worker can die under the parent (the kernel's OOM killer picks the largest
 process, and each worker holds a model copy). The pool then starts again with
@@ -23,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable
 
@@ -42,20 +46,21 @@ def _init(factory: Callable, cores) -> None:
     _translator = factory()
 
 
-def _translate_ids(srcs: list[list[int]]) -> list[list[int]]:
-    return _translator.translate_ids(srcs)
+def _call(method: str, arg, translator=None):
+    """translator.method(arg); by default this worker's translator."""
+    return getattr(translator or _translator, method)(arg)
 
 
 class Job:
-    """One batch handed to the pool; `result()` waits for it wherever it ends up running."""
+    """One call handed to the pool; `result()` waits for it wherever it ends up running."""
 
-    def __init__(self, pool: WorkerPool, srcs: list[list[int]]):
-        self.pool, self.srcs = pool, srcs
+    def __init__(self, pool: WorkerPool, method: str, arg):
+        self.pool, self.method, self.arg = pool, method, arg
         # (future, pool generation it belongs to): one attribute, so it is replaced
         # atomically when a dead worker's pool is rebuilt
         self.sent: tuple[Future, int] | None = None
 
-    def result(self) -> list[list[int]]:
+    def result(self):
         while True:
             fut, gen = self.sent
             try:
@@ -118,8 +123,9 @@ class WorkerPool:
         procs = getattr(self._executor, "_processes", None) or {}
         return sorted(procs)
 
-    def submit(self, srcs: list[list[int]]) -> Job:
-        job = Job(self, srcs)
+    def submit(self, arg, method: str = "translate_ids") -> Job:
+        """`translator.method(arg)` in a worker (in this process once none is left)."""
+        job = Job(self, method, arg)
         with self._lock:
             self._jobs[id(job)] = job
             self._send(job)
@@ -127,9 +133,9 @@ class WorkerPool:
 
     def _send(self, job: Job) -> None:
         """Queue `job` on the current executor (lock held)."""
-        fn = self._local.translate_ids if self._local is not None else _translate_ids
+        fn = _call if self._local is None else partial(_call, translator=self._local)
         try:
-            fut = self._executor.submit(fn, job.srcs)
+            fut = self._executor.submit(fn, job.method, job.arg)
         except BrokenExecutor as e:  # died before this submit: the job's result() recovers
             fut = Future()
             fut.set_exception(e)

@@ -222,6 +222,36 @@ def test_worker_processes_give_the_one_process_output(model_dir, lines, beam):
         assert tr.translate_ids(ids) == one.translate_ids(ids)
 
 
+def test_worker_processes_encode_a_share_of_each_big_chunk(model_dir, lines):
+    """A chunk of SPLIT_ENCODE_LINES lines or more is tokenised in the workers, one
+    contiguous share each, and batches come back as text; the output is still one
+    process's, empty lines included."""
+    mixed = (lines + ["", "  "] + lines)[:Translator.SPLIT_ENCODE_LINES + 2]
+    one = Translator(model_dir, threads=1, chunk_lines=len(mixed))
+    with Translator(model_dir, workers=2, chunk_lines=len(mixed)) as tr:
+        calls, submit = [], tr.pool.submit
+        tr.pool.submit = lambda arg, method="translate_ids": calls.append((method, arg)) or submit(arg, method)
+        assert tr.translate(mixed) == one.translate(mixed)
+        assert tr.translate(mixed[:5]) == one.translate(mixed[:5])  # a small chunk: the parent encodes
+    shares = [arg for method, arg in calls if method == "ids"]
+    assert len(shares) == 2 and shares[0] + shares[1] == mixed and all(shares)
+    assert {method for method, _ in calls} == {"ids", "translate_text"}
+
+
+def test_shares_are_contiguous_nonempty_and_about_equal_in_characters():
+    from decoder.translator import shares
+    rng = random.Random(3)
+    for _ in range(200):
+        lines = ["x" * rng.randrange(0, 60) for _ in range(rng.randrange(1, 90))]
+        n = rng.randrange(1, 5)
+        got = shares(lines, n)
+        assert [i for lo, hi in got for i in range(lo, hi)] == list(range(len(lines)))
+        assert 1 <= len(got) <= n and all(hi > lo for lo, hi in got)
+        if len(got) == n:  # each share within one line's length of an equal share
+            chars = [sum(map(len, lines[lo:hi])) for lo, hi in got]
+            assert all(abs(c - sum(chars) / n) <= max(map(len, lines)) for c in chars), (chars, n)
+
+
 def test_too_long_input_is_truncated_with_one_warning(model_dir, capsys):
     tr = Translator(model_dir, max_len_a=0.0, max_len_b=5)  # short outputs keep this fast
     out = tr.translate(["the big dog " * 2000, "the old " * 3000, "a cat"])

@@ -160,6 +160,16 @@ def test_truncation_warning_names_the_line_in_the_whole_input(short_model, capsy
     assert err.count("warning:") == 1 and "input line 6 has" in err
 
 
+def test_truncation_warning_names_the_line_when_workers_encode_the_chunk(short_model, capsys):
+    """The workers encode shares of the chunk; the parent still names the line in the whole input."""
+    from decoder import Translator
+    lines = ["the dog"] * 80 + [" ".join(["word"] * 100)] + ["a cat"] * 9
+    with Translator(short_model, workers=2, max_len_a=0, max_len_b=3) as tr:
+        assert len(tr.translate(lines)) == 90
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "input line 81 has" in err, err
+
+
 def test_cli_memory_does_not_grow_with_one_line_length():
     """A 20 MB line costs about what a short line costs: it is read in bounded pieces and
     dropped (before, the whole line was normalised and tokenised: 10 MB took the CLI
