@@ -149,6 +149,22 @@ def fastest(go, lines, passes: int = 1):
     return out, best
 
 
+def alternating(gos, lines, passes: int = 1) -> list[tuple[list, float]]:
+    """[(outputs, seconds)] of each of `gos`, all loaded and warmed up first, then timed in
+    alternating passes, the fastest of `passes` each: a slow spell of a shared machine
+    meets every engine alike, where rows timed one after the other can each meet a
+    different one."""
+    for go in gos:
+        go(lines[:8])
+    outs, best = [None] * len(gos), [float("inf")] * len(gos)
+    for _ in range(passes):
+        for i, go in enumerate(gos):
+            t = time.perf_counter()
+            outs[i] = go(lines)
+            best[i] = min(best[i], time.perf_counter() - t)
+    return list(zip(outs, best))
+
+
 def run_ct2(ct2_dir, model_dir, lines, run: CT2Run, passes: int = 1):
     """(outputs, seconds): the fastest of `passes` timed passes after a warm-up."""
     return fastest(ct2_translator(ct2_dir, model_dir, run), lines, passes)

@@ -9,8 +9,11 @@ Every row translates the same lines end to end (normalise, SPM, search, detokeni
 CTranslate2 runs as its performance guide advises (tools/baselines.py: int8, parallel
 1-thread workers, token batches, vmap from our shortlist) and with every sentence
 capped as our decoder caps it. The fastest CT2 row of a group is the denominator of
-the group's ratio. Writes <prefix>.md and .json per ISA family, and summary.json (one
-object per ISA family: our best words/s over CT2's best, per group). `--isa avx2` on an
+the group's ratio. Then each group's best row of each engine is timed again, both
+loaded side by side and their passes alternating ("head to head": rows timed one
+after the other each meet whatever else the machine is doing then), and the group's
+ratio is taken from those two rows. Writes <prefix>.md and .json per ISA family, and
+summary.json (one object per ISA family: our best words/s over CT2's best, per group). `--isa avx2` on an
 AVX-512 machine re-runs every engine in a child process with the ISA capped (CAPPED).
 A model dir with a lexical shortlist (python -m student.shortlist) adds the
 "+ lexical shortlist" rows beside the same rows without it, and CT2 rows with use_vmap.
@@ -36,7 +39,7 @@ from decoder.optimisations import all_off, defaults, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
 
-from .baselines import CT2Run, _text, ct2_runs, fastest, run_ct2, run_hf
+from .baselines import CT2Run, _text, alternating, ct2_runs, ct2_translator, fastest, run_ct2, run_hf
 from .convert import to_ctranslate2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,12 +73,31 @@ def scores(hyps, refs) -> tuple[float, float]:
 
 # -- engines: each returns (hypotheses, seconds) for the whole input ------------------------
 
-def run_ours(model_dir, lines, threads, passes: int = 1, batch1: bool = False, **kw):
-    """(outputs, seconds): the fastest of `passes` timed passes after a warm-up.
-    batch1: one call per sentence, as a latency client (and CT2's batch-1 row) sends them."""
+@contextmanager
+def ours_go(model_dir, threads, batch1: bool = False, **kw):
+    """Loaded once: translate(lines) -> hypotheses. batch1: one call per sentence, as a latency
+    client (and CT2's batch-1 row) sends them. On exit the worker processes, if any, are
+    stopped and waited for: left to the garbage collector, a pool of one row was seen
+    exiting (a worker at 93% of a core) while a later row was timed, at a fifth of its speed."""
     tr = Translator(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
-    go = (lambda ls: [tr.translate([x])[0] for x in ls]) if batch1 else tr.translate
-    return fastest(go, lines, passes)
+    try:
+        yield (lambda ls: [tr.translate([x])[0] for x in ls]) if batch1 else tr.translate
+    finally:
+        tr.close()
+
+
+def run_ours(model_dir, lines, threads, passes: int = 1, batch1: bool = False, **kw):
+    """(outputs, seconds): the fastest of `passes` timed passes after a warm-up."""
+    with ours_go(model_dir, threads, batch1, **kw) as go:
+        return fastest(go, lines, passes)
+
+
+def run_head_to_head(model_dir, ct2_dir, lines, ours: tuple[int, bool, dict], run: CT2Run, passes: int = 1):
+    """((outputs, seconds) of ours, (outputs, seconds) of CT2): `ours` (threads, batch1,
+    settings) and `run` loaded side by side, their passes alternating (baselines.alternating)."""
+    threads, batch1, kw = ours
+    with ours_go(model_dir, threads, batch1, **kw) as go:
+        return tuple(alternating([go, ct2_translator(ct2_dir, model_dir, run)], lines, passes))
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -218,7 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ct2-isa", default=None, help="CT2_FORCE_CPU_ISA of the native pass (default: best the "
                                                    "CPU has)")
     p.add_argument("--skip", default="", help="comma list of: naive, ablation (only the best fp32 row and int8 of "
-                                              "ours), hf, ct2, batch1, beam")
+                                              "ours), hf, ct2, batch1, beam, h2h (the head-to-head reruns of each "
+                                              "group's best rows)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the best configuration (top ops) into PREFIX-profile.txt")
     p.add_argument("--out", metavar="PREFIX", default=None,
@@ -266,21 +289,32 @@ def ratio(x, y):
 
 def group_best(rows: list[dict], group: str, engine: str, max_bleu_loss: float = 0.2) -> dict | None:
     """The fastest row (source words/s) of an engine in a group; ours within `max_bleu_loss`
-    BLEU of our best fp32 row of that group, where one has a BLEU."""
-    rs = [r for r in rows if r.get("group") == group and r["engine"] == engine]
+    BLEU of our best fp32 row of that group, where one has a BLEU. Head-to-head rows
+    (`h2h`, the best two timed again side by side) are not candidates."""
+    rs = [r for r in rows if r.get("group") == group and r["engine"] == engine and not r.get("h2h")]
     ref = [r["bleu"] for r in rs if r.get("precision") == "fp32" and r.get("bleu") is not None]
     if engine == "ours" and ref:
         rs = [r for r in rs if r.get("bleu") is None or r["bleu"] >= max(ref) - max_bleu_loss]
     return max(rs, key=lambda r: r["src_words_per_s"], default=None)
 
 
-def group_ratios(rows: list[dict]) -> dict[str, float | None]:
-    """{group: our best words/s / CT2's best words/s}, same run."""
+def group_ratios(rows: list[dict], h2h: bool = True) -> dict[str, float | None]:
+    """{group: our best words/s / CT2's best words/s}, same run: from the group's head-to-head
+    rows where it has them (h2h), else from the best rows as each was timed."""
     out = {}
     for g in GROUPS:
         ours, ct2 = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
+        pair = head_to_head_rows(rows, g) if h2h else None
+        if pair:
+            ours, ct2 = pair
         out[g] = ratio(ours and ours["src_words_per_s"], ct2 and ct2["src_words_per_s"])
     return out
+
+
+def head_to_head_rows(rows: list[dict], group: str) -> tuple[dict, dict] | None:
+    """(ours, CT2's) head-to-head rows of a group, if it was timed so."""
+    pair = {r["engine"]: r for r in rows if r.get("group") == group and r.get("h2h")}
+    return (pair["ours"], pair["ct2"]) if {"ours", "ct2"} <= set(pair) else None
 
 
 def summary_entry(result: dict) -> dict:
@@ -374,11 +408,27 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
+    settings = {}  # index of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
+
     def ours(name, sub, group, threads=a.threads, batch1=False, **kw):
         hyps, secs = run_ours(a.model, sub, threads, a.passes, batch1=batch1, max_tokens=a.max_tokens, **kw)
         record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) and not batch1 else ""),
                hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
                threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")))
+        settings[len(rows) - 1] = (threads, batch1, {**kw, "max_tokens": a.max_tokens})
+
+    def head_to_head(g, ct2_dir):
+        """The group's best row of each engine timed again, side by side (run_head_to_head)."""
+        o, c = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
+        if o is None or c is None:
+            return
+        spec = settings[rows.index(o)]
+        sub = b1 if spec[1] else lines
+        (oh, osec), (ch, csec) = run_head_to_head(a.model, ct2_dir, sub, spec, CT2Run(**c["ct2"]), a.passes)
+        record(f"head to head: {o['config']}", oh, osec, sub, "ours", g, h2h=True,
+               **{k: o[k] for k in ("precision", "beam", "threads", "workers", "shortlist")})
+        record(f"head to head: {c['config']}", ch, csec, sub, "ct2", g, h2h=True, precision=c["precision"],
+               beam=c["beam"], ct2=c["ct2"])
 
     has_shortlist = cfg.shortlist is not None  # rows with the switch only where there is a file
     cumulative, variants = ablation()
@@ -465,6 +515,9 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
                     hyps, secs = run_ct2(ct2_dir, a.model, sub, run, a.passes)
                     record(run.label(), hyps, secs, sub, "ct2", g, precision=run.compute_type, beam=run.beam,
                            ct2=asdict(run))
+            if "h2h" not in skip:
+                for g in groups:
+                    head_to_head(g, ct2_dir)
     profile = profile_best(a.model, lines, a.threads, a.max_tokens, best) if a.profile else None
     add_ratios(rows)
     machine["load_avg_at_end"] = os.getloadavg()[0]
@@ -490,8 +543,10 @@ def add_ratios(rows: list[dict]) -> None:
     for r in rows:
         if naive:
             r["x_naive"] = round(r["src_words_per_s"] / naive["src_words_per_s"], 2)
-        if ct2.get(r.get("group")):
-            r["x_ct2_best"] = round(r["src_words_per_s"] / ct2[r["group"]]["src_words_per_s"], 2)
+        # a head-to-head row against its CT2 twin of the same passes
+        best = (head_to_head_rows(rows, r["group"]) or (None, None))[1] if r.get("h2h") else ct2.get(r.get("group"))
+        if best:
+            r["x_ct2_best"] = round(r["src_words_per_s"] / best["src_words_per_s"], 2)
 
 
 class Phases:
@@ -544,7 +599,11 @@ def to_markdown(rows, machine, src_path, n, repeat, model, ratios) -> str:
            + (f" {machine['not_capped'][0].upper()}{machine['not_capped'][1:]}." if "not_capped" in machine else ""),
            f"Model: `{model}`. Input: `{src_path}` ({n} lines x {repeat}).", "",
            "Our best / CTranslate2's best, source words/s: "
-           + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in ratios.items()) + ".", "",
+           + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in ratios.items()) + "."
+           + (" Groups with head-to-head rows take them (the two best configurations loaded side by side, "
+              "their passes alternating); as the best rows were timed one after the other: "
+              + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in group_ratios(rows, False).items())
+              + "." if any(r.get("h2h") for r in rows) else ""), "",
            "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         out.append("| " + " | ".join(str(r.get(k) if r.get(k) is not None else "") for k, _ in cols) + " |")
