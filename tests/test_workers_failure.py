@@ -53,6 +53,18 @@ def test_killed_worker_mid_run_loses_no_line_and_warns_once(model_dir, lines, wa
     assert "Traceback" not in err
 
 
+def test_worker_killed_before_the_workers_encode_a_chunk_loses_no_line(model_dir, lines, want, capfd):
+    """A chunk of SPLIT_ENCODE_LINES lines or more is tokenised in the workers: their
+    `ids` jobs are resubmitted like batches."""
+    assert len(lines) >= Translator.SPLIT_ENCODE_LINES
+    with Translator(model_dir, workers=2, **{**OPTS, "chunk_lines": len(lines)}) as tr:
+        capfd.readouterr()
+        assert tr.translate(killing(lines, tr.pool, at={40})) == want
+        assert tr.pool.n == 1
+    err = capfd.readouterr().err
+    assert err.count("warning:") == 1 and "Traceback" not in err, err
+
+
 def test_last_worker_killed_parent_finishes_in_process(model_dir, lines, want, capfd):
     with Translator(model_dir, workers=2, **OPTS) as tr:
         capfd.readouterr()
