@@ -140,17 +140,11 @@ def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
 def fastest(go, lines, passes: int = 1):
     """(outputs, seconds): the fastest of `passes` timed passes of go(lines) after a warm-up
     (allocator, oneDNN primitive caches, CT2's first-call setup)."""
-    go(lines[:8])
-    best = float("inf")
-    for _ in range(passes):
-        t = time.perf_counter()
-        out = go(lines)
-        best = min(best, time.perf_counter() - t)
-    return out, best
+    return alternating([go], lines, passes)[0]
 
 
 def alternating(gos, lines, passes: int = 1) -> list[tuple[list, float]]:
-    """[(outputs, seconds)] of each of `gos`, all loaded and warmed up first, then timed in
+    """[(outputs, seconds)] of each of `gos`, all warmed up first, then timed in
     alternating passes, the fastest of `passes` each: a slow spell of a shared machine
     meets every engine alike, where rows timed one after the other can each meet a
     different one."""

@@ -408,21 +408,21 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
-    settings = {}  # index of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
+    settings = {}  # id of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
 
     def ours(name, sub, group, threads=a.threads, batch1=False, **kw):
         hyps, secs = run_ours(a.model, sub, threads, a.passes, batch1=batch1, max_tokens=a.max_tokens, **kw)
         record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) and not batch1 else ""),
                hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
                threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")))
-        settings[len(rows) - 1] = (threads, batch1, {**kw, "max_tokens": a.max_tokens})
+        settings[id(rows[-1])] = (threads, batch1, {**kw, "max_tokens": a.max_tokens})
 
     def head_to_head(g, ct2_dir):
         """The group's best row of each engine timed again, side by side (run_head_to_head)."""
         o, c = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
         if o is None or c is None:
             return
-        spec = settings[rows.index(o)]
+        spec = settings[id(o)]
         sub = b1 if spec[1] else lines
         (oh, osec), (ch, csec) = run_head_to_head(a.model, ct2_dir, sub, spec, CT2Run(**c["ct2"]), a.passes)
         record(f"head to head: {o['config']}", oh, osec, sub, "ours", g, h2h=True,
@@ -586,7 +586,14 @@ def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def ratio_list(ratios: dict) -> str:
+    return ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in ratios.items())
+
+
 def to_markdown(rows, machine, src_path, n, repeat, model, ratios) -> str:
+    apart = (" Groups with head-to-head rows take them (the two best configurations loaded side by side, their "
+             f"passes alternating); as the best rows were timed one after the other: "
+             f"{ratio_list(group_ratios(rows, False))}." if any(r.get("h2h") for r in rows) else "")
     cols = [("config", "configuration"), ("group", "group"), ("src_words_per_s", "src words/s"),
             ("out_words_per_s", "output words/s"), ("bleu", "BLEU"), ("chrf", "chrF"), ("x_naive", "x naive"),
             ("x_ct2_best", "x CT2 best of group")]
@@ -598,12 +605,7 @@ def to_markdown(rows, machine, src_path, n, repeat, model, ratios) -> str:
            f"load average {machine['load_avg_at_start']:.1f} at start, {machine['load_avg_at_end']:.1f} at end."
            + (f" {machine['not_capped'][0].upper()}{machine['not_capped'][1:]}." if "not_capped" in machine else ""),
            f"Model: `{model}`. Input: `{src_path}` ({n} lines x {repeat}).", "",
-           "Our best / CTranslate2's best, source words/s: "
-           + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in ratios.items()) + "."
-           + (" Groups with head-to-head rows take them (the two best configurations loaded side by side, "
-              "their passes alternating); as the best rows were timed one after the other: "
-              + ", ".join(f"{g} {'-' if v is None else f'{v:.2f}x'}" for g, v in group_ratios(rows, False).items())
-              + "." if any(r.get("h2h") for r in rows) else ""), "",
+           f"Our best / CTranslate2's best, source words/s: {ratio_list(ratios)}." + apart, "",
            "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         out.append("| " + " | ".join(str(r.get(k) if r.get(k) is not None else "") for k, _ in cols) + " |")

@@ -14,7 +14,6 @@ import re
 import sys
 import tempfile
 
-
 from . import container, local, report
 from .hardware import describe
 from .scoring import percentiles, score, source_words, spread, target_pieces

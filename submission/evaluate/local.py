@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 
-
 from .systems import System
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
