@@ -253,3 +253,21 @@ def test_alternating_passes_warm_every_engine_then_take_turns_and_keep_each_fast
     (oa, sa), (ob, sb) = tb.alternating([engine("a"), engine("b")], list(range(10)), passes=3)
     assert calls == [("a", 8), ("b", 8)] + [("a", 10), ("b", 10)] * 3
     assert (sa, sb) == (1.0, 2.0) and oa == ["a"] * 10 and ob == ["b"] * 10
+
+
+def test_head_to_head_runs_ours_at_its_threads_after_ct2_set_the_shared_openmp_pool(shortlisted, ct2_dir, lines,
+                                                                                   monkeypatch):
+    seen = []
+
+    class Counting(Translator):  # the thread count each of our passes runs at
+        def translate(self, ls):
+            seen.append(torch.get_num_threads())
+            return super().translate(ls)
+    monkeypatch.setattr(bench, "Translator", Counting)
+    run = CT2Run(compute_type="int8", beam=1, inter_threads=2, intra_threads=1)
+    try:
+        (ours, _), (theirs, _) = bench.run_head_to_head(shortlisted, ct2_dir, lines, (2, False, {"precision": "int8"}),
+                                                        run, passes=2)
+    finally:
+        torch.set_num_threads(1)
+    assert seen == [2, 2, 2] and len(ours) == len(theirs) == len(lines)

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 
+import torch
+
 from decoder import cliargs, textio
 from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
@@ -80,8 +82,14 @@ def ours_go(model_dir, threads, batch1: bool = False, **kw):
     stopped and waited for: left to the garbage collector, a pool of one row was seen
     exiting (a worker at 93% of a core) while a later row was timed, at a fifth of its speed."""
     tr = Translator(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
+
+    def go(ls):
+        # torch shares its OpenMP pool with CTranslate2, whose Translator(intra_threads=1) set
+        # it to one thread for this process: ours at 2 threads in a head-to-head ran on one
+        torch.set_num_threads(threads)
+        return [tr.translate([x])[0] for x in ls] if batch1 else tr.translate(ls)
     try:
-        yield (lambda ls: [tr.translate([x])[0] for x in ls]) if batch1 else tr.translate
+        yield go
     finally:
         tr.close()
 
@@ -364,7 +372,6 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     capped = {k: os.environ[k] for k in CAPPED["avx2"] if k in os.environ and "ATEN_CPU_CAPABILITY" in os.environ}
     isa = capped.get("CT2_FORCE_CPU_ISA") or a.ct2_isa or ct2_isa(machine["flags"])
     os.environ["CT2_FORCE_CPU_ISA"] = isa  # before ctranslate2 is imported
-    import torch
     torch.set_num_threads(a.threads)
     machine.update(isa=fam, date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    torch=torch.__version__, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
@@ -566,7 +573,6 @@ class Phases:
 
 def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     """Where the time of the best configuration goes: phases, then ops."""
-    import torch
     tr = Translator(model_dir, threads=threads, **{**best, "max_tokens": max_tokens, "pipeline": False})
     tr.translate(lines[:8])
     phases = Phases()
