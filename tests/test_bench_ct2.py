@@ -264,10 +264,10 @@ def test_head_to_head_runs_ours_at_its_threads_after_ct2_set_the_shared_openmp_p
             seen.append(torch.get_num_threads())
             return super().translate(ls)
     monkeypatch.setattr(bench, "Translator", Counting)
-    run = CT2Run(compute_type="int8", beam=1, inter_threads=2, intra_threads=1)
+    run, before = CT2Run(compute_type="int8", beam=1, inter_threads=2, intra_threads=1), torch.get_num_threads()
     try:
         (ours, _), (theirs, _) = bench.run_head_to_head(shortlisted, ct2_dir, lines, (2, False, {"precision": "int8"}),
                                                         run, passes=2)
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
     assert seen == [2, 2, 2] and len(ours) == len(theirs) == len(lines)
