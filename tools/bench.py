@@ -13,8 +13,9 @@ the group's ratio. Then each group's best row of each engine is timed again, bot
 loaded side by side and their passes alternating ("head to head": rows timed one
 after the other each meet whatever else the machine is doing then), and the group's
 ratio is taken from those two rows. Writes <prefix>.md and .json per ISA family, and
-summary.json (one object per ISA family: our best words/s over CT2's best, per group). `--isa avx2` on an
-AVX-512 machine re-runs every engine in a child process with the ISA capped (CAPPED).
+summary.json (one object per ISA family: our best words/s over CT2's best, per group).
+`--isa avx2` on an AVX-512 machine re-runs every engine in a child process with the ISA
+capped (CAPPED).
 A model dir with a lexical shortlist (python -m student.shortlist) adds the
 "+ lexical shortlist" rows beside the same rows without it, and CT2 rows with use_vmap.
 """
