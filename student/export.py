@@ -2,9 +2,9 @@
 
     python -m student.export runs/x/teacher/best.pt runs/x/teacher/model
 
-Loads the checkpoint, writes config.json + model.safetensors + spm.model into a
-temporary sibling dir, validates it with the decoder's own loader, then renames
-it into place, so a half-written model dir never exists under OUT_DIR.
+Loads the checkpoint, records where it came from (`provenance`) and writes the
+model dir with student/modeldir.py (atomically: a half-written model dir never
+exists under OUT_DIR).
 """
 from __future__ import annotations
 
@@ -13,57 +13,16 @@ import dataclasses
 import json
 import os
 import pickle
-import shutil
 import sys
 import warnings
 
 import torch
-from safetensors.torch import save_file
 
-from decoder import durable, modeldir
+from decoder import modeldir
 from decoder.cliargs import add_version
 from student.model import ModelArgs, Transformer
-
-
-def model_config(args: ModelArgs, meta: dict, provenance: dict | None = None) -> modeldir.ModelConfig:
-    return modeldir.ModelConfig(
-        arch=modeldir.Arch(**args.arch_dict()),
-        bos_id=meta.get("bos_id", 0), pad_id=args.pad_id, eos_id=args.eos_id,
-        unk_id=meta.get("unk_id", 3), decoder_start_id=args.decoder_start_id,
-        src_lang=meta.get("src_lang", "src"), tgt_lang=meta.get("tgt_lang", "tgt"),
-        normaliser=meta.get("normaliser", {}), provenance=provenance or {})
-
-
-def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
-                    provenance: dict | None = None) -> str:
-    def write(tmp: str) -> None:
-        cfg = model_config(model.args, meta, provenance)
-        with open(os.path.join(tmp, modeldir.CONFIG), "w", encoding="utf-8") as fh:
-            json.dump(cfg.to_json(), fh, indent=2, ensure_ascii=False)
-        # contiguous fp32 copies: tied weights share storage, safetensors refuses aliases
-        sd = {k: v.detach().float().contiguous().clone() for k, v in model.state_dict().items()}
-        save_file(sd, os.path.join(tmp, modeldir.WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
-        modeldir.load(tmp)  # refuse to publish a dir the decoder cannot read
-    return durable.write_dir(os.path.abspath(out_dir), write)
-
-
-def model_args(cfg: modeldir.ModelConfig) -> ModelArgs:
-    """The training-time arguments of a model dir's config (model_config's inverse)."""
-    a = cfg.arch
-    return ModelArgs(vocab_size=a.vocab_size, d_model=a.d_model, n_heads=a.n_heads, ffn_dim=a.ffn_dim,
-                     encoder_layers=a.encoder_layers, decoder_layers=a.decoder_layers,
-                     max_positions=a.max_positions, activation=a.activation,
-                     tie_embeddings=a.tie_embeddings, layer_norm_eps=a.layer_norm_eps,
-                     pad_id=cfg.pad_id, eos_id=cfg.eos_id, decoder_start_id=cfg.decoder_start_id)
-
-
-def load_model_dir(model_dir: str) -> tuple[Transformer, modeldir.ModelConfig]:
-    """Model dir -> training-time model (for continued training and round-trip tests)."""
-    cfg, weights, _ = modeldir.load(model_dir)
-    model = Transformer(model_args(cfg))
-    model.load_state_dict(weights, strict=True)
-    return model.eval(), cfg
+from student.modeldir import write_model_dir
+from student.train.trainer import TrainConfig
 
 
 class CheckpointError(ValueError):
@@ -113,7 +72,6 @@ def provenance(ckpt_path: str, ckpt: dict) -> dict:
     """What a model dir came from: the checkpoint relative to its run dir (the dir
     holding it), the preset, every --set override and every training option that
     differs from student.train's defaults, with file paths relative to the run dir."""
-    from student.train.trainer import TrainConfig  # not at the top: the trainer imports this module
     run_dir = os.path.dirname(os.path.abspath(ckpt_path))
     cfg = ckpt.get("config") or {}
     defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(out_dir="")), default=list))

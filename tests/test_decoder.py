@@ -48,7 +48,7 @@ def test_optimised_greedy_equals_naive_reference(model_dir, fast, srcs, lines):
 
 
 def test_greedy_equals_training_model_greedy(model_dir, fast, srcs):
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     ref, cfg = load_model_dir(model_dir)
     S = max(map(len, srcs))
     src = torch.tensor([s + [cfg.pad_id] * (S - len(s)) for s in srcs])
@@ -56,7 +56,7 @@ def test_greedy_equals_training_model_greedy(model_dir, fast, srcs):
 
 
 def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     d = make_model_dir(tmp_path / "tied", tie_embeddings=True, seed=3, enc=1, dec=1)
     tr = Translator(d)
     srcs = tr.text.encode(synthetic_corpus(10, seed=2))
@@ -163,7 +163,7 @@ def test_beam_early_stop_does_not_change_hypotheses(model_dir, srcs):
 
 def test_beam_scores_at_least_as_well_as_greedy(model_dir, fast, srcs):
     """Beam 4 with no length penalty finds a sequence at least as probable as greedy."""
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     ref, cfg = load_model_dir(model_dir)
     beam = Translator(model_dir, beam=4, length_penalty=0.0).translate_ids(srcs[:8])
     greedy = fast.translate_ids(srcs[:8])

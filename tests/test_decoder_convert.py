@@ -57,7 +57,7 @@ def test_hf_m2m100_greedy_gives_our_tokens(setup):
 
 def test_hf_m2m100_logits_match_training_model(setup):
     pytest.importorskip("transformers")
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     d, _, srcs, _, _ = setup
     model, _ = to_hf(d)
     ref, _ = load_model_dir(d)

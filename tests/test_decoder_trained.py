@@ -124,7 +124,7 @@ def test_optimised_greedy_equals_naive_on_trained_model(data, fp32):
 
 
 def test_training_model_greedy_equals_ours_on_trained_model(data):
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     tr = Translator(MODEL, precision="fp32")
     srcs = [s for s in tr.text.encode(data[0][:40]) if s]
     ref, cfg = load_model_dir(MODEL)
@@ -157,7 +157,7 @@ def test_trainer_dev_translations_are_the_same_with_the_lean_decoder(data, tmp_p
     import sentencepiece as spm
 
     from decoder.pipeline import make_normaliser
-    from student.export import load_model_dir
+    from student.modeldir import load_model_dir
     from student.train.evaluate import translate, translate_lean
     model, cfg = load_model_dir(MODEL)
     spm_path = os.path.join(MODEL, "spm.model")

@@ -410,7 +410,7 @@ def test_the_teacher_stage_exports_the_candidate_with_the_highest_dev_bleu(tiny_
 # -- teachers and search as a library ----------------------------------------------------------------
 
 def _random_model_dir(tiny_spm, out, seed):
-    from student.export import write_model_dir
+    from student.modeldir import write_model_dir
     from student.model import Transformer, preset
     torch.manual_seed(seed)
     m = Transformer(preset("student-tiny", vocab_size=64, d_model=32, n_heads=2, ffn_dim=64, encoder_layers=2,

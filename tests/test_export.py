@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoder.modeldir import ModelDirError, load
-from student.export import load_model_dir, write_model_dir
+from student.modeldir import load_model_dir, write_model_dir
 from student.model import ModelArgs, Transformer
 
 ARGS = dict(vocab_size=64, d_model=32, n_heads=4, ffn_dim=48, encoder_layers=2, decoder_layers=1, dropout=0.0)

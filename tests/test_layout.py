@@ -3,6 +3,7 @@ the tools (tools/) and the host-side harness (submission/image.py, evaluate/)
 each in a place of its own; the image is built from the first two only."""
 import ast
 import os
+import sys
 
 from submission.image import DOCKER, image_paths, sources
 
@@ -48,5 +49,73 @@ def test_runtime_and_payload_import_nothing_outside_the_image():
 
 
 def test_decoder_never_imports_student_or_tools():
-    for f in py_files("decoder") | py_files("tools"):
-        assert not {m for m in project_imports(f) if m.startswith("student")}, f
+    for f in py_files("decoder"):
+        up = {m for m in project_imports(f) if m.split(".")[0] in ("student", "tools")}
+        assert not up, f"{f} imports {up}"
+    for f in py_files("tools"):
+        assert not {m for m in project_imports(f) if m.split(".")[0] == "student"}, f
+
+
+def module_of(path: str) -> str:
+    """student/train/__init__.py -> student.train; student/export.py -> student.export."""
+    parts = path[:-len(".py")].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: str, known: set[str]) -> set[str]:
+    """The project modules a file imports, at any depth (function-level imports
+    count: a lazy import hides a circle, it does not remove it). `from pkg import
+    name` is an edge to pkg.name when that is a module, else to pkg."""
+    here = module_of(path)
+    package = here if path.endswith("__init__.py") else here.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            mod = node.module if not node.level else ".".join(x for x in (base, node.module) if x)
+            subs = {f"{mod}.{a.name}" for a in node.names} & known
+            out |= subs or {mod}
+    return out & known
+
+
+def import_circle(top: str) -> list[str] | None:
+    """One import circle among the modules under top, as [a, b, ..., a], or None."""
+    files = {module_of(f): f for f in py_files(top)}
+    graph = {m: imported_modules(f, set(files)) - {m} for m, f in files.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [m, n] if n in path else [m, n]
+            if n not in state and (found := visit(n, path + [m])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def test_student_has_no_import_circle():
+    assert import_circle("student") is None, " -> ".join(import_circle("student"))
+
+
+def test_import_circle_finder_sees_a_function_level_circle(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a  # lazy, still a circle\n")
+    (pkg / "c.py").write_text("from . import b\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert import_circle("pkg") in (["pkg.a", "pkg.b", "pkg.a"], ["pkg.b", "pkg.a", "pkg.b"])
+    (pkg / "b.py").write_text("def f():\n    pass\n")
+    assert import_circle("pkg") is None

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 from test_distill import distill, env, manifest  # noqa: F401  (env is a fixture)
 from test_train import run_train
-from student.export import write_model_dir
+from student.modeldir import write_model_dir
 from student.model import PRESETS, Transformer, preset
 from student.train.init import InitError, init_from_teacher, pick_layers, plan
 

@@ -23,7 +23,7 @@ from decoder.batching import pack
 from student.data import normalise
 from student.data.pipeline import file_digest
 from student.distill.beam import EnsembleSearch
-from student.export import load_model_dir
+from student.modeldir import load_model_dir
 from student.train.batching import collate
 
 

@@ -15,7 +15,7 @@ import torch
 
 from decoder import Translator
 from decoder.batching import pack
-from student.export import write_model_dir
+from student.modeldir import write_model_dir
 from student.train.batching import collate
 
 

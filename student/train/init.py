@@ -28,6 +28,7 @@ import torch
 
 from decoder import modeldir
 from student.model import ModelArgs, Transformer
+from student.modeldir import model_args
 
 # fields that must agree for the copied tensors to mean the same thing in the student
 SAME = ("vocab_size", "d_model", "n_heads", "ffn_dim", "activation", "tie_embeddings", "layer_norm_eps",
@@ -98,7 +99,6 @@ def plan(s: ModelArgs, teacher: ModelArgs, one: str = "first") -> Plan:
 
 def read_teacher(model_dir: str) -> tuple[ModelArgs, dict, str]:
     """(arguments, weights, spm path) of a teacher model dir; InitError if it is not one."""
-    from student.export import model_args
     try:
         cfg, weights, spm_path = modeldir.load(model_dir)
     except modeldir.ModelDirError as e:
