@@ -156,6 +156,29 @@ def version() -> str:
         return f"{DIST} unknown"
 
 
+KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the dir holding decoder/
+
+
+def checkout_commit(root: str = KIT_ROOT) -> str | None:
+    """The commit of the git checkout whose top level is root ("+dirty" when tracked
+    files changed), else None: a kit unpacked inside another repository is not that
+    repository's checkout, so its commit would name the wrong code."""
+    import subprocess
+
+    def git(*args):
+        r = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30)
+        return r.stdout.strip() if r.returncode == 0 else None
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return None
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head + ("+dirty" if dirty else "") if head and len(head) == 40 else None
+
+
 def add_version(parser) -> None:
     parser.add_argument("--version", action="version", version=version())
 

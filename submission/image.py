@@ -34,6 +34,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import IO
 
+from decoder.cliargs import checkout_commit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout, or site-packages
 DOCKER = os.path.join(ROOT, "submission", "docker")  # Dockerfile and .dockerignore
 # where runs/ and build/ are: the checkout, or (installed) the current directory
@@ -271,13 +273,10 @@ def input_key(base_id: str) -> str:
 
 
 def git_revision(root: str = ROOT) -> str:
-    """The commit checked out at root, "unknown" outside git (an unpacked sdist)."""
-    try:
-        r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    out = r.stdout.strip()
-    return out if r.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out) else "unknown"
+    """The commit of the kit's own checkout at root, "unknown" outside one (an
+    unpacked sdist, or the kit's files inside some other repository)."""
+    commit = checkout_commit(root)
+    return commit.removesuffix("+dirty") if commit else "unknown"
 
 
 def source_url(root: str = ROOT) -> str:

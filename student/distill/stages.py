@@ -13,13 +13,12 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch.distributed as dist
 
-from decoder import durable
+from decoder import cliargs, durable
 
 PACKAGES = ("torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy", "safetensors", "transformers",
             "ctranslate2")
@@ -46,15 +45,10 @@ def versions() -> dict:
             out[p] = importlib.metadata.version(p)
         except importlib.metadata.PackageNotFoundError:
             out[p] = None
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            out["git"] = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    out["kit"] = cliargs.version()
+    # only the kit's own checkout: the repository enclosing the working dir may be anyone's
+    if commit := cliargs.checkout_commit():
+        out["git"] = commit
     return out
 
 
