@@ -172,7 +172,11 @@ def test_summary_has_one_object_per_isa_with_our_best_over_ct2_best(shortlisted,
     monkeypatch.setattr(bench, "cpu_info", lambda: {"cpu": "Test CPU", "cores": 2, "flags": AVX512})
     children = []
 
-    def child(cmd, cwd, env):  # the capped pass, in this process with its environment
+    real_run = subprocess.run
+
+    def child(cmd, cwd=None, env=None, **kw):  # the capped pass, in this process with its environment
+        if cmd[1:3] != ["-m", "tools.bench"]:  # anything else (matplotlib probing the system) runs
+            return real_run(cmd, cwd=cwd, env=env, **kw)
         children.append({k: env.get(k) for k in bench.CAPPED["avx2"]})
         with monkeypatch.context() as m:
             for k, v in bench.CAPPED["avx2"].items():
@@ -188,7 +192,8 @@ def test_summary_has_one_object_per_isa_with_our_best_over_ct2_best(shortlisted,
     summary = json.load(open(tmp_path / "summary.json"))
     assert [s["isa"] for s in summary] == ["avx512", "avx2"]
     for s, fam in zip(summary, ("avx512", "avx2")):
-        assert set(s) == {"isa", "cpu", "date", "model", "throughput_vs_ct2_best", "batch1_vs_ct2", "beam4_vs_ct2"}
+        assert set(s) == {"isa", "cpu", "date", "model", "model_shape", "throughput_vs_ct2_best", "batch1_vs_ct2",
+                          "beam4_vs_ct2"}
         rows = json.load(open(f"{out}-{fam}.json"))["rows"]
         for g, key in bench.SUMMARY_RATIOS.items():
             # the ratio of the group's head-to-head rows, which rerun each engine's best row
@@ -197,7 +202,12 @@ def test_summary_has_one_object_per_isa_with_our_best_over_ct2_best(shortlisted,
                                  if r["group"] == g and r["engine"] == e and not r.get("h2h"))
             assert s[key] == round(h2h["ours"] / h2h["ct2"], 3)
             assert abs(h2h["ours"] / h2h["ct2"] - 0.8 / 0.9 * best("ours") / best("ct2")) < 1e-3
-        assert s["cpu"] == "Test CPU" and s["model"] == os.path.abspath(shortlisted)
+        assert s["cpu"] == "Test CPU" and s["model"] == bench.shown_path(shortlisted)
+        # which model: its shape and size, never the machine's absolute path to it
+        assert not s["model"].startswith("/") and s["model"].endswith("model")
+        assert s["model_shape"].startswith("student-tiny: d 128, 4 heads, ffn 512, 3+1 layers, vocab 2000, ")
+    png = (tmp_path / "b.png").read_bytes()  # the chart of both passes, beside the tables
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 def test_bench_runs_ct2_as_the_guide_says_with_vmap_beside_our_shortlist_rows(shortlisted, tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -34,15 +35,18 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 import torch
+from safetensors import safe_open
 
-from decoder import cliargs, textio
+from decoder import cliargs, modeldir, textio
 from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
 from decoder.quant import int8_pays
 from decoder.translator import Translator
 
+from . import bench_chart
 from .baselines import CT2Run, _text, alternating, ct2_runs, ct2_translator, fastest, run_ct2, run_hf
+from .bench_groups import GROUPS, SUMMARY_RATIOS, group_best, group_ratios, head_to_head_rows
 from .convert import to_ctranslate2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,8 +210,6 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
     return False
 
 
-GROUPS = ("throughput", "batch1", "beam4")
-SUMMARY_RATIOS = {"throughput": "throughput_vs_ct2_best", "batch1": "batch1_vs_ct2", "beam4": "beam4_vs_ct2"}
 # the AVX2-capped pass: set before torch, oneDNN and CTranslate2 load, so only in a fresh process
 # fbgemm (torch's quantized int8 ops) dispatches on its own cpuinfo: FBGEMM_ENABLE_INSTRUCTIONS caps it
 CAPPED = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2",
@@ -292,45 +294,37 @@ def isa_passes(requested: str, flags: list[str], env=os.environ) -> list[tuple[s
     return list(out.items())
 
 
-def ratio(x, y):
-    return round(x / y, 3) if x and y else None
-
-
-def group_best(rows: list[dict], group: str, engine: str, max_bleu_loss: float = 0.2) -> dict | None:
-    """The fastest row (source words/s) of an engine in a group; ours within `max_bleu_loss`
-    BLEU of our best fp32 row of that group, where one has a BLEU. Head-to-head rows
-    (`h2h`, the best two timed again side by side) are not candidates."""
-    rs = [r for r in rows if r.get("group") == group and r["engine"] == engine and not r.get("h2h")]
-    ref = [r["bleu"] for r in rs if r.get("precision") == "fp32" and r.get("bleu") is not None]
-    if engine == "ours" and ref:
-        rs = [r for r in rs if r.get("bleu") is None or r["bleu"] >= max(ref) - max_bleu_loss]
-    return max(rs, key=lambda r: r["src_words_per_s"], default=None)
-
-
-def group_ratios(rows: list[dict], h2h: bool = True) -> dict[str, float | None]:
-    """{group: our best words/s / CT2's best words/s}, same run: from the group's head-to-head
-    rows where it has them (h2h), else from the best rows as each was timed."""
-    out = {}
-    for g in GROUPS:
-        ours, ct2 = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
-        pair = head_to_head_rows(rows, g) if h2h else None
-        if pair:
-            ours, ct2 = pair
-        out[g] = ratio(ours and ours["src_words_per_s"], ct2 and ct2["src_words_per_s"])
-    return out
-
-
-def head_to_head_rows(rows: list[dict], group: str) -> tuple[dict, dict] | None:
-    """(ours, CT2's) head-to-head rows of a group, if it was timed so."""
-    pair = {r["engine"]: r for r in rows if r.get("group") == group and r.get("h2h")}
-    return (pair["ours"], pair["ct2"]) if {"ours", "ct2"} <= set(pair) else None
-
-
 def summary_entry(result: dict) -> dict:
     """One object of summary.json from one ISA pass's JSON."""
     r, m = group_ratios(result["rows"]), result["machine"]
     return {"isa": m["isa"], "cpu": m["cpu"], "date": m["date"], "model": result["model"],
+            "model_shape": (result.get("model_facts") or {}).get("shape"),
             **{SUMMARY_RATIOS[g]: r[g] for g in GROUPS}}
+
+
+def shown_path(path: str) -> str:
+    """A path as the tables may show it: relative to the repository or the working dir
+    when inside one, else its last two parts (never a machine's absolute path)."""
+    p = os.path.abspath(path)
+    for base in (ROOT, os.getcwd()):
+        if p.startswith(base.rstrip(os.sep) + os.sep):
+            return os.path.relpath(p, base)
+    return os.path.join(*p.split(os.sep)[-2:])
+
+
+def model_facts(model_dir: str) -> dict:
+    """What was measured: the model's shape and size, its preset, its shortlist."""
+    cfg = modeldir.read_config(model_dir)
+    a = cfg.arch
+    with safe_open(os.path.join(model_dir, modeldir.WEIGHTS), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    shape = (f"d {a.d_model}, {a.n_heads} heads, ffn {a.ffn_dim}, {a.encoder_layers}+{a.decoder_layers} layers, "
+             f"vocab {a.vocab_size}, {params / 1e6:.1f}M parameters")
+    preset = (cfg.provenance or {}).get("preset")
+    return {"shape": f"{preset}: {shape}" if preset else shape, "preset": preset, "params": params,
+            "arch": {k: getattr(a, k) for k in ("d_model", "n_heads", "ffn_dim", "encoder_layers",
+                                                 "decoder_layers", "vocab_size")},
+            "shortlist": os.path.exists(os.path.join(model_dir, modeldir.SHORTLIST))}
 
 
 def main(argv=None):
@@ -364,6 +358,7 @@ def main(argv=None):
             json.dump([summary_entry(r) for r in results], fh, indent=2)
             fh.write("\n")
         print(f"summary: {summary}", file=sys.stderr)
+    print(f"chart: {bench_chart.plot(results, prefix + '.png')}", file=sys.stderr)
 
 
 def run_pass(a: argparse.Namespace, out: str) -> dict:
@@ -529,10 +524,11 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     profile = profile_best(a.model, lines, a.threads, a.max_tokens, best) if a.profile else None
     add_ratios(rows)
     machine["load_avg_at_end"] = os.getloadavg()[0]
-    result = {"machine": machine, "input": src_path, "lines": len(src), "repeat": a.repeat,
-              "model": os.path.abspath(a.model), "ratios": group_ratios(rows), "rows": rows}
+    result = {"machine": machine, "input": shown_path(src_path), "lines": len(src), "repeat": a.repeat,
+              "model": shown_path(a.model), "model_facts": model_facts(a.model), "ratios": group_ratios(rows),
+              "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    md = to_markdown(rows, machine, src_path, len(src), a.repeat, a.model, result["ratios"])
+    md = to_markdown(rows, machine, result["input"], len(src), a.repeat, result["model"], result["ratios"])
     with open(out + ".md", "w") as fh:
         fh.write(md)
     with open(out + ".json", "w") as fh:

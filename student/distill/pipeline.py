@@ -35,7 +35,7 @@ from student.distill.teachers import TeacherError, make_teacher
 from student.export import export_checkpoint
 from student.model import preset
 from student.shortlist import add_to_model_dir
-from student.train import TrainConfig, train
+from student.train import TrainConfig, chart, train
 from student.train.average import candidates, choose, dev_bleu, materialise
 from student.train.init import InitError, compatible
 
@@ -490,6 +490,8 @@ class Pipeline:
         if self.rank == 0:
             for f in ("report.md", "report.json"):
                 shutil.copyfile(f"{d}/{f}", os.path.join(self.runner.dir, f))
+            if os.path.exists(f"{d}/{chart.CHART}"):  # dev-BLEU curves, where a system was trained here
+                shutil.copyfile(f"{d}/{chart.CHART}", os.path.join(self.runner.dir, chart.CHART))
             with open(f"{d}/report.json", encoding="utf-8") as fh:
                 result = json.load(fh)
         barrier()

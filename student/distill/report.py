@@ -10,6 +10,7 @@ import torch
 from decoder.machine import cpu_info, isa
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator
+from student.train import chart
 from student.train.evaluate import score
 
 
@@ -45,6 +46,9 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
     write_json(os.path.join(out_dir, "report.json"), rep)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(rep))
+    # the training curves behind the verdict's "still rising" lines, as a picture
+    chart.plot_dev_bleu({n: (t["dev_steps"], t["dev_bleu"]) for n, t in training.items()},
+                        os.path.join(out_dir, chart.CHART), title=f"{cfg.name}: dev BLEU of teacher and students")
     return {"systems": [{k: r[k] for k in ("system", "beam", "bleu", "chrf", "words_per_second")} for r in rows]}
 
 

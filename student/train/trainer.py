@@ -24,6 +24,7 @@ from decoder import durable
 from decoder.machine import cpu_info, has_native_bf16
 from student.data import normalise, prepare
 from student.model import Transformer, preset
+from student.train import chart
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
 from student.train.init import init_from_teacher
@@ -217,6 +218,8 @@ def train(cfg: TrainConfig) -> dict:
         result.update(t.test())  # loads best.pt into the model
     if t.rank == 0:
         durable.write_json(os.path.join(cfg.out_dir, "metrics.json"), result)  # last: the run's result
+        chart.plot_dev_bleu({cfg.preset or "model": chart.curves_of(result)}, os.path.join(cfg.out_dir, chart.CHART),
+                            title=f"{os.path.basename(os.path.abspath(cfg.out_dir))}: dev BLEU during training")
     if ddp:
         dist.barrier()
     return result

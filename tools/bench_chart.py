@@ -1,0 +1,115 @@
+"""A bench run as a picture: per group, our best row against CTranslate2's best (and
+transformers' where it ran) in source words/s, with our ratio over CTranslate2 above
+each pair; one panel per ISA pass. The rows are the ones the table's ratios and
+summary.json name (tools/bench_groups.py: the head-to-head pair where there is one).
+
+tools.bench draws it beside every run (PREFIX.png next to PREFIX.md/.json). This
+command redraws it from the JSON a run wrote, without rerunning anything:
+
+    python -m tools.bench_chart docs/bench/kd-student-2026-11-25i-avx512.json \\
+        docs/bench/kd-student-2026-11-25i-avx2.json --out docs/bench/kd-student.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from decoder.cliargs import HelpFormatter, add_version
+
+from .bench_groups import GROUPS, group_best, head_to_head_rows, ratio
+
+LABELS = {"throughput": "throughput\n(greedy, all threads)", "batch1": "batch 1\n(1 thread)",
+          "beam4": "beam 4\n(all threads)"}
+ENGINES = (("ours", "ours", "tab:blue"), ("ct2", "CTranslate2", "tab:orange"), ("hf", "transformers", "tab:gray"))
+
+
+def bars(result: dict) -> list[dict]:
+    """Per group that ran: each engine's words/s and our ratio over CTranslate2."""
+    rows, out = result["rows"], []
+    for g in GROUPS:
+        pair = head_to_head_rows(rows, g)
+        ours, ct2 = pair or (group_best(rows, g, "ours"), group_best(rows, g, "ct2"))
+        hf = group_best(rows, g, "hf")
+        speeds = {e: r["src_words_per_s"] for e, r in (("ours", ours), ("ct2", ct2), ("hf", hf)) if r}
+        if speeds:
+            out.append({"group": g, **speeds, "ratio": ratio(speeds.get("ours"), speeds.get("ct2")),
+                        "h2h": pair is not None})
+    return out
+
+
+def machine_line(result: dict) -> str:
+    m = result["machine"]
+    return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
+            f"CTranslate2 {m.get('ctranslate2', '-')}; {m['date'][:10]}")
+
+
+def model_line(result: dict) -> str:
+    facts = result.get("model_facts") or {}
+    return f"{result['model']}" + (f" ({facts['shape']})" if facts.get("shape") else "")
+
+
+def plot(results: list[dict], path: str) -> str:
+    """One panel per result (ISA pass); returns path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.6), dpi=110, squeeze=False)
+    for ax, result in zip(axes[0], results):
+        groups = bars(result)
+        width = 0.8 / len(ENGINES)
+        for i, (key, name, colour) in enumerate(ENGINES):
+            xs = [j + (i - 1) * width for j, b in enumerate(groups) if key in b]
+            ys = [b[key] for b in groups if key in b]
+            if ys:
+                ax.bar(xs, ys, width, label=name, color=colour)
+        top = max((b.get(k, 0) for b in groups for k, _, _ in ENGINES), default=1)
+        for j, b in enumerate(groups):
+            if b["ratio"] is not None:
+                ax.annotate(f"{b['ratio']:.2f}x", (j - width / 2, max(b.get("ours", 0), b.get("ct2", 0))),
+                            textcoords="offset points", xytext=(0, 3), ha="center", fontsize=9,
+                            fontweight="bold")
+        ax.set_xticks(range(len(groups)), [LABELS[b["group"]] for b in groups], fontsize=8)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel("source words / second")
+        ax.set_title(f"ISA pass {result['machine']['isa']}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{model_line(results[0])}: ours / CTranslate2's best per group (head to head)\n"
+                 f"{machine_line(results[0])}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench_chart", formatter_class=HelpFormatter,
+                                description="Redraw a bench run's chart (ours against CTranslate2 per "
+                                            "group) from the JSON tools.bench wrote.")
+    add_version(p)
+    p.add_argument("json", nargs="+", help="one tools.bench JSON per ISA pass, in panel order")
+    p.add_argument("--out", required=True, help="PNG to write")
+    a = p.parse_args(argv)
+    results = []
+    for f in a.json:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                r = json.load(fh)
+            if not isinstance(r, dict) or not {"rows", "machine", "model"} <= set(r):
+                raise ValueError("no rows, machine and model: not a tools.bench JSON")
+        except (OSError, ValueError) as e:
+            print(f"error: {f}: {e}", file=sys.stderr)
+            return 2
+        results.append(r)
+    try:
+        print(plot(results, a.out))
+    except (KeyError, TypeError, AttributeError) as e:
+        print(f"error: {' '.join(a.json)}: not a tools.bench JSON ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
