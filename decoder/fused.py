@@ -175,7 +175,7 @@ def decode_attention(q, k, v, mask=None, rows=None):
 
 def encoder_attention(qkv, mask, heads: int):
     # 1.2-4x SDPA at every shape on one thread, 1.7-4.2x on two (its (row, head) pairs
-    # split over torch's threads; decoder/README.md)
+    # split over torch's threads; docs/bench/decoder.md)
     if _kernel(qkv) and qkv.device.type == "cpu":
         return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
     return encoder_attention_reference(qkv, mask, heads)

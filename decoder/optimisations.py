@@ -197,7 +197,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="where the CPU has avx512_vnni and neither ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA caps "
                  "it below (`quant.int_mm_vnni`), every int8 linear, the output projection and the shortlist's "
                  "slice included, runs `Int8Linear` above the gemv rows: up to 1.35x fbgemm's speed at the layer "
-                 "linears, 1.25x at the projection's >= 64 rows (decoder/README.md); elsewhere fbgemm stays"),
+                 "linears, 1.25x at the projection's >= 64 rows (docs/bench/decoder.md); elsewhere fbgemm stays"),
     Optimisation("int8_packed_gemm", True, "int8 product on weights packed once (C++, VNNI)", "int8_packed_gemm",
                  True, False, "`torch._int_mm` (oneDNN reorders the int8 weights on every call)", "int8",
                  row={"fbgemm_int8": True, "int8_vnni_int_mm": True, "fused_ops": True},
@@ -213,7 +213,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="calls of 1-4 rows (batch 1, a few live sentences) run decoder/csrc/int8_gemv.cpp: one "
                  "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
                  "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
-                 "(decoder/README.md); the layer linears, the output projection and the shortlist's slice"),
+                 "(docs/bench/decoder.md); the layer linears, the output projection and the shortlist's slice"),
     Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
     Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,

@@ -12,7 +12,7 @@ decoder/optimisations.py picks per machine: `fbgemm_int8` (on) takes fbgemm,
 and `int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
 (`int_mm_vnni`). Either way calls of at most 4 rows run our gemv kernel
 (`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
-dominate. The measurements behind the choices are in decoder/README.md
+dominate. The measurements behind the choices are in docs/bench/decoder.md
 ("int8 on every x86 CPU", "VNNI", "Batch 1").
 `auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
@@ -297,7 +297,7 @@ class FbgemmLinear:
 
     def rows(self, idx: torch.Tensor, batch_rows: int = 64) -> "FbgemmLinear | Linear":
         """The output features idx (C,) only: a shortlist's projection, once per
-        batch. Packing costs ~1.5 us per row of C (decoder/README.md), which a
+        batch. Packing costs ~1.5 us per row of C (docs/bench/decoder.md), which a
         batch of `batch_rows` >= REPACK_ROWS rows earns back within a few steps;
         one sentence does not, so it gets those int8 rows dequantised to fp32
         (same weights, no packing: 1.1 ms against 2.4 ms repacked for 30 steps
@@ -419,7 +419,7 @@ class Probe:
     (a q|k|v linear, d -> 3d, and the output projection, d -> vocab) at `rows`
     rows: 1 for batch-1 latency, a batch for throughput. One probe shape
     mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
-    (1, 256, 256) half of it (decoder/README.md "int8 on every x86 CPU")."""
+    (1, 256, 256) half of it (docs/bench/decoder.md "int8 on every x86 CPU")."""
     rows: int = 64
     kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv": the kernel the plan runs at these rows
     d: int = 256

@@ -15,7 +15,7 @@ def retain_freed_memory(limit: int = 1 << 30) -> bool:
     Every batch allocates the same large activations; by default glibc serves
     each from a fresh mmap and unmaps it on free, so every step pays page
     faults on first touch (a 4000x1024 fp32 result: 43 ms with, 10 ms without,
-    measured in decoder/README.md). CTranslate2 gets the same effect from its
+    measured in docs/bench/decoder.md). CTranslate2 gets the same effect from its
     caching allocator. Process-wide, idempotent; no-op off glibc.
     """
     global _done
