@@ -1,11 +1,11 @@
 """The pictures are drawn by the tools that measure, from the data they record:
-the bench's chart (tools/bench_chart.py), the dev-BLEU curves (student/train/chart.py)."""
+the bench's chart (tools/bench_chart.py), the dev-BLEU curves (student/chart.py)."""
 import json
 import os
 import subprocess
 import sys
 
-from student.train import chart
+from student import chart
 from tools import bench_chart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,3 +79,16 @@ def test_no_dev_evaluation_draws_no_curve(tmp_path):
     assert chart.curves_of({"history": []}) == ([], [])
     assert chart.plot_dev_bleu({"student": ([], [])}, str(tmp_path / chart.CHART)) is None
     assert not (tmp_path / chart.CHART).exists()
+
+
+def test_dev_bleu_command_redraws_a_distill_reports_curves(tmp_path):
+    out = tmp_path / "c.png"
+    r = subprocess.run([sys.executable, "-m", "student.chart", os.path.join(ROOT, "docs", "distill-default-report.json"),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # no runpy warning: the module is not pre-imported
+    assert out.read_bytes().startswith(PNG)
+    assert set(chart.curves_in(os.path.join(ROOT, "docs", "distill-default-report.json"))) == {"teacher", "student"}
+    (tmp_path / "x.json").write_text("[1, 2]")
+    r = subprocess.run([sys.executable, "-m", "student.chart", str(tmp_path / "x.json"), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1

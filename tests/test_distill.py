@@ -106,6 +106,8 @@ def test_command_teacher_end_to_end_then_rerun_skips_and_changed_option_reruns_o
         assert s["words_per_second"] > 0 and "nrefs:1|" in s["bleu_signature"]
     assert rep["systems"][1]["size_params"] > 0 and rep["systems"][1]["size_bytes"] > 0
     assert (run / "report.md").read_text() == open(os.path.join(stage_dir(env, "up", "report"), "report.md")).read()
+    # the dev-BLEU curves of the runs trained here, beside report.md, when they had a dev evaluation
+    assert (run / "dev-bleu.png").exists() == any(t["dev_bleu"] for t in rep["training"].values())
 
     train_src = lines(os.path.join(stage_dir(env, "up", "data"), "train.src"))
     distilled = lines(os.path.join(stage_dir(env, "up", "distill"), "distilled.txt"))

@@ -38,6 +38,8 @@ def test_loss_falls_over_fifty_steps(toy_files, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     assert [h["step"] for h in m["history"]] == [25, 50]
     assert "test_bleu" in m and "nrefs:1|" in m["test_bleu_signature"]
+    # the dev-BLEU curve, drawn from the same history, beside metrics.json
+    assert (tmp_path / "run" / "dev-bleu.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_kill_during_training_then_resume_matches_uninterrupted_run(toy_files, tmp_path):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from decoder import durable, modeldir
+from student import chart
 from student.data import prepare, read_lines
 from student.data.pipeline import file_digest
 from student.distill import report as report_mod
@@ -35,7 +36,7 @@ from student.distill.teachers import TeacherError, make_teacher
 from student.export import export_checkpoint
 from student.model import preset
 from student.shortlist import add_to_model_dir
-from student.train import TrainConfig, chart, train
+from student.train import TrainConfig, train
 from student.train.average import candidates, choose, dev_bleu, materialise
 from student.train.init import InitError, compatible
 

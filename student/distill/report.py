@@ -8,9 +8,9 @@ import time
 import torch
 
 from decoder.machine import cpu_info, isa
+from student import chart
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator
-from student.train import chart
 from student.train.evaluate import score
 
 

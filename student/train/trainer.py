@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from decoder import durable
 from decoder.machine import cpu_info, has_native_bf16
+from student import chart
 from student.data import normalise, prepare
 from student.model import Transformer, preset
-from student.train import chart
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
 from student.train.init import init_from_teacher
