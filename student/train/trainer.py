@@ -320,7 +320,7 @@ class Trainer:
         cfg, line = resolve_sizes(cfg, device, vocab_size, saved)
         if self.verbose:
             print(line, flush=True)
-            if os.path.isdir(cfg.out_dir or "."):
+            if cfg.out_dir and os.path.isdir(cfg.out_dir):
                 durable.write_json(path, {k: getattr(cfg, k) for k in SIZE_FIELDS})
         return cfg
 
