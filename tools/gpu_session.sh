@@ -5,7 +5,7 @@
 #   test     pytest tests/test_decoder_gpu.py tests/test_fused_ops.py tests/test_shortlist.py
 #   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
 #   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
-#   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~6 min)
+#   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~8 min)
 #   distill  the default `make distill` path (python -m student.distill), timed      (target 20 min)
 # Everything it writes goes under $OUT (default runs/gpu-session): one log per stage, timings.tsv
 # (stage, seconds, exit status), the bench's tables and summary, the trainer's and the distillation's
