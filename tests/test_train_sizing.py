@@ -114,3 +114,28 @@ def test_resolve_sizes_keeps_a_resumed_runs_sizes_and_fills_only_the_defaults():
     cfg, line = resolve_sizes(TrainConfig(out_dir="", preset="teacher-tiny", lr=1e-3), cpu, 8000, saved)
     assert (cfg.max_tokens, cfg.max_sentences, cfg.lr, cfg.warmup) == (24576, 3072, 1e-3, 100)
     assert "resumed" in line
+
+
+def test_trainer_and_speed_tool_train_at_the_resolved_size(toy_files, tmp_path, monkeypatch):
+    """A config that leaves the batch to the device trains at the size resolve_sizes picks (CPU: the
+    recipe), the trainer writes it to OUT/sizes.json, and student.train.speed times that size."""
+    import json
+    from student.train import speed
+    from student.train.trainer import Corpus, TrainConfig, Trainer
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(out_dir=str(out), preset="student-tiny", src=str(toy_files / "train.en"),
+                      tgt=str(toy_files / "train.es"), src_lang="en", tgt_lang="es", vocab_size=320, amp="off",
+                      model_overrides=dict(d_model=32, n_heads=2, ffn_dim=64, encoder_layers=1),
+                      eval_every=0, save_every=0, test_at_end=False)
+    corpus = Corpus(cfg, verbose=False)
+    t = Trainer(cfg, corpus, torch.device("cpu"), ddp=False)
+    assert (t.cfg.max_tokens, t.cfg.lr, t.cfg.warmup) == (REF_TOKENS, REF_LR, REF_WARMUP)
+    assert t.opt.param_groups[0]["initial_lr"] == REF_LR
+    assert json.loads((out / "sizes.json").read_text())["max_tokens"] == REF_TOKENS
+    r = speed.run(cfg, corpus, steps=3, warm=1)
+    assert r["max_tokens"] == REF_TOKENS and r["tokens_s"] > 0
+    assert speed.batch_list("3072,auto") == [3072, None]
+    with pytest.raises(Exception):
+        speed.batch_list("3072,big")

@@ -48,7 +48,8 @@ def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: 
     if compile_model:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
         t.net = torch.compile(t.model, dynamic=True)
     t.model.train()
-    batches = make_batches(*t.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0)
+    c = t.cfg  # the sizes the trainer resolved for the device
+    batches = make_batches(*t.train_lens, c.max_tokens, c.max_sentences, c.seed, 0)
     tok, t0 = 0, None
     for i in range(steps):  # Trainer.step alone: its schedule advances itself, nothing else is needed
         if i == warm:
