@@ -57,7 +57,7 @@ def test_cpu_keeps_the_measured_recipe_whatever_the_memory():
 def test_cuda_default_batch_scales_lr_by_sqrt_and_keeps_warmup_tokens():
     s = resolve("cuda", 80 * GiB, shape("student-6-1"))
     assert s.max_tokens == GPU_CEILING_TOKENS and s.max_sentences == GPU_CEILING_TOKENS // 8
-    assert s.lr == pytest.approx(REF_LR * 2.0)  # sqrt(24576 / 3072) = 2.83, capped at 2x
+    assert s.lr == pytest.approx(REF_LR * 1.5)  # sqrt(24576 / 3072) = 2.83, capped at 1.5x
     assert s.warmup == 100  # 50 steps would hold the reference's warm-up tokens; Adam's floor is 100
     assert "80.0 GiB free" in s.why
     s = resolve("cuda", 80 * GiB, shape("student-6-1"), max_tokens=8192)
@@ -67,8 +67,8 @@ def test_cuda_default_batch_scales_lr_by_sqrt_and_keeps_warmup_tokens():
 def test_lr_rule_sqrt_between_one_and_the_cap():
     assert scaled_lr(REF_TOKENS) == REF_LR
     assert scaled_lr(1024) == REF_LR  # smaller batches keep the measured recipe
-    assert scaled_lr(4 * REF_TOKENS) == pytest.approx(2 * REF_LR)
-    assert scaled_lr(2 * REF_TOKENS) == pytest.approx(2 ** 0.5 * REF_LR)
+    assert scaled_lr(2 * REF_TOKENS) == pytest.approx(2 ** 0.5 * REF_LR)  # sqrt, under the cap
+    assert scaled_lr(4 * REF_TOKENS) == pytest.approx(sizing.LR_SCALE_CAP * REF_LR)  # sqrt would be 2x
     assert scaled_lr(64 * REF_TOKENS) == pytest.approx(sizing.LR_SCALE_CAP * REF_LR)
     lrs = [scaled_lr(t) for t in range(512, 100_000, 512)]
     assert lrs == sorted(lrs)

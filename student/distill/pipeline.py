@@ -131,10 +131,11 @@ PRESETS = {
 # CUDA, chosen from evidence, not yet measured: teacher-big learned nothing useful in its budget on the
 # H100 (dev BLEU 3.0 after 1,040 steps of 3,072 tokens: 184 M parameters, 3 epochs of 29k pairs);
 # teacher-base (d 512, 6+6 layers, 48 M) has a quarter of its FLOPs a token, so with the trainer's GPU
-# batches (24k tokens, student-6-1 at 155k tokens/s) 9 minutes are some 30-50 epochs of the Bible
-# corpus; dropout 0.3 because that many epochs of 29k pairs overfit a model of that size (Araabi &
-# Monz 2020, "Optimizing Transformer for low-resource NMT": 0.3 best at this data size). Its d 512
-# and 6 encoder layers map onto student-6-1 (student/train/init.py), so the student starts from it.
+# batches (24k tokens; student-6-1 ran at 155k tokens/s, teacher-base estimated at 60-100k) 9 minutes
+# are some 30-60 epochs of the Bible corpus (about 0.9 M target tokens); dropout 0.3 because that many
+# epochs of 29k pairs overfit a model of that size (Araabi & Monz 2020, "Optimizing Transformer for
+# low-resource NMT": 0.3 best at this data size). Its d 512 and 6 encoder layers map onto student-6-1
+# (student/train/init.py), so the student starts from it.
 # Re-measure: tools/gpu_session.sh runs the default `make distill` on a GPU and records its report.
 AUTO_TEACHER = {
     "cpu": ("teacher-tiny", {}),
