@@ -210,7 +210,7 @@ class ModelTeacher:
 
 
 # The reference ensemble search's batches (padded source tokens x beam, sentences): on CPU what it
-# always used; on a GPU 8x the tokens and 16x the sentences, the decoder's GPU scale (32k tokens
+# always used; on a GPU about 8x the tokens and 16x the sentences, the decoder's GPU scale (32k tokens
 # saturated an H100 in the decoder's throughput sweep).
 REFERENCE_BATCHES = {"cpu": (6000, 64), "cuda": (49152, 1024)}
 
