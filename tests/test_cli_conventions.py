@@ -201,9 +201,9 @@ HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5
         "submission.evaluate": {"--passes": "(default: 3)"},
         "submission.image": {"--tag": "(default: wmt-kit:latest)"},
         "student.data prepare": {"--vocab-size": "(default: 8000)"},
-        "student.train": {"--lr": "(default: 0.002)", "--dev-src": "newstest"},
+        "student.train": {"--lr": "(default: 0.002 at 3072 tokens", "--dev-src": "newstest"},
         "student.train average": {"--last": "(default: 4)", "--run": "ckpt-", "--out": "checkpoint"},
-        "student.distill": {"--student-lr": "(default 0.002)"},
+        "student.distill": {"--student-lr": "on CPU 3072 tokens, lr 0.002"},
         "student.shortlist": {"--k": "(default 100)"}}
 
 

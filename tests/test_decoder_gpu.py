@@ -56,7 +56,7 @@ def test_cuda_graph_replay_equals_eager_steps(model_dir, beam):
     ("volta_sgemm_128x64_nn", False),
     ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false>", False)])
 def test_gpu_bench_tells_tensor_core_gemms_by_name(name, tc):
-    from tools.bench_gpu import GEMM, TENSOR_CORE
+    from tools.ablation_gpu import GEMM, TENSOR_CORE
     assert GEMM.search(name) and bool(TENSOR_CORE.search(name)) == tc
 
 
@@ -64,7 +64,7 @@ def test_gpu_bench_tells_tensor_core_gemms_by_name(name, tc):
 def test_gpu_bench_rows_are_distinct_configurations_with_unnamed_fused_switches_off(cuda):
     # a row whose switch is already on by default would repeat the row before it
     from decoder.optimisations import kernels_off
-    from tools import bench_gpu
+    from tools import ablation_gpu as bench_gpu
     rows = bench_gpu.configurations(cuda)
     settings = [tuple(sorted(kw.items())) for _, kw in rows]
     # on CPU fp16 becomes fp32, so only the first two rows may coincide
@@ -76,7 +76,7 @@ def test_gpu_bench_rows_are_distinct_configurations_with_unnamed_fused_switches_
 
 def test_gpu_bench_runs_its_rows_on_cpu_without_cuda(model_dir, tmp_path):
     """Every row and the profile table on CPU: the path a GPU run takes, minus CUDA."""
-    from tools import bench_gpu
+    from tools import ablation_gpu as bench_gpu
     src, ref = tmp_path / "t.en", tmp_path / "t.es"
     lines = synthetic_corpus(6, seed=3)
     src.write_text("\n".join(lines) + "\n")

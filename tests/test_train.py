@@ -118,6 +118,7 @@ def test_amp_auto_is_bf16_only_on_cpus_with_native_bf16(monkeypatch):
     assert trainer.autocast_setup("auto", cpu) == (None, None)  # emulated bf16 was 20x slower
     assert trainer.autocast_setup("bf16", cpu) == (torch.bfloat16, None)
     assert trainer.autocast_setup("off", cpu) == (None, None)
+    # CUDA: tests/test_train_sizing.py (sizing.amp_dtype_for, per GPU kind)
 
 
 def test_trainer_speed_tool_lists_its_configurations_and_refuses_an_unknown_one():

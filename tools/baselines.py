@@ -164,11 +164,12 @@ def run_ct2(ct2_dir, model_dir, lines, run: CT2Run, passes: int = 1):
     return fastest(ct2_translator(ct2_dir, model_dir, run), lines, passes)
 
 
-def hf_translator(model_dir, threads, batch=64, beam=1):
-    """Load once; return translate(lines) -> hypotheses."""
+def hf_translator(model_dir, threads, batch=64, beam=1, device="cpu", half=False):
+    """Load once; return translate(lines) -> hypotheses. `half`: fp16 weights (a GPU's)."""
     import torch
     torch.set_num_threads(threads)
     model, cfg = to_hf(model_dir)
+    model = (model.half() if half else model).to(device)
     _, text = _text(model_dir)
 
     def go(ls):
@@ -182,6 +183,7 @@ def hf_translator(model_dir, threads, batch=64, beam=1):
             for r, i in enumerate(chunk):
                 ids[r, :len(srcs[i])] = torch.tensor(srcs[i])
             with torch.inference_mode():
+                ids = ids.to(device)
                 g = model.generate(ids, attention_mask=ids != cfg.pad_id, num_beams=beam, do_sample=False,
                                    max_new_tokens=min(int(S * 1.5 + 10), cfg.arch.max_positions - 1),
                                    min_length=0, decoder_start_token_id=cfg.decoder_start_id,

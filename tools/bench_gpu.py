@@ -1,15 +1,22 @@
-"""python -m tools.bench_gpu --model DIR [--src F --ref F] [--lines N] [--passes K] [--out PREFIX]
+"""python -m tools.bench_gpu --model DIR --src F --ref F [--lines N] [--out PREFIX] [--summary FILE]
 
-The GPU rows of the ablation: fp32 and fp16 eager, fp16 with CUDA graphs, each
-fused CUDA kernel alone and all of them (eager, and captured in the graphs
-where the fixed-shape step uses them), greedy and beam 4. All configurations
-are built first and timed in turns, pass after pass; the fastest pass counts.
-Then one batch of fp16 eager greedy runs under torch.profiler: its GEMM kernels
-by GPU time, each marked by whether its name is a tensor-core kernel, so
-"fp16 runs on tensor cores" is read off the profile, not assumed.
+Our decoder on a CUDA GPU beside CTranslate2 (float16 and int8_float16) and
+transformers fp16 `generate`, on the same weights (tools/convert), in the CPU
+bench's three groups: throughput (greedy, every line), beam 4 (the first
+--beam-lines) and batch 1 (the first --batch1-lines, one sentence a call).
+Every engine runs a sweep of batch sizes per group (SWEEPS, each size a row of
+the table), and its fastest row is its best; a group's ratio is our best over
+CTranslate2's best (either compute type). Ours is fp16 with the decoder's
+defaults: one row at its own batch default, one per swept size. Our best
+throughput row then runs once more under torch.profiler: the time the GPU ran
+our CUDA kernels (the union of their intervals) over that row's wall is
+`gpu_busy`. CTranslate2 and transformers are not profiled: CTranslate2's
+kernels are not visible to torch.profiler at all.
 
-Without CUDA it says so and runs the same rows on CPU (fp32 for fp16, no
-graphs): the path the tests take. With --out, writes PREFIX.md and PREFIX.json.
+Writes PREFIX.md and PREFIX.json (every row of every sweep) and the summary
+(one object in a list, as tools.bench's summary.json: the same ratio keys plus
+device, gpu, src_words_per_s, gpu_busy and the versions). Needs CUDA: without
+it, one error line and exit 2 (the CPU benchmark is tools.bench).
 """
 from __future__ import annotations
 
@@ -17,120 +24,331 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
-from decoder import cliargs
-from decoder.machine import cpu_info
-from decoder.optimisations import group, kernels_off
-from decoder.translator import Translator
+from decoder import cliargs, machine, modeldir
 
-from .bench import add_test_set_args, read_test_set, scores
+from .baselines import CT2Run, ct2_translator, fastest, hf_translator
+from .bench import GROUPS, SUMMARY_RATIOS, add_test_set_args, ours_go, read_test_set, scores
 
-PLAIN = kernels_off()
+BEAM = {"throughput": 1, "beam4": 4, "batch1": 1}
+CT2_TYPES = ("float16", "int8_float16")
+ENGINES = ("ours", "ct2", "hf")
+# group -> engine -> batch sizes, in order. ours and CTranslate2: padded source tokens a batch (ours'
+# None: the decoder's own default for the device); transformers: sentences a batch. The ranges bracket
+# what the last H100 run found best (ours 32k, CTranslate2 32k, transformers 256 greedy; 8k for beam 4)
+# and keep the whole run near 7 minutes on an H100 at 10,000 lines.
+SWEEPS = {
+    "throughput": {"ours": (None, 8192, 16384, 32768, 65536), "ct2": (8192, 16384, 32768, 65536),
+                   "hf": (128, 256, 512)},
+    "beam4": {"ours": (None, 4096, 8192, 16384, 32768), "ct2": (2048, 4096, 8192, 16384), "hf": (32, 64, 128)},
+    "batch1": {"ours": (1,), "ct2": (1,), "hf": (1,)},
+}
+NOT_PROFILED = ("CTranslate2 runs its own CUDA kernels, which torch.profiler does not see: it has no GPU-busy "
+                "figure; transformers is not profiled")
 
-# By name, so the table lists the names for the reader to check: half-precision
-# cuBLAS/CUTLASS kernels (f16/bf16 in the name, Volta..Ampere mma shapes, Hopper
-# wgmma, cuBLASLt's nvjet_h*/nvjet_b*, CUTLASS "tensorop") run on tensor cores;
-# sgemm/gemv kernels do not.
-TENSOR_CORE = re.compile(r"f16|s16816|h16816|1688|884|hmma|wgmma|tensorop|nvjet_[hb]|tf32", re.I)
-GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|matmul|mma|addmm|aten::mm$|aten::linear$", re.I)
+
+def is_oom(e: BaseException) -> bool:
+    """Out of GPU memory, as torch and CTranslate2 say it."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-
-def configurations(cuda: bool) -> list[tuple[str, dict]]:
-    """Generated from decoder/optimisations.py: every row starts from all fused
-    switches off (PLAIN), whatever the decoder's defaults, and adds its own."""
-    half = "fp16" if cuda else "fp32"
-    eager = dict(PLAIN, precision=half, cuda_graphs=False)
-    graphs = dict(PLAIN, precision=half, cuda_graphs=True)
-    # fused_argmax is left out of "all": fused_project_argmax replaces it wherever it applies
-    every = {o.name: True for o in group("step") + group("greedy") if o.name != "fused_argmax"}
-    in_graph = {o.name: True for o in group("step") if o.name in ("fused_norm", "fused_relu")}  # the static step
-    rows = [("fp32, eager (first row)", dict(PLAIN, precision="fp32", cuda_graphs=False)),
-            (f"{half}, eager", eager), (f"{half} + CUDA graphs", graphs)]
-    rows += [(f"{half}, eager + {o.label}", {**eager, o.name: True}) for o in group("step") + group("greedy")]
-    rows += [(f"{half}, eager + all fused kernels", {**eager, **every}),
-             (f"{half} + CUDA graphs + {', '.join(in_graph)}", {**graphs, **in_graph}),
-             (f"{half} + CUDA graphs, beam 4", {**graphs, "beam": 4}), (f"{half}, eager, beam 4", {**eager, "beam": 4})]
-    cur = {**eager, "beam": 4}
-    for o in group("beam"):
-        cur = {**cur, o.name: True}
-        rows.append((f"{half}, eager, beam 4 + {o.label}", dict(cur)))
+def sweep(run, sizes) -> list[dict]:
+    """[{"batch": size, **run(size)}] in order. A size that runs out of GPU memory is recorded as such
+    and ends the sweep (the larger ones only need more); any other error is raised."""
+    rows = []
+    for s in sizes:
+        try:
+            rows.append({"batch": s, **run(s)})
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; the rest re-raised
+            if not is_oom(e):
+                raise
+            rows.append({"batch": s, "error": "out of memory"})
+            torch.cuda.empty_cache()
+            break
     return rows
 
 
-def gemm_profile(tr, lines: list[str]) -> list[dict]:
-    """GEMM kernels of translating `lines` once, by GPU time (CPU: the matmul ops)."""
+def best(rows: list[dict], group: str, engine: str) -> dict | None:
+    """The fastest row of an engine ("ours", "ct2", "hf" or one compute type "ct2 float16") in a group."""
+    ok = [r for r in rows if r["group"] == group and "error" not in r
+          and (r["engine"] == engine or r["engine"].split()[0] == engine)]
+    return max(ok, key=lambda r: r["src_words_per_s"], default=None)
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    return round(a["src_words_per_s"] / b["src_words_per_s"], 3) if a and b else None
+
+
+def summary(rows: list[dict], gpu_busy: float | None, about: dict) -> dict:
+    """The summary object: the CPU bench's ratio keys (our best over CTranslate2's best per group),
+    each group's ratio against float16 alone, our best throughput and the GPU-busy figure."""
+    ours = best(rows, "throughput", "ours")
+    return {"device": "cuda", **about, "src_words_per_s": ours and ours["src_words_per_s"], "gpu_busy": gpu_busy,
+            **{SUMMARY_RATIOS[g]: ratio(best(rows, g, "ours"), best(rows, g, "ct2")) for g in GROUPS},
+            "vs_ct2_float16": {g: ratio(best(rows, g, "ours"), best(rows, g, "ct2 float16")) for g in GROUPS}}
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: kernels on several streams at once count once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
+    """union_length(intervals) over `wall` (same unit), at most 1."""
+    return round(min(union_length(intervals) / wall, 1.0), 4) if wall > 0 else 0.0
+
+
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every CUDA kernel a torch.profiler run saw (copies and memsets out)."""
+    from torch.autograd import DeviceType
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
+
+
+def profile_busy(go, lines: list[str], wall_s: float) -> dict:
+    """Our best throughput row once under torch.profiler. gpu_busy: kernel time over that row's
+    unprofiled wall (`wall_s`); busy_under_profiler: over the profiled wall, lower, as the profiler
+    slows the host that feeds the GPU."""
     from torch.profiler import ProfilerActivity, profile
-    cuda = tr.device.startswith("cuda")
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        tr.translate(lines)
-        if cuda:
-            torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", 0) if cuda else e.self_cpu_time_total
-        if t and GEMM.search(e.key) and (cuda or e.key.startswith("aten::")):
-            rows.append(dict(kernel=e.key, calls=e.count, us=round(float(t), 1),
-                             tensor_core=bool(TENSOR_CORE.search(e.key)) if cuda else None))
-    return sorted(rows, key=lambda r: -r["us"])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        go(lines)
+        torch.cuda.synchronize()
+        profiled = time.perf_counter() - t
+    iv = kernel_intervals(prof)
+    kernel_s = union_length(iv) / 1e6
+    return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
+            "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
+            "kernels": len(iv)}
 
 
-def main(argv=None) -> int:
+# -- the engines: each a context giving go(lines) -> hypotheses for one (group, batch size) ------------
+
+class Engines:
+    """The model dir, its CTranslate2 conversion (made once) and how each engine is loaded. `device`
+    "cpu" (fp32, no half weights) is for the tests: the same code path, minus CUDA."""
+
+    def __init__(self, model_dir: str, work: str, device: str = "cuda"):
+        self.model_dir, self.work, self._ct2, self.device = model_dir, work, None, device
+        self.precision = "fp16" if device == "cuda" else "fp32"
+
+    def ct2_dir(self) -> str:
+        if self._ct2 is None:
+            from .convert import to_ctranslate2
+            self._ct2 = to_ctranslate2(self.model_dir, os.path.join(self.work, "ct2"))
+        return self._ct2
+
+    def ours(self, group: str, size: int | None):
+        on = dict(device=self.device, precision=self.precision)
+        if group == "batch1":
+            return ours_go(self.model_dir, os.cpu_count() or 1, True, **on)
+        kw = {} if size is None else {"max_tokens": size, "max_sentences": max(size // 8, 1)}
+        return ours_go(self.model_dir, os.cpu_count() or 1, False, beam=BEAM[group], **on, **kw)
+
+    def ct2(self, compute_type: str, group: str, size: int):
+        run = CT2Run(compute_type=compute_type, beam=BEAM[group], max_batch_size=size, batch1=group == "batch1")
+        if self.device != "cuda":  # CTranslate2's CPU kernels have no float16
+            run = CT2Run(**{**run.__dict__, "compute_type": "float32" if compute_type == "float16" else "int8"})
+        return _plain(ct2_translator(self.ct2_dir(), self.model_dir, run, device=self.device))
+
+    def hf(self, group: str, size: int):
+        return _plain(hf_translator(self.model_dir, os.cpu_count() or 1, batch=size, beam=BEAM[group],
+                                    device=self.device, half=self.device == "cuda"))
+
+
+class _plain:
+    """A loaded go() as a context, freeing the GPU memory it held on exit."""
+
+    def __init__(self, go):
+        self.go = go
+
+    def __enter__(self):
+        return self.go
+
+    def __exit__(self, *exc):
+        self.go = None
+        torch.cuda.empty_cache()
+
+
+def engine_list(engines: list[str]) -> list[tuple[str, object]]:
+    """[(row engine name, loader(engines, group, size))] of the engines asked for."""
+    out = []
+    if "ours" in engines:
+        out.append(("ours fp16", lambda e, g, s: e.ours(g, s)))
+    if "ct2" in engines:
+        out += [(f"ct2 {t}", lambda e, g, s, t=t: e.ct2(t, g, s)) for t in CT2_TYPES]
+    if "hf" in engines:
+        out.append(("hf fp16", lambda e, g, s: e.hf(g, s)))
+    return out
+
+
+def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tuple[list[dict], dict | None]:
+    """Every engine's sweep in every group: (rows, our best throughput row's profile; None off CUDA)."""
+    lines = {"throughput": (src, ref), "beam4": (src[:a.beam_lines], ref[:a.beam_lines]),
+             "batch1": (src[:a.batch1_lines], ref[:a.batch1_lines])}
+    rows, prof = [], None
+    with tempfile.TemporaryDirectory() as work:
+        eng = Engines(a.model, work, device)
+        for group in GROUPS:
+            s, r = lines[group]
+            words = sum(len(x.split()) for x in s)
+            for name, load in engine_list(a.engines):
+                def run(size, name=name, load=load):
+                    with load(eng, group, size) as go:
+                        out, sec = fastest(go, s, a.passes)
+                    bleu, chrf = scores(out, r)
+                    log(f"{group:10} {name:18} batch {_label(size):>8}: {words / sec:12,.0f} words/s  BLEU {bleu}")
+                    return {"src_words_per_s": round(words / sec, 1), "seconds": round(sec, 4), "bleu": bleu,
+                            "chrf": chrf}
+                rows += [{"group": group, "engine": name, "lines": len(s), "words": words, **row}
+                         for row in sweep(run, SWEEPS[group][name.split()[0]])]
+        top = best(rows, "throughput", "ours")
+        if top is not None and device == "cuda":
+            with eng.ours("throughput", top["batch"]) as go:
+                go(src[:64])
+                prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
+    return rows, prof
+
+
+def _label(size) -> str:
+    return "default" if size is None else str(size)
+
+
+# -- the record --------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    """GPU, driver, torch, CUDA, CTranslate2 and transformers versions (None where absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(p):
+        try:
+            return version(p)
+        except PackageNotFoundError:
+            return None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "ctranslate2": v("ctranslate2"), "transformers": v("transformers")}
+
+
+def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> str:
+    md = [head, ""]
+    for g in GROUPS:
+        ref = best(rows, g, "ct2")
+        md += [f"### {g}", "", "| engine | batch | words/s | x CT2 best | BLEU | chrF |",
+               "|---|---:|---:|---:|---:|---:|"]
+        for r in (x for x in rows if x["group"] == g):
+            if "error" in r:
+                md.append(f"| {r['engine']} | {_label(r['batch'])} | {r['error']} | | | |")
+                continue
+            mark = "**" if r is best(rows, g, r["engine"]) else ""
+            x = ratio(r, ref)
+            md.append(f"| {r['engine']} | {_label(r['batch'])} | {mark}{r['src_words_per_s']:,.0f}{mark} | "
+                      f"{'-' if x is None else f'{x:.2f}'} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
+        md.append("")
+    ratios = ", ".join(f"{SUMMARY_RATIOS[g]} {summ[SUMMARY_RATIOS[g]]}" for g in GROUPS)
+    md.append(f"Ours over CTranslate2's best (bold: each engine's best row): {ratios}.")
+    if prof:
+        md.append(f"GPU busy, ours at its best throughput row (batch {_label(prof['batch'])}): "
+                  f"{100 * prof['gpu_busy']:.0f}% ({prof['kernel_s']:.2f} s of CUDA kernels in a "
+                  f"{prof['wall_s']:.2f} s pass; {100 * prof['busy_under_profiler']:.0f}% of the profiled pass, "
+                  f"{prof['kernels']:,} kernels). "
+                  f"{NOT_PROFILED}.")
+    return "\n".join(md) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     add_test_set_args(p)
-    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--beam-lines", type=cliargs.positive_int, default=2000, help="lines of the beam 4 group")
+    p.add_argument("--batch1-lines", type=cliargs.positive_int, default=100, help="lines of the batch 1 group")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of ours, ct2, hf")
+    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
+                                                   "docs/bench/gpu-DATE-GPU)")
+    p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
+                   help="the summary JSON")
     a = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        print("warning: CUDA is not available; the same rows run on CPU (fp32, no graphs)", file=sys.stderr)
-    src, ref = read_test_set(a)
-    words = sum(len(s.split()) for s in src)
-    dev = "cuda" if cuda else "cpu"
-    trs = {name: Translator(a.model, device=dev, **kw) for name, kw in configurations(cuda)}
-    for tr in trs.values():
-        tr.translate(src[:64])  # warm-up: kernels built, graphs captured once per shape, cuBLAS handles
-    best, outs = {k: float("inf") for k in trs}, {}
-    for _ in range(a.passes):
-        for k, tr in trs.items():
-            t = time.perf_counter()
-            outs[k] = tr.translate(src)  # returns Python strings: the GPU is done
-            best[k] = min(best[k], time.perf_counter() - t)
-    base = next(iter(trs))
-    rows = [dict(configuration=k, words_per_s=round(words / best[k], 1), ratio=round(best[base] / best[k], 3),
-                 bleu=scores(outs[k], ref)[0]) for k in trs]
-    prof_cfg = "fp16, eager" if cuda else "fp32, eager"
-    gemms = gemm_profile(trs[prof_cfg], src[:64])
-    total = sum(g["us"] for g in gemms) or 1.0
-    tc = sum(g["us"] for g in gemms if g["tensor_core"])
-    m = cpu_info()
-    gpu = torch.cuda.get_device_name() if cuda else "none"
-    head = (f"GPU: {gpu}; CPU: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; torch "
-            f"{torch.__version__} (CUDA {torch.version.cuda}). {len(src)} lines ({words} words), fastest of "
-            f"{a.passes} interleaved passes; ratios against the first row.")
-    md = [head, "", "| configuration | words/s | x first row | BLEU |", "|---|---:|---:|---:|"]
-    md += [f"| {r['configuration']} | {r['words_per_s']:,.0f} | {r['ratio']:.3f} | {r['bleu']:.2f} |" for r in rows]
-    md += ["", f"GEMM kernels of one batch of 64 lines, {prof_cfg} greedy"
-           + (f" (tensor-core kernels: {100 * tc / total:.0f}% of GEMM time):" if cuda else " (CPU ops):"),
-           "", "| kernel | calls | time (us) | tensor cores |", "|---|---:|---:|---|"]
-    md += [f"| `{g['kernel'][:110]}` | {g['calls']} | {g['us']:,.0f} | "
-           f"{'-' if g['tensor_core'] is None else 'yes' if g['tensor_core'] else 'no'} |" for g in gemms[:12]]
-    print("\n".join(md))
-    if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out + ".md", "w") as fh:
-            fh.write("\n".join(md) + "\n")
-        with open(a.out + ".json", "w") as fh:
-            json.dump(dict(machine=dict(gpu=gpu, **m, torch=torch.__version__), lines=len(src), words=words,
-                           passes=a.passes, rows=rows, gemm_kernels=gemms), fh, indent=1)
+    a.engines = [x.strip() for x in a.engines.split(",") if x.strip()]
+    bad = [x for x in a.engines if x not in ENGINES]
+    if bad or not a.engines:
+        p.error(f"--engines: unknown engine {bad[0]!r}; choose from {', '.join(ENGINES)}" if bad else
+                "--engines: none given")
+    return a
+
+
+def check(a) -> str | None:
+    """Why this run cannot start (one line), or None."""
+    if not torch.cuda.is_available():
+        return ("tools.bench_gpu needs a CUDA GPU and torch sees none here; the CPU benchmark is "
+                "python -m tools.bench")
+    try:
+        modeldir.read_config(a.model)
+    except modeldir.ModelDirError as e:
+        return str(e)
+    for engine, module in (("ct2", "ctranslate2"), ("hf", "transformers")):
+        if engine in a.engines:
+            try:
+                __import__(module)
+            except ImportError:
+                return f"--engines {engine} needs {module} (pip install {module}), or leave {engine} out of --engines"
+    return None
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    why = check(a)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        src, ref = read_test_set(a)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hw, ver = machine.describe(), versions()
+    line = f"GPU {ver['gpu']} (driver {ver['driver']}, CUDA {ver['cuda']}); CPU {machine.one_line(hw)}"
+    print(line, file=sys.stderr, flush=True)
+    rows, prof = run_all(a, src, ref, lambda m: print(m, file=sys.stderr, flush=True))
+    about = {"gpu": ver["gpu"], "cpu": hw["cpu"], "date": hw["date"],
+             "model": os.path.basename(os.path.abspath(a.model)), "lines": len(src), "versions": ver}
+    summ = summary(rows, prof and prof["gpu_busy"], about)
+    head = (f"{line}. {len(src)} lines ({sum(len(x.split()) for x in src):,} source words); beam 4 on the first "
+            f"{min(a.beam_lines, len(src))}, batch 1 on the first {min(a.batch1_lines, len(src))}; fastest of "
+            f"{a.passes} passes a row.")
+    md = to_markdown(rows, summ, prof, head)
+    print(md)
+    slug = re.sub(r"[^a-z0-9]+", "-", (ver["gpu"] or "gpu").lower()).strip("-")
+    out = a.out or os.path.join("docs", "bench", f"gpu-{hw['date']}-{slug}")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".md", "w") as fh:
+        fh.write(md)
+    with open(out + ".json", "w") as fh:
+        json.dump({"machine": hw, "versions": ver, "sweeps": SWEEPS, "rows": rows, "profile": prof,
+                   "summary": summ, "not_profiled": NOT_PROFILED}, fh, indent=1, default=str)
+    os.makedirs(os.path.dirname(os.path.abspath(a.summary)), exist_ok=True)
+    with open(a.summary, "w") as fh:
+        json.dump([summ], fh, indent=2)
+        fh.write("\n")
+    print(f"wrote {out}.md, {out}.json, {a.summary}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cliargs.run(main))

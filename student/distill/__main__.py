@@ -10,7 +10,11 @@ from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
-from student.distill.pipeline import PRESETS, DistillConfig, run
+from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run
+from student.train import sizing
+
+SIZED = (f"the trainer's for the device: on CPU {sizing.REF_TOKENS} tokens, lr {sizing.REF_LR:g}, "
+         f"{sizing.REF_WARMUP} warm-up steps; on CUDA sized by free GPU memory, python -m student.train --help")
 from student.distill.side import StudentTrainingError
 from student.distill.teachers import TeacherError
 
@@ -26,8 +30,11 @@ def parser() -> argparse.ArgumentParser:
                     "Rerunning the same command skips finished stages; changing an option reruns only the "
                     "stages that depend on it. Launch with torchrun to train with DDP and split the "
                     "shards across ranks.",
-        epilog="Defaults shown are the 'default' preset's (2 CPU cores, about 2 hours); "
-               f"--preset wmt changes them: {json.dumps(PRESETS['wmt'])}",
+        epilog="Defaults shown are the 'default' preset's on CPU (2 cores, about 2 hours); on a GPU the "
+               f"'default' preset changes {json.dumps(DEVICE_DEFAULTS['cuda'])} (target: 20 minutes on one "
+               "H100), its teacher is "
+               f"{AUTO_TEACHER['cuda'][0]} {json.dumps(AUTO_TEACHER['cuda'][1])}, and batches, lr and warm-up "
+               f"are the trainer's GPU sizes; --preset wmt changes them: {json.dumps(PRESETS['wmt'])}",
         argument_default=None)
     cliargs.add_version(p)
     p.add_argument("--preset", default="default", choices=sorted(PRESETS),
@@ -64,13 +71,14 @@ def _teacher_args(p, d: DistillConfig):
                         "(log-probabilities averaged per step)")
     g.add_argument("--teacher-hf", metavar="DIR", help="a local Hugging Face MarianMTModel dir (needs transformers)")
     g.add_argument("--teacher-preset", help=f"model preset of our own teacher (default {d.teacher_preset}: "
-                                            "teacher-big on a GPU, teacher-tiny on CPU)")
+                                            f"{AUTO_TEACHER['cpu'][0]} on CPU, {AUTO_TEACHER['cuda'][0]} "
+                                            f"with {json.dumps(AUTO_TEACHER['cuda'][1])} on a GPU)")
     g.add_argument("--teacher-minutes", type=nonneg_float,
                    help=f"teacher training budget (default {d.teacher_minutes})")
     g.add_argument("--teacher-steps", type=nonneg_int, help="teacher step limit (0 = none)")
     g.add_argument("--teacher-set", action="append", metavar="KEY=VALUE", help="override a teacher model field")
-    g.add_argument("--teacher-lr", type=positive_float, help=f"(default {d.teacher_lr})")
-    g.add_argument("--teacher-warmup", type=positive_int, help=f"(default {d.teacher_warmup})")
+    g.add_argument("--teacher-lr", type=positive_float, help=f"(default {SIZED})")
+    g.add_argument("--teacher-warmup", type=positive_int, help=f"(default {SIZED})")
     g.add_argument("--average-last", type=positive_int,
                    help="the exported teacher is the best on dev of its final weights, averages of them with up "
                         f"to N-1 recent step checkpoints, and best.pt (default {d.average_last})")
@@ -100,8 +108,8 @@ def _student_args(p, d: DistillConfig):
                    help=f"student training budget (default {d.student_minutes})")
     g.add_argument("--student-steps", type=nonneg_int, help="student step limit (0 = none)")
     g.add_argument("--student-set", action="append", metavar="KEY=VALUE", help="override a student model field")
-    g.add_argument("--student-lr", type=positive_float, help=f"(default {d.student_lr})")
-    g.add_argument("--student-warmup", type=positive_int, help=f"(default {d.student_warmup})")
+    g.add_argument("--student-lr", type=positive_float, help=f"(default {SIZED})")
+    g.add_argument("--student-warmup", type=positive_int, help=f"(default {SIZED})")
     g.add_argument("--student-init", choices=["auto", "teacher", "random"],
                    help="start the students from the teacher's weights (embeddings, encoder, first decoder "
                         "layer; docs/distill.md) or from random ones; auto: the teacher's where the teacher is "
@@ -130,7 +138,7 @@ def _training_args(p, d: DistillConfig):
     g = p.add_argument_group("training (teacher and students)")
     cliargs.alias(g, "--max-tokens", g.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int,
-        help=f"padded tokens per batch (default {d.max_tokens})"))
+        help=f"padded tokens per batch (default {SIZED})"))
     g.add_argument("--eval-every", type=nonneg_int,
                    help=f"steps between dev evaluations/step checkpoints (default {d.eval_every})")
     g.add_argument("--save-every", type=nonneg_int,

@@ -108,7 +108,8 @@ class ModelTeacher:
     """
 
     def __init__(self, model_dirs: list[str], beam: int = 4, engine: str = "auto", device: str | None = None,
-                 precision: str = "fp32", max_tokens: int = 6000, max_sentences: int = 64, workers: int = 0):
+                 precision: str = "fp32", max_tokens: int | None = None, max_sentences: int | None = None,
+                 workers: int = 0):
         if isinstance(model_dirs, str):
             model_dirs = [model_dirs]
         if not model_dirs:
@@ -119,7 +120,6 @@ class ModelTeacher:
                 modeldir.read_config(d)
             except modeldir.ModelDirError as e:
                 raise TeacherError(str(e)) from None
-        self.max_tokens, self.max_sentences = max_tokens, max_sentences
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # the lean decoder's precision (fp32 | bf16 | int8 | fp16 | auto); the reference search is fp32
         self.precision = precision
@@ -132,6 +132,7 @@ class ModelTeacher:
         if engine not in ("decoder", "reference"):
             raise TeacherError(f"unknown engine {engine!r}")
         self.engine = engine
+        self.batches = batch_options(engine, self.device.type, max_tokens, max_sentences)
         # the lean decoder's worker processes (decoder/workers.py): the output does not depend on them
         self.workers = workers if engine == "decoder" and self.device.type == "cpu" and workers > 1 else 0
         if engine == "decoder" and precision == "auto":  # resolved now: the identity names what runs
@@ -152,7 +153,8 @@ class ModelTeacher:
         try:
             if self.engine == "decoder":
                 self._translator = self._Translator(self.dirs[0], beam=self.beam, device=str(self.device),
-                                                    precision=self.precision, workers=self.workers)
+                                                    precision=self.precision, workers=self.workers,
+                                                    **self.batches)
                 if self._translator.pool is not None:  # loading the workers is not translation time
                     self._translator.pool.wait_started()
                 return
@@ -194,7 +196,7 @@ class ModelTeacher:
         lens = [len(x) for x in src]
         order = sorted((i for i, x in enumerate(lines) if x.strip()), key=lens.__getitem__)
         out = [""] * len(lines)
-        for idx in pack(order, lens, max(self.max_tokens // self.beam, 1), self.max_sentences):
+        for idx in pack(order, lens, max(self.batches["max_tokens"] // self.beam, 1), self.batches["max_sentences"]):
             s, _, _ = collate(src, None, idx, a.pad_id, a.decoder_start_id, a.eos_id)
             for k, h in zip(idx, search(s.to(self.device))):
                 out[k] = sp.decode(h)
@@ -205,6 +207,25 @@ class ModelTeacher:
             "params": sum(model_dir_size(d)["params"] for d in self.dirs),
             "bytes": sum(model_dir_size(d)["bytes"] for d in self.dirs), "members": len(self.dirs),
             "file": modeldir.WEIGHTS}
+
+
+# The reference ensemble search's batches (padded source tokens x beam, sentences): on CPU what it
+# always used; on a GPU about 8x the tokens and 16x the sentences, the decoder's GPU scale (32k tokens
+# saturated an H100 in the decoder's throughput sweep).
+REFERENCE_BATCHES = {"cpu": (6000, 64), "cuda": (49152, 1024)}
+
+
+def batch_options(engine: str, device_type: str, max_tokens: int | None = None,
+                  max_sentences: int | None = None) -> dict:
+    """The batch settings a model teacher translates with, given ones winning. The lean decoder
+    ("decoder"): on CUDA None for each it is not given, which the decoder reads as its device default
+    (GPU-sized, for the beam); on CPU only the given ones, the decoder's CPU defaults being the measured
+    ones. The reference search ("reference"): REFERENCE_BATCHES for the device, always numbers."""
+    given = {k: v for k, v in (("max_tokens", max_tokens), ("max_sentences", max_sentences)) if v is not None}
+    if engine == "decoder":
+        return {"max_tokens": None, "max_sentences": None, **given} if device_type == "cuda" else given
+    tokens, sentences = REFERENCE_BATCHES["cuda" if device_type == "cuda" else "cpu"]
+    return {"max_tokens": tokens, "max_sentences": sentences, **given}
 
 
 def model_dir_size(model_dir: str) -> dict:

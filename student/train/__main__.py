@@ -13,6 +13,7 @@ from decoder import cliargs
 from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int, positive_float, positive_int
 from student.data import DataError
 from student.model import PRESETS
+from student.train import sizing
 from student.train.average import average, last_checkpoints
 from student.train.init import InitError
 from student.train.trainer import TrainConfig, train
@@ -45,17 +46,24 @@ def train_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     cliargs.alias(g, "--max-tokens", g.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=d.max_tokens,
-        help="padded tokens per batch"))
+        help=f"padded tokens per batch (default: the device's: {sizing.REF_TOKENS} on CPU; on CUDA sized by "
+             f"free GPU memory, {sizing.GPU_FLOOR_TOKENS}-{sizing.GPU_CEILING_TOKENS}; docs/training.md)"))
     cliargs.alias(g, "--max-sentences", g.add_argument(
         "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=d.max_sentences,
-        help="sentences per batch, at most"))
+        help=f"sentences per batch, at most (default: {sizing.REF_SENTENCES} on CPU, tokens / "
+             f"{sizing.MIN_TOKENS_PER_SENTENCE} on CUDA)"))
     g.add_argument("--accum", type=positive_int, default=d.accum, help="batches per optimiser step")
-    g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate")
-    g.add_argument("--warmup", type=positive_int, default=d.warmup)
+    g.add_argument("--lr", type=positive_float, default=d.lr,
+                   help=f"peak learning rate (default: {sizing.REF_LR:g} at {sizing.REF_TOKENS} tokens a batch or "
+                        f"fewer, times sqrt(batch / {sizing.REF_TOKENS}) above, at most {sizing.LR_SCALE_CAP:g}x)")
+    g.add_argument("--warmup", type=positive_int, default=d.warmup,
+                   help=f"warm-up steps (default: {sizing.REF_WARMUP} at {sizing.REF_TOKENS} tokens a batch or fewer; "
+                        f"above, the same {sizing.REF_WARMUP * sizing.REF_TOKENS:,} tokens, at least 100 steps)")
     g.add_argument("--label-smoothing", type=float_range(0.0, 1.0), default=d.label_smoothing)
     g.add_argument("--clip-norm", type=nonneg_float, default=d.clip_norm)
     g.add_argument("--amp", default=d.amp, choices=["auto", "bf16", "fp16", "off"],
-                   help="auto: bf16 on CPUs with AVX512-BF16/AMX, fp16 on CUDA, else fp32")
+                   help="auto: bf16 on CPUs with AVX512-BF16/AMX and on GPUs with bf16, fp16 (loss-scaled) on "
+                        "older GPUs, else fp32; weights and optimiser stay fp32")
     g.add_argument("--seed", type=nonneg_int, default=d.seed)
     g = p.add_argument_group("stopping, evaluation, checkpoints")
     g.add_argument("--max-steps", type=nonneg_int, default=0)

@@ -1,7 +1,8 @@
 """Training speed per configuration: tokens/s of the trainer's steps, side by side in one run.
 
     python -m student.train.speed [--preset teacher-tiny] [--steps 24] [--threads 2]
-                                [--configs fp32,bf16] [--out docs/training-speed.json]
+                                [--configs fp32,bf16] [--batches 3072,auto] [--device cpu|cuda]
+                                [--out docs/training-speed.json]
 
 Each configuration trains the same model from the same seed on the same batches
 (the prepared default corpus, or the corpus `student.train` would use) for
@@ -9,7 +10,10 @@ Each configuration trains the same model from the same seed on the same batches
 oneDNN primitive caches). Configurations run interleaved, --passes times, and
 the fastest pass counts (the machine may be shared). The loss after the last
 step is printed beside each rate, since a fast step that learns differently
-is no gain. The machine line comes from decoder.machine.
+is no gain. --batches times each configuration at several batch sizes (padded
+tokens a step; `auto` = the size the trainer picks on this device,
+student/train/sizing.py): the measurement behind the GPU batch ceiling. The
+machine line comes from decoder.machine.
 """
 from __future__ import annotations
 
@@ -37,22 +41,37 @@ CONFIGS = {
 }
 
 
-def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: bool = False) -> dict:
+def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: bool = False,
+        device: str = "cpu") -> dict:
     """Train `steps` steps from scratch; tokens/s over the steps after `warm`."""
-    t = Trainer(cfg, corpus, torch.device("cpu"), ddp=False)
+    t = Trainer(cfg, corpus, torch.device(device), ddp=False)
     if compile_model:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
         t.net = torch.compile(t.model, dynamic=True)
     t.model.train()
-    batches = make_batches(*t.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0)
+    c = t.cfg  # the sizes the trainer resolved for the device
+    batches = make_batches(*t.train_lens, c.max_tokens, c.max_sentences, c.seed, 0)
     tok, t0 = 0, None
     for i in range(steps):  # Trainer.step alone: its schedule advances itself, nothing else is needed
         if i == warm:
             t0 = time.perf_counter()
-        ntok, loss, _ = t.step(batches[i: i + 1])
+        ntok, loss, _ = t.step(batches[i % len(batches): i % len(batches) + 1])
         if i >= warm:
             tok += ntok
+    if device == "cuda":
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm), "loss": loss}
+    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm), "loss": loss, "max_tokens": t.cfg.max_tokens}
+
+
+def batch_list(text: str) -> list[int | None]:
+    """--batches: comma-separated token budgets; `auto` (None) is the trainer's device default."""
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if x != "auto" and not (x.isdigit() and int(x) > 0):
+            raise argparse.ArgumentTypeError(f"expected positive token counts or 'auto', got {x!r}")
+        out.append(None if x == "auto" else int(x))
+    return out
 
 
 def main(argv=None):
@@ -65,38 +84,54 @@ def main(argv=None):
     p.add_argument("--passes", type=int, default=2, help="interleaved passes; the fastest counts")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--configs", default="fp32,bf16", help=f"comma list of {', '.join(CONFIGS)}")
-    p.add_argument("--max-batch-tokens", type=int, default=TrainConfig.max_tokens)
+    p.add_argument("--batches", type=batch_list, default=[3072],
+                   help="padded tokens a step, comma-separated; 'auto' = the trainer's default on --device")
+    p.add_argument("--max-batch-tokens", type=int, help="one batch size (the same as --batches N)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", help="append the result as JSON to this file")
     a = p.parse_args(argv)
     names = a.configs.split(",")
     bad = [n for n in names if n not in CONFIGS]
     if bad:
         p.error(f"unknown configuration {bad[0]!r}; choose from {', '.join(CONFIGS)}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    batches = [a.max_batch_tokens] if a.max_batch_tokens else a.batches
     torch.set_num_threads(a.threads)
     hw = machine.describe()
     print(machine.one_line(hw), file=sys.stderr)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = TrainConfig(out_dir=tmp, preset=a.preset, max_tokens=a.max_batch_tokens, eval_every=0,
-                           save_every=0, test_at_end=False)
-        corpus = Corpus(base, verbose=False)
-        best: dict[str, dict] = {}
-        for _ in range(a.passes):
-            for n in names:
-                fields, compile_model = CONFIGS[n]
-                r = run(dataclasses.replace(base, **fields), corpus, a.steps, a.warm, compile_model)
-                if n not in best or r["tokens_s"] > best[n]["tokens_s"]:
-                    best[n] = r
-    ref = best[names[0]]["tokens_s"]
-    print(f"| {a.preset}, {a.threads} threads | tokens/s | s/step | x {names[0]} | loss after {a.steps} |")
-    print("|---|---:|---:|---:|---:|")
-    for n in names:
-        r = best[n]
-        print(f"| {n} | {r['tokens_s']:,.0f} | {r['s_per_step']:.2f} | {r['tokens_s'] / ref:.2f} | {r['loss']:.3f} |")
+    best = measure(a, names, batches)
+    first = next(iter(best))
+    ref = best[first]["tokens_s"]
+    print(f"| {a.preset}, {a.device}, {a.threads} threads | tokens a step | tokens/s | s/step | x {first} | "
+          f"loss after {a.steps} |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, r in best.items():
+        print(f"| {n} | {r['max_tokens']:,} | {r['tokens_s']:,.0f} | {r['s_per_step']:.2f} | {r['tokens_s'] / ref:.2f} "
+              f"| {r['loss']:.3f} |")
     if a.out:
-        row = {"preset": a.preset, "threads": a.threads, "steps": a.steps, "machine": hw,
+        row = {"preset": a.preset, "threads": a.threads, "steps": a.steps, "device": a.device, "machine": hw,
                "date": time.strftime("%Y-%m-%d"), "results": best}
         old = json.loads(open(a.out).read()) if os.path.exists(a.out) else []
         durable.write_json(a.out, old + [row])
+
+
+def measure(a, names: list[str], batches: list[int | None]) -> dict[str, dict]:
+    """{row name: the fastest pass}, a row per configuration and batch size, passes interleaved."""
+    best: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = TrainConfig(out_dir=tmp, preset=a.preset, eval_every=0, save_every=0, test_at_end=False)
+        corpus = Corpus(base, verbose=False)
+        for _ in range(a.passes):
+            for n in names:
+                for b in batches:
+                    fields, compile_model = CONFIGS[n]
+                    key = n if len(batches) == 1 else f"{n}, {'auto' if b is None else b} tokens"
+                    cfg = dataclasses.replace(base, max_tokens=b, **fields)
+                    r = run(cfg, corpus, a.steps, a.warm, compile_model, a.device)
+                    if key not in best or r["tokens_s"] > best[key]["tokens_s"]:
+                        best[key] = r
+    return best
 
 
 if __name__ == "__main__":

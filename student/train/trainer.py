@@ -12,7 +12,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import sentencepiece as spm
 import torch
@@ -25,6 +25,7 @@ from decoder.machine import cpu_info, has_native_bf16
 from student import chart
 from student.data import normalise, prepare
 from student.model import Transformer, preset
+from student.train import sizing
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
 from student.train.init import init_from_teacher
@@ -49,20 +50,23 @@ class TrainConfig:
     dev_tgt: str | None = None    # default: the corpus' own (student.data)
     test_src: str | None = None
     test_tgt: str | None = None
-    # optimisation: the defaults are the measured teacher-tiny recipe of docs/training.md
-    # (student.distill takes its teacher and student defaults from here)
-    max_tokens: int = 3072
-    max_sentences: int = 256
+    # optimisation: None = the device's default (sizing.py, resolved once when training starts):
+    # on CPU the measured teacher-tiny recipe of docs/training.md (3,072 tokens, 256 sentences,
+    # lr 2e-3, 400 warm-up steps); on CUDA a batch sized by free GPU memory, lr and warm-up scaled
+    # to it. student.distill takes its teacher and student defaults from here
+    max_tokens: int | None = None
+    max_sentences: int | None = None
     accum: int = 1
-    lr: float = 2e-3
-    warmup: int = 400
+    lr: float | None = None
+    warmup: int | None = None
     betas: tuple = (0.9, 0.98)
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
     # off | auto | bf16 | fp16. auto: bf16 autocast where the CPU has native bf16 (1.35x the
     # tokens/s of fp32 for teacher-tiny on an AVX512-BF16 EPYC, student/train/speed.py), fp32 on
-    # other CPUs (docs/training.md's measured recipe), fp16 with a scaler on CUDA
+    # other CPUs (docs/training.md's measured recipe); on CUDA bf16 where the GPU supports it,
+    # else fp16 with a gradient scaler (sizing.amp_dtype_for)
     amp: str = "auto"
     seed: int = 1
     # stopping
@@ -246,22 +250,45 @@ def load_corpus(cfg: TrainConfig, ddp: bool) -> Corpus:
 
 def autocast_setup(amp: str, device: torch.device):
     """(autocast dtype or None, GradScaler or None) for cfg.amp on this device."""
-    if device.type == "cpu" and (amp == "bf16" or (amp == "auto" and cpu_has_bf16())):
-        return torch.bfloat16, None
-    if device.type == "cuda" and amp in ("auto", "fp16"):
-        return torch.float16, torch.amp.GradScaler("cuda")
-    if device.type == "cuda" and amp == "bf16":
-        return torch.bfloat16, None
-    return None, None
+    cuda = device.type == "cuda"
+    dtype, scaled = sizing.amp_dtype_for(amp, device.type, cpu_bf16=not cuda and cpu_has_bf16(),
+                                         cuda_bf16=cuda and torch.cuda.is_bf16_supported())
+    return dtype, torch.amp.GradScaler("cuda") if scaled else None
+
+
+SIZE_FIELDS = ("max_tokens", "max_sentences", "lr", "warmup")
+
+
+def resolve_sizes(cfg: TrainConfig, device: torch.device, vocab_size: int,
+                  saved: dict | None = None) -> tuple[TrainConfig, str]:
+    """cfg with its batch, lr and warm-up decided for this device (sizing.resolve), and the line
+    saying how. A resumed run keeps the sizes it started with (`saved`, its sizes.json): its data
+    position indexes batches of that size, whatever the GPU's free memory is now."""
+    given = {k: getattr(cfg, k) for k in SIZE_FIELDS}
+    if saved:
+        given = {k: saved[k] if given[k] is None else given[k] for k in SIZE_FIELDS}
+    free = None
+    if device.type == "cuda":
+        free = torch.tensor(torch.cuda.mem_get_info(device)[0], device=device)
+        if dist.is_available() and dist.is_initialized():  # DDP ranks step in lockstep: one batch size
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        free = int(free)
+    shape = sizing.Shape.of(preset(cfg.preset, vocab_size=vocab_size, **cfg.model_overrides))
+    sz = sizing.resolve(device.type, free, shape, beta2=cfg.betas[1], **given)
+    why = "sizes of the run being resumed" if saved else sz.why
+    return replace(cfg, **{k: getattr(sz, k) for k in SIZE_FIELDS}), (
+        f"batch: {why}; at most {sz.max_sentences} sentences; peak lr {sz.lr:.3g}, {sz.warmup} warm-up steps")
 
 
 class Trainer:
     """One run's model, optimizer and progress (`state`, all of it in each checkpoint)."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus, device: torch.device, ddp: bool):
-        self.cfg, self.corpus, self.device, self.ddp = cfg, corpus, device, ddp
         self.rank, self.world = dist_info()
         self.verbose = self.rank == 0
+        self.last_path = os.path.join(cfg.out_dir, "last.pt")
+        cfg = self.decide_sizes(cfg, device, corpus.sp.get_piece_size())
+        self.cfg, self.corpus, self.device, self.ddp = cfg, corpus, device, ddp
         self.train_lens = ([len(x) for x in corpus.train["src"]], [len(x) + 1 for x in corpus.train["tgt"]])
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -275,7 +302,6 @@ class Trainer:
                                     weight_decay=cfg.weight_decay)
         self.state = {"step": 0, "epoch": 0, "batch_idx": 0, "best_bleu": -1.0, "bad_evals": 0,
                       "train_seconds": 0.0, "tokens": 0, "history": [], "losses": []}
-        self.last_path = os.path.join(cfg.out_dir, "last.pt")
         self.best_path = os.path.join(cfg.out_dir, "best.pt")
         if self.rank == 0:
             for f in remove_stale_tmp(cfg.out_dir):
@@ -289,6 +315,17 @@ class Trainer:
         if ddp:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def decide_sizes(self, cfg: TrainConfig, device: torch.device, vocab_size: int) -> TrainConfig:
+        """cfg resolved by resolve_sizes, said in one line and kept in OUT/sizes.json for a resume."""
+        path = os.path.join(cfg.out_dir, "sizes.json")
+        saved = _read_json(path) if os.path.exists(self.last_path) else None
+        cfg, line = resolve_sizes(cfg, device, vocab_size, saved)
+        if self.verbose:
+            print(line, flush=True)
+            if cfg.out_dir and os.path.isdir(cfg.out_dir):
+                durable.write_json(path, {k: getattr(cfg, k) for k in SIZE_FIELDS})
+        return cfg
 
     def resume(self):
         ck = torch.load(self.last_path, map_location="cpu", weights_only=True)
@@ -509,6 +546,14 @@ def _prune_step_checkpoints(out_dir: str, keep: int):
     cks = sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt-") and f.endswith(".pt"))
     for f in cks[:-keep] if keep else cks:
         os.remove(os.path.join(out_dir, f))
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 def _to_tuple(x):

@@ -1,0 +1,148 @@
+"""tools/bench_gpu.py without a GPU: the sweep, the best rows, the summary's keys and ratios from
+fake rows, the GPU-busy arithmetic, the table, the refusal without CUDA and --help."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from tools import bench_gpu
+from tools.bench import SUMMARY_RATIOS
+
+
+def row(group, engine, batch, wps):
+    return {"group": group, "engine": engine, "batch": batch, "src_words_per_s": wps, "seconds": 1.0,
+            "bleu": 20.0, "chrf": 40.0}
+
+
+ROWS = [row("throughput", "ours fp16", None, 20_000), row("throughput", "ours fp16", 32768, 120_000),
+        row("throughput", "ours fp16", 65536, 110_000),
+        row("throughput", "ct2 float16", 32768, 60_000), row("throughput", "ct2 int8_float16", 32768, 50_000),
+        row("throughput", "hf fp16", 256, 30_000),
+        row("beam4", "ours fp16", 8192, 26_000), row("beam4", "ct2 float16", 4096, 13_000),
+        row("beam4", "ct2 int8_float16", 4096, 17_000),
+        row("batch1", "ours fp16", 1, 1_000), row("batch1", "ct2 float16", 1, 2_000),
+        {"group": "throughput", "engine": "ct2 float16", "batch": 65536, "error": "out of memory"}]
+
+
+def test_sweep_records_every_size_and_stops_at_the_first_out_of_memory():
+    seen = []
+
+    def run(size):
+        seen.append(size)
+        if size == 4:
+            raise RuntimeError("CUDA failed with error out of memory")
+        return {"src_words_per_s": size * 10.0}
+    rows = bench_gpu.sweep(run, [1, 2, 4, 8])
+    assert seen == [1, 2, 4]  # larger sizes would only need more memory
+    assert rows == [{"batch": 1, "src_words_per_s": 10.0}, {"batch": 2, "src_words_per_s": 20.0},
+                    {"batch": 4, "error": "out of memory"}]
+
+
+def test_sweep_raises_errors_that_are_not_out_of_memory():
+    def run(size):
+        raise ValueError("bad model")
+    with pytest.raises(ValueError):
+        bench_gpu.sweep(run, [1, 2])
+
+
+def test_best_row_per_engine_skips_failed_rows_and_groups_compute_types():
+    assert bench_gpu.best(ROWS, "throughput", "ours")["batch"] == 32768
+    assert bench_gpu.best(ROWS, "throughput", "ct2")["engine"] == "ct2 float16"  # either compute type
+    assert bench_gpu.best(ROWS, "beam4", "ct2")["engine"] == "ct2 int8_float16"
+    assert bench_gpu.best(ROWS, "beam4", "ct2 float16")["src_words_per_s"] == 13_000
+    assert bench_gpu.best(ROWS, "batch1", "hf") is None
+
+
+def test_summary_has_the_cpu_bench_keys_and_ratios_of_the_best_rows():
+    s = bench_gpu.summary(ROWS, 0.42, {"gpu": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11"}})
+    assert set(SUMMARY_RATIOS.values()) <= set(s)
+    assert s["device"] == "cuda" and s["gpu"] == "NVIDIA H100 80GB HBM3" and s["gpu_busy"] == 0.42
+    assert s["src_words_per_s"] == 120_000  # our best throughput row, not the default-batch row
+    assert s["throughput_vs_ct2_best"] == 2.0
+    assert s["beam4_vs_ct2"] == round(26_000 / 17_000, 3)  # against CT2's best compute type
+    assert s["batch1_vs_ct2"] == 0.5
+    assert s["vs_ct2_float16"]["beam4"] == 2.0
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_summary_without_a_ct2_row_has_no_ratio():
+    s = bench_gpu.summary([r for r in ROWS if not r["engine"].startswith("ct2")], None, {})
+    assert s["throughput_vs_ct2_best"] is None and s["src_words_per_s"] == 120_000
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals_over_the_wall():
+    assert bench_gpu.union_length([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25  # overlaps count once
+    assert bench_gpu.busy_fraction([(0, 10), (5, 15), (20, 30)], 100) == 0.25
+    assert bench_gpu.busy_fraction([(0, 200)], 100) == 1.0
+    assert bench_gpu.busy_fraction([], 100) == 0.0 and bench_gpu.busy_fraction([(0, 1)], 0) == 0.0
+
+
+def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
+    s = bench_gpu.summary(ROWS, 0.42, {})
+    prof = {"batch": 32768, "gpu_busy": 0.42, "kernel_s": 1.0, "wall_s": 2.4, "busy_under_profiler": 0.3,
+            "kernels": 1000}
+    md = bench_gpu.to_markdown(ROWS, s, prof, "head")
+    assert "| ours fp16 | 32768 | **120,000** | 2.00 |" in md
+    assert "| ours fp16 | default | 20,000 | 0.33 |" in md
+    assert "| ct2 float16 | 65536 | out of memory |" in md
+    assert "GPU busy" in md and "42%" in md and "torch.profiler does not see" in md
+    assert "throughput_vs_ct2_best 2.0" in md
+
+
+def test_every_engine_has_a_sweep_in_every_group():
+    for g in ("throughput", "beam4", "batch1"):
+        for e in bench_gpu.ENGINES:
+            sizes = bench_gpu.SWEEPS[g][e]
+            rest = [s for s in sizes if s is not None]
+            assert rest == sorted(rest) and len(set(sizes)) == len(sizes), (g, e)
+    assert [n for n, _ in bench_gpu.engine_list(["ours", "ct2", "hf"])] == \
+        ["ours fp16", "ct2 float16", "ct2 int8_float16", "hf fp16"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_refuses_without_cuda_in_one_error_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "--model", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "CUDA" in lines[0]
+
+
+def test_help_and_an_unknown_engine(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--engines" in out and "(default: ours,ct2,hf)" in out
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.parse_args(["--model", "x", "--engines", "ours,marian"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "unknown engine 'marian'" in err[-1]
+
+
+def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
+    """run_all on CPU with one size a sweep: the code path a GPU run takes (loading, the sweep,
+    BLEU, the rows), minus CUDA; CTranslate2 where installed (transformers is left out: its import
+    alone takes seconds, and its loader is tools.bench's on CPU)."""
+    import argparse
+    from fixture_model import make_model_dir, synthetic_corpus
+    engines = ["ours"] + (["ct2"] if __import__("importlib").util.find_spec("ctranslate2") else [])
+    model = make_model_dir(tmp_path / "model", seed=4)
+    lines = synthetic_corpus(6, seed=2)
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {g: {e: sizes[:1] if g != "throughput" or e != "ours" else (None, 512)
+                                                  for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
+    monkeypatch.setattr(bench_gpu, "CT2_TYPES", ("float16",))  # int8_float16: one more compute type string
+    a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2)
+    rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
+    assert prof is None
+    names = {r["engine"] for r in rows}
+    assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
+    assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
+    assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}
+    if "ct2" in engines:
+        assert "ct2 float16" in names
+    s = bench_gpu.summary(rows, None, {})
+    assert s["src_words_per_s"] == bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"]

@@ -1,0 +1,58 @@
+"""tools/gpu_session.sh without a GPU: it parses, refuses an unknown stage and a machine without
+CUDA in one error line each, and the options it hands the kit's commands are ones they take."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
+
+
+def sh(*args, **env):
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PY": sys.executable, **env})
+
+
+def test_script_parses_and_refuses_an_unknown_stage(tmp_path):
+    assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
+    r = sh("build", "trian", OUT=str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "error: unknown stage 'trian' (stages: build test speed train bench distill)"
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_script_refuses_a_machine_without_cuda(tmp_path):
+    r = sh(OUT=str(tmp_path / "out"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "CUDA" in lines[0]
+
+
+def _command(stage: str, module: str) -> list[str]:
+    """The options the script's `stage_<stage>` passes to `python -m <module>` (shell variables as
+    placeholders)."""
+    text = open(SCRIPT).read()
+    body = re.search(rf"^stage_{stage}\(\) {{\n(.*?)^}}", text, re.S | re.M).group(1).replace("\\\n", " ")
+    line = re.search(rf"\$PY -m {re.escape(module)} (.*?)(?:\|\||$)", body, re.M).group(1)
+    return [re.sub(r"\$\{?\(?[^ ]*", "X", w) if "$" in w else w for w in shlex.split(line)]
+
+
+def test_train_stage_options_are_the_trainers():
+    from student.train.__main__ import train_parser
+    a = train_parser().parse_args([x if x != "X" else "2.5" for x in _command("train", "student.train")])
+    assert a.preset == "student-6-1" and a.max_tokens is None  # the trainer sizes the batch for the GPU
+
+
+def test_speed_and_bench_stage_options_are_the_tools():
+    from student.train.speed import batch_list
+    opts = _command("speed", "student.train.speed")
+    assert batch_list(opts[opts.index("--batches") + 1])[-1] is None and opts[opts.index("--device") + 1] == "cuda"
+    from tools.bench_gpu import parse_args
+    a = parse_args(_command("bench", "tools.bench_gpu"))
+    assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2

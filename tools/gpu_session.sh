@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# tools/gpu_session.sh [STAGE ...]: the kit's GPU checks and measurements on a fresh CUDA machine,
+# one command. Stages, in this order (default: all of them):
+#   build    compile the fused CPU ops and the CUDA kernels; say which loaded        (~1 min)
+#   test     pytest tests/test_decoder_gpu.py tests/test_fused_ops.py tests/test_shortlist.py
+#   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
+#   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
+#   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~8 min)
+#   distill  the default `make distill` path (python -m student.distill), timed      (target 20 min)
+# Everything it writes goes under $OUT (default runs/gpu-session): one log per stage, timings.tsv
+# (stage, seconds, exit status), the bench's tables and summary, the trainer's and the distillation's
+# reports. Stages are independent where they can be: bench uses BENCH_MODEL, else the train stage's
+# model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
+# Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present), TRAIN_MINUTES (2.5),
+# BENCH_LINES (10000), BENCH_MODEL, DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
+# Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PY:-python3}
+OUT=${OUT:-$ROOT/runs/gpu-session}
+TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
+BENCH_LINES=${BENCH_LINES:-10000}
+DISTILL_NAME=${DISTILL_NAME:-gpu-default}
+STUDENT=$ROOT/runs/gpu-student
+ALL=(build test speed train bench distill)
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
+for s in "${STAGES[@]}"; do
+  case " ${ALL[*]} " in *" $s "*) ;; *) echo "error: unknown stage '$s' (stages: ${ALL[*]})" >&2; exit 2;; esac
+done
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+  echo "error: torch sees no CUDA GPU here; tools/gpu_session.sh is for a GPU machine" >&2; exit 2; }
+mkdir -p "$OUT"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${KIT_DATA_DIR:-}" ] && [ -d "$ROOT/data" ]; then export KIT_DATA_DIR=$ROOT/data; fi
+
+say() { echo "[gpu_session $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log" >&2; }
+
+# Wheels carried in .whl/ (no network on a lent machine), into a private site dir.
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  SITE=${TMPDIR:-/tmp}/kit-site
+  $PY -m pip install -q --no-index --no-deps --target "$SITE" "$ROOT"/.whl/*.whl && export PYTHONPATH=$PYTHONPATH:$SITE
+fi
+# CTranslate2's PyPI wheel wants libcublas.so.12; a CUDA 13 torch ships libcublas.so.13. Same API for
+# what CTranslate2 calls: offer the 13 under the 12 name, only where no 12 is found.
+if ! $PY -c "import ctypes; ctypes.CDLL('libcublas.so.12')" 2>/dev/null; then
+  LIB=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
+print(next(iter(sorted(glob.glob(d + '/nvidia/*/lib/libcublas.so.1[3-9]*'))), ''))" 2>/dev/null)
+  if [ -n "$LIB" ]; then
+    LINKS=${TMPDIR:-/tmp}/kit-cublas12; mkdir -p "$LINKS"
+    for f in libcublas libcublasLt; do
+      ln -sf "$(ls "$(dirname "$LIB")"/$f.so.1[3-9]* | head -1)" "$LINKS/$f.so.12"
+    done
+    export LD_LIBRARY_PATH=$LINKS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+fi
+
+# run NAME CMD...: CMD's output in $OUT/NAME.log, its seconds and exit status in timings.tsv.
+run() {
+  local name=$1; shift
+  say "$name: $*"
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$((SECONDS - t0))" "$rc" >>"$OUT/timings.tsv"
+  tail -n 5 "$OUT/$name.log" >&2
+  say "$name: exit $rc after $((SECONDS - t0)) s"
+  return $rc
+}
+
+stage_build() {
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  run build $PY -c "
+import torch
+from decoder import ops
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0))
+print('fused CPU ops loaded:', ops.available())
+print('CUDA kernels loaded:', ops.cuda_available())
+"
+}
+
+stage_test() {
+  run test $PY -m pytest -q -p no:cacheprovider tests/test_decoder_gpu.py tests/test_fused_ops.py \
+    tests/test_shortlist.py --junitxml="$OUT/test.xml"
+}
+
+stage_speed() {
+  run speed $PY -m student.train.speed --device cuda --preset student-6-1 --configs bf16 \
+    --batches 3072,12288,24576,49152,auto --steps 40 --warm 8 --passes 1 --out "$OUT/training-speed.json"
+}
+
+stage_train() {
+  run train $PY -m student.train --preset student-6-1 --out "$STUDENT" --max-minutes "$TRAIN_MINUTES" \
+    --eval-every 200 --dev-max 300 || return
+  run export $PY -m student.export "$STUDENT/best.pt" "$STUDENT/model" || return
+  mkdir -p "$OUT/train" && cp "$STUDENT/metrics.json" "$STUDENT/sizes.json" "$OUT/train/"
+}
+
+stage_bench() {
+  local model=${BENCH_MODEL:-$STUDENT/model}
+  [ -d "$model" ] || { say "bench: no model dir $model (run the train stage or set BENCH_MODEL)"; return 2; }
+  run bench-data $PY -c "
+import sys
+from decoder import durable
+from student.data import prepare
+src, tgt = prepare('bible-en-es', verbose=False).read('train')
+n = int(sys.argv[1])
+durable.write_lines('$ROOT/runs/gpu-bench.en', src[:n])
+durable.write_lines('$ROOT/runs/gpu-bench.es', tgt[:n])
+" "$BENCH_LINES" || return
+  mkdir -p "$OUT/bench"
+  run bench $PY -m tools.bench_gpu --model "$model" --src "$ROOT/runs/gpu-bench.en" --ref "$ROOT/runs/gpu-bench.es" \
+    --passes 2 --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" --summary "$OUT/bench/summary-gpu.json"
+}
+
+stage_distill() {
+  # shellcheck disable=SC2086  # DISTILL_ARGS is a list of options
+  run distill $PY -m student.distill --name "$DISTILL_NAME" ${DISTILL_ARGS:-}
+  local rc=$? d=$ROOT/runs/$DISTILL_NAME
+  mkdir -p "$OUT/distill"
+  for f in report.md report.json manifest.json; do [ -f "$d/$f" ] && cp "$d/$f" "$OUT/distill/"; done
+  return $rc
+}
+
+status=0
+for s in "${STAGES[@]}"; do
+  "stage_$s" || status=1
+done
+say "done (timings: $OUT/timings.tsv)"
+exit $status
