@@ -377,7 +377,7 @@ def is_allocation_failure(e: BaseException) -> bool:
     torch.OutOfMemoryError, a RuntimeError too, on CUDA), not a bad file."""
     text = str(e).lower()
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
-        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
+        isinstance(e, RuntimeError) and any(x in text for x in ("can't allocate memory", "not enough memory", "out of memory")))
 
 
 def check_weights(weights: dict, where: str) -> None:
