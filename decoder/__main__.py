@@ -23,7 +23,7 @@ MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
@@ -69,7 +69,11 @@ def parse_args(argv=None):
     for o in OPTIMISATIONS:
         g.add_argument("--" + o.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=o.default,
                        help=f"{o.label}; off: {o.replaces}")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
 
 
 def reading_mode(a, stdin) -> dict:
