@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         if not is_allocation_failure(e):
             raise
         print(f"error: {a.model}: not enough memory to load the model ({first_line(e)})", file=sys.stderr)
-        return 1
+        return 2
     if not a.quiet:
         print(describe(tr, a.precision), file=sys.stderr, flush=True)
     with tr, src:

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import typing
 
 from .modeldir import MAX_POSITIONS
 
@@ -124,6 +125,17 @@ positive_int = int_range(1)
 nonneg_int = int_range(0)
 positive_float = _ranged(float, 0.0, None, above=True)
 nonneg_float = float_range(0.0)
+
+
+class Refused(SystemExit):
+    """An option refused after parsing, by an entry point's check of what the run can do:
+    its one `error:` line is printed, the status is 2. A SystemExit, as argparse's own
+    refusals, for a caller of the check; a main() returns 2 for it."""
+
+
+def refuse(message) -> "typing.NoReturn":
+    print(f"error: {message}", file=sys.stderr)
+    raise Refused(2)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -124,7 +124,7 @@ def test_a_model_that_cannot_be_allocated_is_one_error_line(tmp_path, capsys, mo
         return torch.empty(1 << 62, dtype=torch.uint8)
     monkeypatch.setattr(model_module, "sinusoidal_table", table_too_big)
     (tmp_path / "in.txt").write_text("hello\n")
-    assert main(["--model", FIXTURE, "-q", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 1
+    assert main(["--model", FIXTURE, "-q", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {FIXTURE}: not enough memory to load the model ("), err
     assert not (tmp_path / "out.txt").exists()

@@ -277,7 +277,7 @@ def test_convert_options_are_accepted_or_one_error_line(tmp_path_factory, words)
 
 # -- each CLI calls its option check first ------------------------------------------------------
 
-class Refused(Exception):
+class Checked(Exception):
     pass
 
 
@@ -290,10 +290,10 @@ def test_each_cli_calls_its_option_check_before_any_work(module, monkeypatch, tm
 
     def check(argv):
         seen.append(argv)
-        raise Refused
+        raise Checked
     monkeypatch.setattr(mod, "options", check)
     argv = ["--out", str(tmp_path / "x")] if "convert" not in module else ["--to", "hf", FIXTURE, str(tmp_path / "x")]
-    with pytest.raises(Refused):
+    with pytest.raises(Checked):
         mod.main(argv)
     assert seen == [argv] and not os.listdir(tmp_path)
 

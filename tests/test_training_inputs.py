@@ -40,9 +40,9 @@ def test_parallel_files_of_different_line_counts_are_one_error_line_before_any_w
     (tmp_path / "a").write_text("one\ntwo\nthree\n")
     (tmp_path / "b").write_bytes(gzip.compress(b"uno\ndos"))  # gzipped, no final newline: 2 lines
     opt = f"--{pair}-" if pair else "--"
-    with pytest.raises(SystemExit) as e:
-        main(["--out", str(tmp_path / "out"), f"{opt}src", str(tmp_path / "a"), f"{opt}tgt", str(tmp_path / "b")])
-    assert e.value.code == 2 and not no_training
+    assert main(["--out", str(tmp_path / "out"), f"{opt}src", str(tmp_path / "a"),
+                 f"{opt}tgt", str(tmp_path / "b")]) == 2
+    assert not no_training
     assert error_lines(capsys) == [f"error: {opt}src {tmp_path / 'a'} has 3 lines but {opt}tgt {tmp_path / 'b'} "
                                    f"has 2: the pairs must be line-aligned"]
     assert not (tmp_path / "out").exists()
@@ -70,16 +70,14 @@ def test_line_count_is_the_readers_count(tmp_path, content):
 def test_a_model_the_decoder_could_not_load_is_refused_before_any_work(tmp_path, capsys, no_training,
                                                                         setting, message):
     from student.train.__main__ import main
-    with pytest.raises(SystemExit) as e:
-        main(["--out", str(tmp_path / "out"), "--set", setting])
+    assert main(["--out", str(tmp_path / "out"), "--set", setting]) == 2
     err = error_lines(capsys)
-    assert e.value.code == 2 and not no_training and len(err) == 1 and message in err[0], err
+    assert not no_training and len(err) == 1 and message in err[0], err
 
 
 def test_a_bad_init_from_model_dir_is_refused_before_any_work(tmp_path, capsys, no_training):
     from student.train.__main__ import main
-    with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "nothing")])
+    assert main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "nothing")]) == 2
     assert error_lines(capsys) == [f"error: {tmp_path / 'nothing'}: model dir does not exist"] and not no_training
 
 

@@ -169,8 +169,7 @@ def options(argv) -> DistillConfig:
         cfg = DistillConfig.from_preset(a.preset, **opts)
         check(cfg)
     except (ValueError, ModelDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        cliargs.refuse(e)
     return cfg
 
 
@@ -197,7 +196,10 @@ def check(cfg: DistillConfig) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = options(argv)
+    try:
+        cfg = options(argv)
+    except cliargs.Refused:
+        return 2
     try:
         rep = run(cfg)
     except (TeacherError, DataError, ModelDirError, ValueError, FileNotFoundError, StudentTrainingError) as e:

@@ -132,8 +132,7 @@ def options(argv) -> argparse.Namespace:
         if os.path.exists(a.out) and not os.path.isdir(a.out):
             raise ValueError(f"--out {a.out}: exists and is not a directory")
     except (ValueError, ModelDirError, DataError, OSError, EOFError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        cliargs.refuse(e)
     return a
 
 
@@ -205,7 +204,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
         return average_main(argv[1:])
-    a = options(argv)
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
     overrides = a.overrides
     cfg = TrainConfig(out_dir=a.out, preset=a.preset, model_overrides=overrides, corpus=a.corpus,
                       src=a.src, tgt=a.tgt, src_lang=a.src_lang, tgt_lang=a.tgt_lang,

@@ -97,8 +97,7 @@ def options(argv) -> argparse.Namespace:
     try:
         check(a)
     except EvalError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        cliargs.refuse(e)
     return a
 
 
@@ -182,7 +181,10 @@ def load_testset(a, models):
 
 
 def main(argv=None) -> int:
-    a = options(argv)
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
     from . import evaluate, replot
     if a.replot:
         try:

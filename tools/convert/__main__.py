@@ -55,13 +55,15 @@ def options(argv) -> argparse.Namespace:
     elif a.spm and not os.path.isfile(a.spm):
         why = f"--spm {a.spm}: no such file"
     if why:
-        print(f"error: {why}", file=sys.stderr)
-        raise SystemExit(2)
+        cliargs.refuse(why)
     return a
 
 
 def main(argv=None) -> int:
-    a = options(argv)
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # stderr keeps to warnings and the one error line
