@@ -20,7 +20,7 @@ import math
 import os
 import signal
 import sys
-import typing
+from typing import NoReturn
 
 from .modeldir import MAX_POSITIONS
 
@@ -133,7 +133,7 @@ class Refused(SystemExit):
     refusals, for a caller of the check; a main() returns 2 for it."""
 
 
-def refuse(message) -> "typing.NoReturn":
+def refuse(message) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise Refused(2)
 

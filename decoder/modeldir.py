@@ -46,6 +46,8 @@ MAX_FFN_DIM = 1 << 17        # 131,072
 MAX_HEADS = 1 << 10          # 1,024
 MAX_LAYERS = 1 << 10         # 1,024 per stack
 MAX_POSITIONS = 1 << 16      # 65,536 tokens: a line cap of 16 MiB, a position table of at most 4 GiB
+# spm.model is read whole by SentencePiece; a 256k-piece model is about 5 MB
+MAX_SPM_BYTES = 64 << 20
 
 
 def read_json(path: str, limit: int = MAX_CONFIG_BYTES, what: str = "JSON file"):
@@ -337,8 +339,9 @@ def load(model_dir: str, device: str = "cpu"):
     cfg = read_config(model_dir)
     wpath, spath = os.path.join(model_dir, WEIGHTS), os.path.join(model_dir, SPM)
     for p in (wpath, spath):
-        if not os.path.isfile(p):
-            raise ModelDirError(f"{p}: missing file")
+        _regular_file(p)
+    if os.path.getsize(spath) > MAX_SPM_BYTES:  # SentencePiece reads the whole file into memory
+        raise ModelDirError(f"{spath}: larger than {MAX_SPM_BYTES:,} bytes, not a SentencePiece model")
     try:
         weights = load_file(wpath, device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
@@ -366,6 +369,15 @@ def load(model_dir: str, device: str = "cpu"):
         raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
                             f"{CONFIG} says {cfg.arch.vocab_size}")
     return cfg, weights, spath
+
+
+def _regular_file(p: str) -> None:
+    """ModelDirError unless p is a regular file: a FIFO or a device (a link to /dev/zero)
+    would block or never end."""
+    if not os.path.lexists(p):
+        raise ModelDirError(f"{p}: missing file")
+    if not os.path.isfile(p):
+        raise ModelDirError(f"{p}: not a regular file")
 
 
 def first_line(e: BaseException) -> str:
@@ -413,8 +425,9 @@ def read_shortlist(model_dir: str, cfg: ModelConfig):
         raise ModelDirError(f"{os.path.join(model_dir, CONFIG)}: no shortlist listed (files.shortlist); "
                             f"build one with python -m student.shortlist")
     path = os.path.join(model_dir, cfg.shortlist)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ModelDirError(f"{path}: missing file (listed as files.shortlist in {CONFIG})")
+    _regular_file(path)
     try:
         t = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

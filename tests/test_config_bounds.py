@@ -140,3 +140,19 @@ def test_weights_that_cannot_be_allocated_are_one_error_line_naming_the_file(mon
         modeldir.load(FIXTURE)
     assert "not enough memory to load the weights" in one_line_naming(e.value, os.path.join(FIXTURE, "model.safetensors"))
 
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "spm.model"])
+def test_weights_or_vocabulary_linked_to_dev_zero_are_refused_without_reading_them(model_copy, name):
+    (model_copy / name).unlink()
+    os.symlink("/dev/zero", model_copy / name)
+    with pytest.raises(ModelDirError) as e:
+        modeldir.load(str(model_copy))
+    assert "not a regular file" in one_line_naming(e.value, model_copy / name)
+
+
+def test_a_sentencepiece_file_over_its_bound_is_refused_before_it_is_read(model_copy, monkeypatch):
+    monkeypatch.setattr(modeldir, "MAX_SPM_BYTES", 1000)  # the fixture's is about 250 KB
+    with pytest.raises(ModelDirError) as e:
+        modeldir.load(str(model_copy))
+    assert "larger than 1,000 bytes" in one_line_naming(e.value, model_copy / "spm.model")

@@ -8,7 +8,7 @@ import sys
 
 from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
-from decoder.modeldir import ModelDirError, read_config
+from decoder.modeldir import MAX_VOCAB, ModelDirError, read_config
 from student.data import DataError
 from student.distill.pipeline import PRESETS, DistillConfig, run
 from student.distill.side import StudentTrainingError
@@ -50,7 +50,7 @@ def _data_args(p, d: DistillConfig):
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest "
                                               f"(default: the corpus' {split} split)")
         g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
-    g.add_argument("--vocab-size", type=positive_int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
+    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB), help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
 

@@ -10,8 +10,8 @@ import shlex
 import sys
 
 from decoder import cliargs, modeldir
-from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int, positive_float, positive_int
-from decoder.modeldir import ModelDirError
+from decoder.cliargs import HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.modeldir import MAX_VOCAB, ModelDirError
 from student.data import DataError
 from student.model import PRESETS
 from student.train.average import average, last_checkpoints
@@ -36,7 +36,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--src", help="user source file (plain or .gz) instead of the embedded corpus")
     g.add_argument("--tgt", help="user target file, same line count as --src")
     g.add_argument("--src-lang"); g.add_argument("--tgt-lang")
-    g.add_argument("--vocab-size", type=positive_int, default=d.vocab_size)
+    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB), default=d.vocab_size)
     g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
                                        "(e.g. a distilled corpus); dev/test stay the corpus'")
     g.add_argument("--train-tgt")
