@@ -388,8 +388,9 @@ def is_allocation_failure(e: BaseException) -> bool:
     """Whether `e` is an allocation that failed (torch raises RuntimeError on CPU,
     torch.OutOfMemoryError, a RuntimeError too, on CUDA), not a bad file."""
     text = str(e).lower()
+    said = any(x in text for x in ("can't allocate memory", "not enough memory", "out of memory"))
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
-        isinstance(e, RuntimeError) and any(x in text for x in ("can't allocate memory", "not enough memory", "out of memory")))
+        isinstance(e, RuntimeError) and said)
 
 
 def check_weights(weights: dict, where: str) -> None:

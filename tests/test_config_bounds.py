@@ -138,7 +138,8 @@ def test_weights_that_cannot_be_allocated_are_one_error_line_naming_the_file(mon
     monkeypatch.setattr(safetensors.torch, "load_file", load_too_big)
     with pytest.raises(ModelDirError) as e:
         modeldir.load(FIXTURE)
-    assert "not enough memory to load the weights" in one_line_naming(e.value, os.path.join(FIXTURE, "model.safetensors"))
+    where = os.path.join(FIXTURE, "model.safetensors")
+    assert "not enough memory to load the weights" in one_line_naming(e.value, where)
 
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoder.cliargs import HelpFormatter, add_version, int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import (HelpFormatter, add_version, int_range, nonneg_float, nonneg_int, positive_float,
+                             positive_int)
 from decoder.modeldir import MAX_VOCAB
 
 from . import DataError, prepare

@@ -266,8 +266,9 @@ def spm_failure(message: str, vocab_size: int) -> str:
     low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", first)
     high = re.search(r"too high \(\d+\)\. Please set it to a value <= (\d+)", first)
     if low:
-        return (f"SentencePiece training failed: --vocab-size {vocab_size:,} has fewer pieces than the "
-                f"{int(low[1]):,} this corpus' characters need (try a larger --vocab-size, at least {int(low[1]):,})")
+        need = int(low[1])
+        return (f"SentencePiece training failed: --vocab-size {vocab_size:,} has fewer pieces than the {need:,} "
+                f"this corpus' characters need (try a larger --vocab-size, at least {need:,})")
     if high:
         return (f"SentencePiece training failed: --vocab-size {vocab_size:,} is more pieces than this corpus "
                 f"yields (try a smaller --vocab-size, at most {int(high[1]):,})")

@@ -50,7 +50,8 @@ def _data_args(p, d: DistillConfig):
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest "
                                               f"(default: the corpus' {split} split)")
         g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
-    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB), help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
+    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB),
+                   help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
 

@@ -10,7 +10,8 @@ import shlex
 import sys
 
 from decoder import cliargs, modeldir
-from decoder.cliargs import HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import (HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float,
+                             positive_int)
 from decoder.modeldir import MAX_VOCAB, ModelDirError
 from student.data import DataError
 from student.model import PRESETS

@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     cliargs.alias(g, "--beam", g.add_argument(
         "--beam-size", dest="beam", type=int_list(1, MAX_BEAM), default="1", metavar="N[,N...]",
         help="comma list of beam sizes (1 = greedy)"))
-    g.add_argument("--threads", type=int_list(1, MAX_THREADS), default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
+    g.add_argument("--threads", type=int_list(1, MAX_THREADS), default=str(len(os.sched_getaffinity(0))),
+                   help="comma list of thread counts")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--mode", default="throughput", choices=["throughput", "latency", "both"],
                    help="latency: one sentence at a time, p50/p90/p99 per sentence")
