@@ -300,7 +300,7 @@ def test_each_cli_calls_its_option_check_before_any_work(module, monkeypatch, tm
 
 # -- /run.sh: its two words, as a process -------------------------------------------------------
 
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=3, **SETTINGS)
 @given(st.lists(st.sampled_from(["CPU-1", "CPU-ALL", "GPU", "latency", "throughput", "0", "-1", "9" * 20,
                                  "nan", "", "cpu-1"]), max_size=3))
 def test_run_sh_gives_one_line_per_input_line_or_one_usage_line(words):
