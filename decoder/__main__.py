@@ -12,8 +12,9 @@ import os
 import sys
 
 from . import cliargs
-from .cliargs import BEAM_MAX_TOKENS, MAX_BEAM, MAX_TOKENS, int_range, nonneg_float, nonneg_int, positive_int
-from .modeldir import ModelDirError
+from .cliargs import (BEAM_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY, MAX_THREADS, MAX_TOKENS, float_range,
+                      int_range, positive_int)
+from .modeldir import ModelDirError, first_line, is_allocation_failure
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
 from .translator import Translator
@@ -22,7 +23,7 @@ MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
@@ -39,7 +40,7 @@ def parse_args(argv=None):
     # on every machine; auto's int8 is faster where it pays and differs on a few lines
     p.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help="auto: fp16 on CUDA; on CPU int8 where it beats fp32 here (measured at start), else fp32")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch intra-op threads")
     p.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0,
                    help="CPU: N processes, each pinned to a core with one thread, fed whole batches "
                         "(same output as one process with --threads 1; often faster than N threads)")
@@ -55,17 +56,24 @@ def parse_args(argv=None):
                         "1 when the input is a terminal (line by line)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no stderr line saying the precision, threads and ISA that run")
-    p.add_argument("--length-penalty", type=nonneg_float, default=1.0)
-    p.add_argument("--max-len-a", type=nonneg_float, default=1.5)
-    p.add_argument("--max-len-b", type=nonneg_int, default=10)
-    p.add_argument("--no-repeat-ngram", type=nonneg_int, default=0,
+    p.add_argument("--length-penalty", type=float_range(0.0, MAX_LENGTH_PENALTY), default=1.0,
+                   help="beam: a hypothesis' score is divided by its length ** this")
+    p.add_argument("--max-len-a", type=float_range(0.0, MAX_LEN), default=1.5,
+                   help="output at most a * source tokens + b tokens (and the model's positions); "
+                        "a cap below one token gives empty lines, one per input line")
+    p.add_argument("--max-len-b", type=int_range(0, MAX_LEN), default=10)
+    p.add_argument("--no-repeat-ngram", type=int_range(0, MAX_LEN), default=0,
                    help="no n-gram of this size twice in one output (0 = off)")
     g = p.add_argument_group("optimisations", "each on or off (decoder/optimisations.py; the defaults are the "
                              "measured best, docs/bench)")
     for o in OPTIMISATIONS:
         g.add_argument("--" + o.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=o.default,
                        help=f"{o.label}; off: {o.replaces}")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
 
 
 def reading_mode(a, stdin) -> dict:
@@ -135,6 +143,11 @@ def main(argv=None) -> int:
         tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
     except (ModelDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if not is_allocation_failure(e):
+            raise
+        print(f"error: {a.model}: not enough memory to load the model ({first_line(e)})", file=sys.stderr)
         return 2
     if not a.quiet:
         print(describe(tr, a.precision), file=sys.stderr, flush=True)

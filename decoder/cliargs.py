@@ -20,6 +20,9 @@ import math
 import os
 import signal
 import sys
+from typing import NoReturn
+
+from .modeldir import MAX_POSITIONS
 
 # the widest beam a command accepts: wider only costs time (100000 ran for
 # minutes before anything was refused)
@@ -33,6 +36,24 @@ MAX_TOKENS = 1536
 BEAM_MAX_TOKENS = 768
 
 
+# Upper bounds of every option without a tighter one of its own: values past them
+# reach no use (a count, a budget, a seed) and break the types they end up in
+# (SentencePiece's and numpy's 32-bit ints, a subprocess timeout in int64
+# nanoseconds: `--timeout 1e300` was an OverflowError after minutes of work).
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e6
+# torch's intra-op threads: more than any machine has; 2**31-1 was accepted and
+# would have started that many threads at the first product
+MAX_THREADS = 1024
+# The decoder's search options. Positions are capped by the model dir schema
+# (decoder/modeldir.py MAX_POSITIONS), so an output length cap or an n-gram size
+# past them changes nothing, and they keep a * source tokens + b exact in
+# float32 and int64. The length penalty divides a score by (t + 1) ** penalty:
+# 400 overflowed float64 (OverflowError); at 10, 65,536 ** 10 is 1.5e48.
+MAX_LEN = MAX_POSITIONS
+MAX_LENGTH_PENALTY = 10.0
+
+
 def max_tokens_for(beam: int) -> int:
     """The default padded source tokens per batch of a search with `beam`."""
     return MAX_TOKENS if beam == 1 else BEAM_MAX_TOKENS
@@ -41,40 +62,49 @@ def max_tokens_for(beam: int) -> int:
 def _number(kind, text: str):
     try:
         x = kind(text)
-    except ValueError:
+    except ValueError:  # also int() of more than sys.get_int_max_str_digits() digits
         raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                         f"got {text!r}") from None
+                                         f"got {_short(repr(text))}") from None
     if kind is float and not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {_short(repr(text))}")
     return x
 
 
 def _ranged(kind, lo, hi, above: bool = False):
+    """A `kind` number in [lo, hi] (above: > lo). hi None is the type's own cap
+    (MAX_INT, MAX_FLOAT), which the message names only when it is the bound broken."""
+    cap = hi if hi is not None else (MAX_INT if kind is int else MAX_FLOAT)
+
     def parse(text: str):
         x = _number(kind, text)
-        if (lo is not None and (x <= lo if above else x < lo)) or (hi is not None and x > hi):
+        if lo is not None and (x <= lo if above else x < lo) or x > cap:
             if above:
-                want = f"> {lo}"
+                want = f"> {lo}" + (f" and <= {cap:g}" if x > cap else "")
             elif hi is None:
-                want = f">= {lo}"
+                want = f">= {lo}" if x <= cap else f"<= {cap:,}" if kind is int else f"<= {cap:g}"
             elif lo is None:
                 want = f"<= {hi}"
             else:
                 want = f"in [{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {want}, got {_short(text)}")
         return x
     # argparse names the type in "invalid <name> value" when a ValueError escapes
     parse.__name__ = f"{kind.__name__}_range"
     return parse
 
 
+def _short(text: str, width: int = 40) -> str:
+    """An argument for an error line: a 5,000-digit number is cut."""
+    return text if len(text) <= width else f"{text[:width]}... ({len(text):,} characters)"
+
+
 def int_range(lo: int | None = None, hi: int | None = None):
-    """An int in [lo, hi] (None: unbounded on that side)."""
+    """An int in [lo, hi] (hi None: MAX_INT)."""
     return _ranged(int, lo, hi)
 
 
 def float_range(lo: float | None = None, hi: float | None = None):
-    """A finite float in [lo, hi] (None: unbounded on that side)."""
+    """A finite float in [lo, hi] (hi None: MAX_FLOAT)."""
     return _ranged(float, lo, hi)
 
 
@@ -95,6 +125,17 @@ positive_int = int_range(1)
 nonneg_int = int_range(0)
 positive_float = _ranged(float, 0.0, None, above=True)
 nonneg_float = float_range(0.0)
+
+
+class Refused(SystemExit):
+    """An option refused after parsing, by an entry point's check of what the run can do:
+    its one `error:` line is printed, the status is 2. A SystemExit, as argparse's own
+    refusals, for a caller of the check; a main() returns 2 for it."""
+
+
+def refuse(message) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise Refused(2)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 
 from . import durable
@@ -28,6 +29,52 @@ SHORTLIST_TENSORS = ("offsets", "ids", "frequent")
 
 class ModelDirError(Exception):
     """A model dir that cannot be used; str(e) is one line naming the file."""
+
+
+# -- resource bounds ---------------------------------------------------------------------
+# A config.json is a few KB; reading more than this is a wrong file (a link to
+# /dev/zero, a weights file renamed), never a config.
+MAX_CONFIG_BYTES = 1 << 20
+# The largest size of each kind that a real model has, with room to spare (the
+# largest public models: vocabularies of 256k, d_model 16,384, FFN 53,248, 128
+# heads, 126 layers, 32k-128k positions). A config beyond them is a typo or an
+# attack: accepted, max_positions 1e9 alone asks for a 512 GB position table and
+# a 256 GB per-line read cap (textio.line_cap). docs/reliability.md lists them.
+MAX_VOCAB = 1 << 20          # 1,048,576 pieces
+MAX_D_MODEL = 1 << 14        # 16,384
+MAX_FFN_DIM = 1 << 17        # 131,072
+MAX_HEADS = 1 << 10          # 1,024
+MAX_LAYERS = 1 << 10         # 1,024 per stack
+MAX_POSITIONS = 1 << 16      # 65,536 tokens: a line cap of 16 MiB, a position table of at most 4 GiB
+# spm.model is read whole by SentencePiece; a 256k-piece model is about 5 MB
+MAX_SPM_BYTES = 64 << 20
+
+
+def read_json(path: str, limit: int = MAX_CONFIG_BYTES, what: str = "JSON file"):
+    """The parsed JSON of a regular file of at most `limit` bytes, or a ModelDirError naming it.
+
+    Every way a JSON file can fail is one line here: not a regular file (a FIFO
+    would block the open, /dev/zero never ends), too large, not UTF-8, invalid,
+    nested past the parser's recursion limit, an integer past Python's 4,300-digit
+    conversion limit."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelDirError(f"{path}: not a regular file")
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as e:  # a directory, no permission, a dangling link, an I/O error
+        raise ModelDirError(f"{path}: unreadable ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise ModelDirError(f"{path}: larger than {limit:,} bytes, not a {what}")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelDirError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ModelDirError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, and int() past sys.get_int_max_str_digits()
+        raise ModelDirError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
 
 
 @dataclass(frozen=True)
@@ -114,8 +161,10 @@ class Field:
     required: bool = True
 
 
-def _ints(lo: int) -> Field:
-    return Field(int, lambda v: v >= lo, f">= {lo}")
+def _ints(lo: int, hi: int | None = None) -> Field:
+    if hi is None:
+        return Field(int, lambda v: v >= lo, f">= {lo}")
+    return Field(int, lambda v: lo <= v <= hi, f"in [{lo}, {hi:,}]")
 
 
 def _one_of(*values) -> Field:
@@ -138,9 +187,10 @@ SPECIAL_IDS = ("bos", "pad", "eos", "unk", "decoder_start")
 SCHEMA: dict[str, dict[str, Field]] = {
     "architecture": {
         "type": _one_of("transformer-prenorm"),
-        "vocab_size": _ints(1), "d_model": _ints(1), "n_heads": _ints(1), "ffn_dim": _ints(1),
-        "encoder_layers": _ints(1), "decoder_layers": _ints(1),
-        "max_positions": _ints(2),  # at least one token plus </s>
+        "vocab_size": _ints(1, MAX_VOCAB), "d_model": _ints(1, MAX_D_MODEL), "n_heads": _ints(1, MAX_HEADS),
+        "ffn_dim": _ints(1, MAX_FFN_DIM), "encoder_layers": _ints(1, MAX_LAYERS),
+        "decoder_layers": _ints(1, MAX_LAYERS),
+        "max_positions": _ints(2, MAX_POSITIONS),  # at least one token plus </s>
         "activation": _one_of("relu", "gelu"),
         "tie_embeddings": Field(bool),
         "layer_norm_eps": Field(float, lambda v: v > 0, "> 0"),
@@ -157,6 +207,13 @@ SCHEMA: dict[str, dict[str, Field]] = {
 OPTIONAL_SECTIONS = ("normaliser", "provenance", "files")  # other top-level keys are left alone
 
 
+def _show(v, width: int = 40) -> str:
+    """A config value for an error line: JSON, cut to `width` characters (a value may be
+    a 4,000-digit integer)."""
+    text = json.dumps(v)
+    return text if len(text) <= width else f"{text[:width]}... ({len(text):,} characters)"
+
+
 def _type_error(v, kind: type) -> str | None:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
     if kind is float:
@@ -165,7 +222,7 @@ def _type_error(v, kind: type) -> str | None:
         good = isinstance(v, int) and not isinstance(v, bool)
     else:
         good = isinstance(v, kind)
-    return None if good else f"must be {names[kind]}, got {json.dumps(v)}"
+    return None if good else f"must be {names[kind]}, got {_show(v)}"
 
 
 def check_config(d: dict, where: str = CONFIG) -> None:
@@ -186,21 +243,21 @@ def check_config(d: dict, where: str = CONFIG) -> None:
         bad("architecture.n_heads", f"must divide d_model {a['d_model']}, got {a['n_heads']}")
     for k in SPECIAL_IDS:
         if ids[k] >= a["vocab_size"]:
-            bad(f"special_ids.{k}", f"must be below vocab_size {a['vocab_size']}, got {ids[k]}")
+            bad(f"special_ids.{k}", f"must be below vocab_size {a['vocab_size']}, got {_show(ids[k])}")
     files = d.get("files", {})
     shortlist = files.get("shortlist")
     # a bare name: the config must not point outside its own directory
     if shortlist is not None and (not isinstance(shortlist, str) or shortlist in ("", ".", "..")
                                   or "/" in shortlist or os.sep in shortlist):
-        bad("files.shortlist", f"must be a file name in the model dir, got {shortlist!r}")
+        bad("files.shortlist", f"must be a file name in the model dir, got {_show(shortlist)}")
     for k, v in files.items():
         if not isinstance(v, str):
-            bad(f"files.{k}", f"must be a file name, got {json.dumps(v)}")
+            bad(f"files.{k}", f"must be a file name, got {_show(v)}")
 
 
 def _check_section(section: str, sec, fields: dict[str, Field], bad) -> None:
     if not isinstance(sec, dict):
-        bad(section, f"must be an object, got {json.dumps(sec)[:80]}")
+        bad(section, f"must be an object, got {_show(sec, 80)}")
     if section == "normaliser" and not sec:
         return  # no normaliser
     extra = sorted(set(sec) - set(fields)) if section != "files" else []  # files may list more
@@ -213,7 +270,7 @@ def _check_section(section: str, sec, fields: dict[str, Field], bad) -> None:
             continue
         why = _type_error(sec[k], f.kind)
         if why is None and f.ok is not None and not f.ok(sec[k]):
-            why = f"must be {f.want}, got {json.dumps(sec[k])}"
+            why = f"must be {f.want}, got {_show(sec[k])}"
         if why:
             bad(f"{section}.{k}", why)
 
@@ -264,18 +321,12 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ModelDirError(f"{model_dir}: model dir does not exist")
     if not os.path.lexists(path):
         raise ModelDirError(f"{path}: missing file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            d = json.load(fh)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:  # a directory, no permission, an I/O error
-        raise ModelDirError(f"{path}: unreadable ({e.strerror or e})") from None
+    d = read_json(path, what="config.json")
     if not isinstance(d, dict):
         raise ModelDirError(f"{path}: expected a JSON object")
     v = d.get("format_version")
     if v != FORMAT_VERSION:
-        raise ModelDirError(f"{path}: unknown format_version {v!r} (this decoder reads {FORMAT_VERSION})")
+        raise ModelDirError(f"{path}: unknown format_version {_show(v)} (this decoder reads {FORMAT_VERSION})")
     return ModelConfig.from_json(d, where=path)
 
 
@@ -288,12 +339,15 @@ def load(model_dir: str, device: str = "cpu"):
     cfg = read_config(model_dir)
     wpath, spath = os.path.join(model_dir, WEIGHTS), os.path.join(model_dir, SPM)
     for p in (wpath, spath):
-        if not os.path.isfile(p):
-            raise ModelDirError(f"{p}: missing file")
+        _regular_file(p)
+    if os.path.getsize(spath) > MAX_SPM_BYTES:  # SentencePiece reads the whole file into memory
+        raise ModelDirError(f"{spath}: larger than {MAX_SPM_BYTES:,} bytes, not a SentencePiece model")
     try:
         weights = load_file(wpath, device=device)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ModelDirError(f"{wpath}: unreadable safetensors ({str(e).splitlines()[0]})") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
+        if is_allocation_failure(e):
+            raise ModelDirError(f"{wpath}: not enough memory to load the weights ({first_line(e)})") from None
+        raise ModelDirError(f"{wpath}: unreadable safetensors ({first_line(e)})") from None
     expected = tensor_shapes(cfg.arch)
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -315,6 +369,28 @@ def load(model_dir: str, device: str = "cpu"):
         raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
                             f"{CONFIG} says {cfg.arch.vocab_size}")
     return cfg, weights, spath
+
+
+def _regular_file(p: str) -> None:
+    """ModelDirError unless p is a regular file: a FIFO or a device (a link to /dev/zero)
+    would block or never end."""
+    if not os.path.lexists(p):
+        raise ModelDirError(f"{p}: missing file")
+    if not os.path.isfile(p):
+        raise ModelDirError(f"{p}: not a regular file")
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed (torch raises RuntimeError on CPU,
+    torch.OutOfMemoryError, a RuntimeError too, on CUDA), not a bad file."""
+    text = str(e).lower()
+    said = any(x in text for x in ("can't allocate memory", "not enough memory", "out of memory"))
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and said)
 
 
 def check_weights(weights: dict, where: str) -> None:
@@ -350,8 +426,9 @@ def read_shortlist(model_dir: str, cfg: ModelConfig):
         raise ModelDirError(f"{os.path.join(model_dir, CONFIG)}: no shortlist listed (files.shortlist); "
                             f"build one with python -m student.shortlist")
     path = os.path.join(model_dir, cfg.shortlist)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ModelDirError(f"{path}: missing file (listed as files.shortlist in {CONFIG})")
+    _regular_file(path)
     try:
         t = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -403,8 +480,7 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     durable.atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     cpath = os.path.join(model_dir, CONFIG)
-    with open(cpath, encoding="utf-8") as fh:
-        d = json.load(fh)
+    d = read_json(cpath)
     d.setdefault("files", {})["shortlist"] = SHORTLIST
     durable.write_json(cpath, d)
     return path

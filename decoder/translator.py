@@ -4,6 +4,7 @@ the searches call, so the benchmarks (tools/) can turn them on one at a time."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -12,7 +13,7 @@ from typing import Iterable, Iterator
 import torch
 
 from . import modeldir, ops
-from .cliargs import max_tokens_for
+from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_tokens_for
 from .batching import make_batches, restore
 from .cache import new_state
 from .model import Model
@@ -44,6 +45,18 @@ class Options:
     def __post_init__(self):
         if self.max_tokens is None:
             self.max_tokens = max_tokens_for(self.beam)
+        for name, kind, lo, hi in self.RANGES:  # the CLI's bounds (decoder/cliargs.py), for library callers
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+            if not (ok and math.isfinite(v) and lo <= v <= hi):
+                raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'} "
+                                 f"in [{lo}, {hi}], got {v!r}"[:200])
+
+    RANGES = (("beam", int, 1, MAX_BEAM), ("length_penalty", float, 0.0, MAX_LENGTH_PENALTY),
+              ("max_len_a", float, 0.0, MAX_LEN), ("max_len_b", int, 0, MAX_LEN),
+              ("no_repeat_ngram", int, 0, MAX_LEN), ("max_tokens", int, 1, MAX_INT),
+              ("max_sentences", int, 1, MAX_INT), ("chunk_lines", int, 1, MAX_INT),
+              ("shrink_ratio", float, 0.0, 1.0), ("workers", int, 0, MAX_INT))
 
     @classmethod
     def make(cls, **kw) -> "Options":
@@ -149,9 +162,10 @@ class Translator:
     # -- token level ---------------------------------------------------------------
     def limits(self, lengths: list[int]) -> torch.Tensor:
         o, a = self.opts, self.cfg.arch
-        # same formula (and float32 rounding) as student.model.Transformer.greedy
+        # same formula (and float32 rounding) as student.model.Transformer.greedy; at least one
+        # step, the one that forces </s>: a cap below one token is an empty output, not no search
         n = torch.tensor(lengths, dtype=torch.float)
-        return torch.clamp((n * o.max_len_a + o.max_len_b).long(), max=a.max_positions - 1)
+        return torch.clamp((n * o.max_len_a + o.max_len_b).long(), min=1, max=a.max_positions - 1)
 
     @torch.inference_mode()
     def translate_ids(self, srcs: list[list[int]]) -> list[list[int]]:

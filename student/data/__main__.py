@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoder.cliargs import HelpFormatter, add_version, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import (HelpFormatter, add_version, int_range, nonneg_float, nonneg_int, positive_float,
+                             positive_int)
+from decoder.modeldir import MAX_VOCAB
 
 from . import DataError, prepare
 
@@ -32,7 +34,8 @@ def main(argv=None) -> int:
     c.add_argument("--max-words", type=positive_int, default=200, help="drop pairs with a side longer than this")
     c.add_argument("--min-ratio", type=nonneg_float, default=0.3, help="lowest source/target word ratio kept")
     c.add_argument("--max-ratio", type=positive_float, default=2.0, help="highest source/target word ratio kept")
-    c.add_argument("--vocab-size", type=positive_int, default=8000, help="joint SentencePiece vocabulary size")
+    c.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB), default=8000,
+                   help="joint SentencePiece vocabulary size")
     c.add_argument("--seed", type=nonneg_int, default=1, help="seed for the random dev/test split and SentencePiece")
     p.add_argument("--data-dir", help="cache root (default: $KIT_DATA_DIR, else data/ in the repo)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the prepared dir")

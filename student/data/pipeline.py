@@ -253,8 +253,27 @@ def _train_spm(out, train, s_lang, t_lang, options, verbose):
         spm.SentencePieceTrainer.train(input=path, model_prefix=f"{out}/spm", num_threads=2,
                                        minloglevel=2, **options["spm"])
     except RuntimeError as e:
-        raise DataError(f"SentencePiece training failed: {e} (try a smaller --vocab-size)") from None
+        raise DataError(spm_failure(str(e), options["spm"]["vocab_size"])) from None
     os.remove(path)
+
+
+def spm_failure(message: str, vocab_size: int) -> str:
+    """SentencePiece's error in one line, with the --vocab-size that helps: it needs a
+    piece for every character it keeps (too small a vocabulary: "Vocabulary size is
+    smaller than required_chars. 20 vs 54") and refuses more pieces than the corpus
+    yields ("Vocabulary size too high (100000). Please set it to a value <= 557.")."""
+    first = (message.strip().splitlines() or ["no message"])[0]
+    low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", first)
+    high = re.search(r"too high \(\d+\)\. Please set it to a value <= (\d+)", first)
+    if low:
+        need = int(low[1])
+        return (f"SentencePiece training failed: --vocab-size {vocab_size:,} has fewer pieces than the {need:,} "
+                f"this corpus' characters need (try a larger --vocab-size, at least {need:,})")
+    if high:
+        return (f"SentencePiece training failed: --vocab-size {vocab_size:,} is more pieces than this corpus "
+                f"yields (try a smaller --vocab-size, at most {int(high[1]):,})")
+    why = first.split("] ", 1)[-1]  # without "INTERNAL: src/trainer_interface.cc(638) [the check]"
+    return f"SentencePiece training failed: {why} (--vocab-size {vocab_size:,})"
 
 
 def _load(out: str, cache_hit: bool) -> Prepared:

@@ -8,7 +8,7 @@ import sys
 
 from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
-from decoder.modeldir import ModelDirError
+from decoder.modeldir import MAX_VOCAB, ModelDirError, read_config
 from student.data import DataError
 from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run
 from student.train import sizing
@@ -57,7 +57,8 @@ def _data_args(p, d: DistillConfig):
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest "
                                               f"(default: the corpus' {split} split)")
         g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
-    g.add_argument("--vocab-size", type=positive_int, help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
+    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB),
+                   help=f"joint SentencePiece vocabulary (default {d.vocab_size})")
     g.add_argument("--train-limit", type=nonneg_int, help="use only the first N training pairs (smoke runs)")
     g.add_argument("--test-limit", type=nonneg_int, help="score only the first N test pairs in the report")
 
@@ -149,12 +150,12 @@ def _training_args(p, d: DistillConfig):
     g.add_argument("--seed", type=nonneg_int, help=f"(default {d.seed})")
 
 
-def _kv(items):
+def _kv(items, option: str) -> dict:
     out = {}
     for kv in items or []:
         k, sep, v = kv.partition("=")
         if not sep:
-            raise SystemExit(f"error: expected KEY=VALUE, got {kv!r}")
+            raise ValueError(f"{option} expects KEY=VALUE, got {kv!r}")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -162,15 +163,53 @@ def _kv(items):
     return out
 
 
-def main(argv=None) -> int:
+def options(argv) -> DistillConfig:
+    """The run's configuration, checked against what the run can do before any work (the
+    presets and --teacher-set/--student-set make models the decoder loads, the ratios are
+    in order, the teacher model dirs exist); a bad one is one `error:` line and exit 2
+    (SystemExit), as argparse's own errors."""
     a = parser().parse_args(argv)
     opts = {k: v for k, v in vars(a).items() if v is not None and k != "preset"}
     opts.setdefault("name", a.preset)
-    for k in ("teacher_set", "student_set"):
-        if k in opts:
-            opts[k] = _kv(opts[k])
     try:
+        for k in ("teacher_set", "student_set"):
+            if k in opts:
+                opts[k] = _kv(opts[k], "--" + k.replace("_", "-"))
         cfg = DistillConfig.from_preset(a.preset, **opts)
+        check(cfg)
+    except (ValueError, ModelDirError) as e:
+        cliargs.refuse(e)
+    return cfg
+
+
+def check(cfg: DistillConfig) -> None:
+    """ValueError for a configuration that would fail after hours of work (a student preset
+    that does not exist fails only once the teacher is trained)."""
+    from student.model import PRESETS as MODELS
+    from student.train.__main__ import check_model
+    if cfg.student_preset not in MODELS:
+        raise ValueError(f"--student-preset {cfg.student_preset!r}: choose from {', '.join(sorted(MODELS))}")
+    if cfg.teacher_preset != "auto" and cfg.teacher_preset not in MODELS:
+        raise ValueError(f"--teacher-preset {cfg.teacher_preset!r}: choose from auto, {', '.join(sorted(MODELS))}")
+    check_model(cfg.student_preset, {"vocab_size": cfg.vocab_size, **cfg.student_set}, "--student-set")
+    own_teacher = not (cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model)
+    if own_teacher:  # auto: as the pipeline resolves it (Pipeline.own_teacher)
+        import torch
+        name = cfg.teacher_preset if cfg.teacher_preset != "auto" else \
+            ("teacher-big" if torch.cuda.is_available() else "teacher-tiny")
+        check_model(name, {"vocab_size": cfg.vocab_size, **cfg.teacher_set}, "--teacher-set")
+    if cfg.min_ratio > cfg.max_ratio:
+        raise ValueError(f"--min-ratio {cfg.min_ratio} is above --max-ratio {cfg.max_ratio}: no pair would be kept")
+    for d in cfg.teacher_model:
+        read_config(d)  # the full check (weights) comes with the teacher
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = options(argv)
+    except cliargs.Refused:
+        return 2
+    try:
         rep = run(cfg)
     except (TeacherError, DataError, ModelDirError, ValueError, FileNotFoundError, StudentTrainingError) as e:
         print(f"error: {e}", file=sys.stderr)

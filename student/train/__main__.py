@@ -9,8 +9,10 @@ import os
 import shlex
 import sys
 
-from decoder import cliargs
-from decoder.cliargs import HelpFormatter, float_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder import cliargs, modeldir
+from decoder.cliargs import (HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float,
+                             positive_int)
+from decoder.modeldir import MAX_VOCAB, ModelDirError
 from student.data import DataError
 from student.model import PRESETS
 from student.train import sizing
@@ -36,7 +38,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--src", help="user source file (plain or .gz) instead of the embedded corpus")
     g.add_argument("--tgt", help="user target file, same line count as --src")
     g.add_argument("--src-lang"); g.add_argument("--tgt-lang")
-    g.add_argument("--vocab-size", type=positive_int, default=d.vocab_size)
+    g.add_argument("--vocab-size", type=int_range(1, MAX_VOCAB), default=d.vocab_size)
     g.add_argument("--train-src", help="train on these pairs instead of the corpus' train split "
                                        "(e.g. a distilled corpus); dev/test stay the corpus'")
     g.add_argument("--train-tgt")
@@ -126,18 +128,96 @@ def _error(e) -> int:
     return 2
 
 
+def options(argv) -> argparse.Namespace:
+    """The parsed options, checked against what the run can do before any work (file pairs
+    and their line counts, the model --set asks for, --init-from, --out); a bad one is one
+    `error:` line and exit 2 (SystemExit), as argparse's own errors."""
+    a = train_parser().parse_args(argv)
+    try:
+        a.overrides = model_overrides(a.set, a.preset, a.vocab_size)
+        check_files(a)
+        if a.init_from:
+            modeldir.read_config(a.init_from)  # the full check (weights) comes with the student
+        if os.path.exists(a.out) and not os.path.isdir(a.out):
+            raise ValueError(f"--out {a.out}: exists and is not a directory")
+    except (ValueError, ModelDirError, DataError, OSError, EOFError) as e:
+        cliargs.refuse(e)
+    return a
+
+
+PAIRS = (("--src", "--tgt"), ("--train-src", "--train-tgt"), ("--dev-src", "--dev-tgt"), ("--test-src", "--test-tgt"))
+
+
+def check_files(a) -> None:
+    """Each file pair given whole, readable, with one line count (counted streaming, so a
+    mismatch is refused in seconds, not after the corpus is prepared)."""
+    from decoder.textio import count_lines
+    given = {o: getattr(a, o[2:].replace("-", "_")) for pair in PAIRS for o in pair}
+    if any(bool(given[s]) != bool(given[t]) for s, t in PAIRS):
+        raise ValueError("--src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
+                         "come in pairs")
+    for s, t in PAIRS:
+        if not given[s]:
+            continue
+        counts = []
+        for o in (s, t):
+            if not os.path.isfile(given[o]):
+                raise DataError(f"{o} {given[o]}: {'is a directory' if os.path.isdir(given[o]) else 'no such file'}")
+            try:
+                counts.append(count_lines(given[o]))
+            except (OSError, EOFError) as e:  # gzip raises EOFError for a file cut short
+                raise DataError(f"{o} {given[o]}: unreadable ({e})") from None
+        if counts[0] != counts[1]:
+            raise DataError(f"{s} {given[s]} has {counts[0]:,} lines but {t} {given[t]} has {counts[1]:,}: "
+                            f"the pairs must be line-aligned")
+
+
+def model_overrides(items: list[str], preset_name: str, vocab_size: int) -> dict:
+    """--set KEY=VALUE as a dict, refused unless the model it gives is one the decoder
+    loads (decoder/modeldir.py's schema: the sizes and their upper bounds) and its
+    dropouts are probabilities: a typo must not cost a corpus preparation."""
+    out = {}
+    for kv in items:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {kv!r}")
+        out[k] = _value(v)
+    check_model(preset_name, {"vocab_size": vocab_size, **out}, "--set")
+    return out
+
+
+def check_model(preset_name: str, fields: dict, option: str) -> None:
+    """ValueError unless `fields` over the preset make a model the decoder can load."""
+    from dataclasses import fields as dc_fields
+
+    from student.model import ModelArgs, preset
+    known = [f.name for f in dc_fields(ModelArgs)]
+    for k in fields:
+        if k not in known:
+            raise ValueError(f"{option} {k}: not a model field (known: {', '.join(known)})")
+    args = preset(preset_name, **fields)
+    for k in ("dropout", "attention_dropout"):
+        v = getattr(args, k)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
+            raise ValueError(f"{option} {k}: must be a number in [0, 1), got {json.dumps(v)[:40]}")
+    cfg = modeldir.ModelConfig(arch=modeldir.Arch(**args.arch_dict()), pad_id=args.pad_id,
+                                  eos_id=args.eos_id, decoder_start_id=args.decoder_start_id,
+                                  bos_id=0, unk_id=0).to_json()
+    try:
+        modeldir.check_config(cfg, where=f"the model of {option} and --vocab-size")
+    except ModelDirError as e:
+        raise ValueError(str(e)) from None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
         return average_main(argv[1:])
-    a = train_parser().parse_args(argv)
-    if any(bool(getattr(a, f"{x}src")) != bool(getattr(a, f"{x}tgt")) for x in ("", "train_", "dev_", "test_")):
-        return _error("--src/--tgt, --train-src/--train-tgt, --dev-src/--dev-tgt and --test-src/--test-tgt "
-                      "come in pairs")
-    overrides = {}
-    for kv in a.set:
-        k, _, v = kv.partition("=")
-        overrides[k] = _value(v)
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
+    overrides = a.overrides
     cfg = TrainConfig(out_dir=a.out, preset=a.preset, model_overrides=overrides, corpus=a.corpus,
                       src=a.src, tgt=a.tgt, src_lang=a.src_lang, tgt_lang=a.tgt_lang,
                       vocab_size=a.vocab_size, train_src=a.train_src, train_tgt=a.train_tgt,
@@ -148,13 +228,32 @@ def main(argv=None) -> int:
                       max_minutes=a.max_minutes, patience=a.patience, eval_every=a.eval_every,
                       dev_max=a.dev_max, dev_decoder=a.dev_decoder, save_every=a.save_every, keep_last=a.keep_last,
                       test_at_end=not a.no_test, init_from=a.init_from)
+    created = not os.path.exists(a.out)
     try:
         result = train(cfg)
     except (DataError, FileNotFoundError, InitError) as e:
-        return _error(e)
+        return _error(f"{e}{tidy_out(a.out, created)}")
+    except BaseException:
+        tidy_out(a.out, created)
+        raise
     if int(os.environ.get("RANK", "0")) == 0:
         print(final_words(cfg.out_dir, result), flush=True)
     return 0
+
+
+def tidy_out(out: str, created: bool) -> str:
+    """After a failed run: the --out this run created is removed if it is still empty;
+    otherwise what it holds, in words for the error line (a rerun resumes from it)."""
+    if not created or not os.path.isdir(out):
+        return ""
+    try:
+        left = os.listdir(out)
+        if not left:
+            os.rmdir(out)
+            return ""
+    except OSError:  # another rank removed it first, or it is not ours to remove
+        return ""
+    return f" ({out} keeps {len(left)} file{'s' * (len(left) != 1)} of this run: the same command resumes)"
 
 
 def final_words(out: str, m: dict) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from decoder import cliargs
-from decoder.cliargs import BEAM_MAX_TOKENS, MAX_BEAM, MAX_TOKENS, int_list, nonneg_int, positive_float, positive_int
+from decoder.cliargs import (BEAM_MAX_TOKENS, MAX_BEAM, MAX_THREADS, MAX_TOKENS, float_range, int_list, nonneg_int,
+                             positive_float, positive_int)
 
 from .systems import EvalError
 
@@ -26,7 +28,7 @@ class _Help(cliargs.HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in --help, and the epilog's lines as written."""
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = argparse.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=_Help)
@@ -45,15 +47,17 @@ def parse_args(argv=None):
     cliargs.alias(g, "--beam", g.add_argument(
         "--beam-size", dest="beam", type=int_list(1, MAX_BEAM), default="1", metavar="N[,N...]",
         help="comma list of beam sizes (1 = greedy)"))
-    g.add_argument("--threads", type=int_list(1), default=str(len(os.sched_getaffinity(0))), help="comma list of thread counts")
+    g.add_argument("--threads", type=int_list(1, MAX_THREADS), default=str(len(os.sched_getaffinity(0))),
+                   help="comma list of thread counts")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--mode", default="throughput", choices=["throughput", "latency", "both"],
                    help="latency: one sentence at a time, p50/p90/p99 per sentence")
     g.add_argument("--container", metavar="IMAGE|build",
                    help="measure this image through /run.sh; `build` builds it from the first model dir")
     g.add_argument("--container-hardware", default="CPU-1,CPU-ALL", help="comma list of /run.sh modes")
-    g.add_argument("--container-cpus", type=positive_float, default=float(len(os.sched_getaffinity(0))),
-                   help="CPU quota of CPU-ALL and GPU runs (CPU-1 gets 1)")
+    # docker refuses a quota below 0.01 or above the host's CPUs, after the image is built
+    g.add_argument("--container-cpus", type=float_range(0.01, float(os.cpu_count() or 1)),
+                   default=float(len(os.sched_getaffinity(0))), help="CPU quota of CPU-ALL and GPU runs (CPU-1 gets 1)")
     g.add_argument("--container-memory", default="2g", help="memory limit of the container runs")
     t = p.add_argument_group("test set")
     t.add_argument("--src", help="source file (one sentence per line)")
@@ -75,7 +79,54 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
     p.add_argument("--replot", metavar="SUMMARY", help="measure nothing: draw the charts again from a "
                    "summary.jsonl/.csv into --out")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp16")
+MEMORY = re.compile(r"[0-9]+([kmg]b?|b)?", re.IGNORECASE)  # docker's --memory: 2g, 512m, 1024000000
+
+
+def options(argv) -> argparse.Namespace:
+    """The parsed options, checked against what the run can do before anything is measured
+    or built (names in the comma lists, the test set's options together); a bad one is one
+    `error:` line and exit 2 (SystemExit), as argparse's own errors."""
+    a = parse_args(argv)
+    try:
+        check(a)
+    except EvalError as e:
+        cliargs.refuse(e)
+    return a
+
+
+def check(a) -> None:
+    from .systems import ENGINES, HARDWARE
+    for option, noun, given, known in (("--engines", "engine", a.engines, ENGINES),
+                                       ("--precision", "precision", a.precision, PRECISIONS),
+                                       ("--container-hardware", "container hardware", a.container_hardware, HARDWARE)):
+        bad = [x for x in _list(given) if x not in known] or ([] if _list(given) else [given])
+        if bad:
+            raise EvalError(f"{option}: unknown {noun} {bad[0]!r} (choose from {', '.join(known)})")
+    if not MEMORY.fullmatch(a.container_memory):
+        raise EvalError(f"--container-memory {a.container_memory!r}: a size such as 2g or 512m")
+    if a.replot:
+        return
+    pair = a.langpair.split("-", 1) if a.langpair else []
+    if a.langpair and (len(pair) != 2 or not all(pair)):
+        raise EvalError(f"-l/--langpair {a.langpair!r} is not SRC-TGT (e.g. en-de)")
+    if a.test_set:
+        if not a.langpair:
+            raise EvalError("-t/--test-set needs -l/--langpair")
+        if a.src or a.ref:
+            raise EvalError("give either --src/--ref or -t/-l, not both")
+    elif a.src or a.ref:
+        if not (a.src and a.ref):
+            raise EvalError("--src and --ref go together")
+    elif a.langpair:
+        raise EvalError("-l/--langpair goes with -t/--test-set or --src/--ref")
 
 
 def build_systems(a):
@@ -116,23 +167,14 @@ def build_systems(a):
 
 
 def load_testset(a, models):
+    """The test set the options name (check() has refused every bad combination)."""
     from . import testsets
     pair = a.langpair.split("-", 1) if a.langpair else [None, None]
-    if a.langpair and len(pair) != 2:
-        raise EvalError(f"-l/--langpair {a.langpair!r} is not SRC-TGT (e.g. en-de)")
     if a.test_set:
-        if not a.langpair:
-            raise EvalError("-t/--test-set needs -l/--langpair")
-        if a.src or a.ref:
-            raise EvalError("give either --src/--ref or -t/-l, not both")
         ts = testsets.sacrebleu_set(a.test_set, a.langpair)
     elif a.src or a.ref:
-        if not (a.src and a.ref):
-            raise EvalError("--src and --ref go together")
         ts = testsets.from_files(a.src, a.ref, *pair)
     else:
-        if a.langpair:
-            raise EvalError("-l/--langpair goes with -t/--test-set or --src/--ref")
         from decoder.modeldir import read_config
         vocab = read_config(models[0][1]).arch.vocab_size if models else 8000
         ts = testsets.embedded(vocab)
@@ -140,7 +182,10 @@ def load_testset(a, models):
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
     from . import evaluate, replot
     if a.replot:
         try:

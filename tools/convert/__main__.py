@@ -40,8 +40,30 @@ def parse_args(argv=None):
     return a
 
 
-def main(argv=None) -> int:
+def options(argv) -> argparse.Namespace:
+    """The parsed options, checked before any work (IN_DIR a directory, OUT_DIR new unless
+    --force and not IN_DIR itself); a bad one is one `error:` line and exit 2 (SystemExit),
+    as argparse's own errors."""
     a = parse_args(argv)
+    why = None
+    if not os.path.isdir(a.src):
+        why = f"{a.src}: no such directory"
+    elif os.path.realpath(a.src) == os.path.realpath(a.out):
+        why = f"{a.out}: the output would replace the input"
+    elif os.path.lexists(a.out) and not a.force:
+        why = f"{a.out}: exists (--force replaces it)"
+    elif a.spm and not os.path.isfile(a.spm):
+        why = f"--spm {a.spm}: no such file"
+    if why:
+        cliargs.refuse(why)
+    return a
+
+
+def main(argv=None) -> int:
+    try:
+        a = options(argv)
+    except cliargs.Refused:
+        return 2
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # stderr keeps to warnings and the one error line
@@ -49,12 +71,6 @@ def main(argv=None) -> int:
         pass
     from tools.convert import from_hf, save_hf, to_ctranslate2
     try:
-        if not os.path.isdir(a.src):
-            raise ValueError(f"{a.src}: no such directory")
-        if os.path.realpath(a.src) == os.path.realpath(a.out):
-            raise ValueError(f"{a.out}: the output would replace the input")
-        if os.path.lexists(a.out) and not a.force:
-            raise ValueError(f"{a.out}: exists (--force replaces it)")
         if a.from_hf:
             from_hf(a.src, a.out, spm_path=a.spm, src_lang=a.src_lang, tgt_lang=a.tgt_lang)
         elif a.to == "ct2":

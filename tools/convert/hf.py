@@ -125,6 +125,10 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model dir)")
+    try:  # bounded and fully checked before transformers reads it (no limit there)
+        modeldir.read_json(os.path.join(hf_dir, "config.json"))
+    except modeldir.ModelDirError as e:
+        raise ValueError(str(e)) from None
     hc = AutoConfig.from_pretrained(hf_dir)
     try:
         gc = GenerationConfig.from_pretrained(hf_dir)
@@ -148,7 +152,7 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
                                provenance={"converted_from": os.path.basename(os.path.abspath(hf_dir)),
                                            "hf_model_type": hc.model_type})
     modeldir.check_config(cfg.to_json(), os.path.join(hf_dir, "config.json"))
-    model = M2M100ForConditionalGeneration.from_pretrained(hf_dir)
+    model = _load_hf_model(M2M100ForConditionalGeneration, hf_dir)
     sd = {k.removeprefix("model."): v.float().contiguous() for k, v in model.state_dict().items()}
     for side in ("encoder", "decoder"):  # one input embedding for both sides, as fairseq's M2M100 has
         k = f"{side}.embed_tokens.weight"
@@ -165,6 +169,20 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
         modeldir.load(tmp)  # the contract, checked before the dir is published
     durable.write_dir(out_dir, write)
     return out_dir
+
+
+def _load_hf_model(cls, hf_dir: str):
+    """cls.from_pretrained(hf_dir), or a ValueError naming the weights file: a truncated or
+    corrupt file raises SafetensorError (or OSError, RuntimeError, EOFError for a .bin)."""
+    from safetensors import SafetensorError
+    try:
+        return cls.from_pretrained(hf_dir)
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
+        names = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))]
+        where = os.path.join(hf_dir, names[0]) if names else hf_dir
+        if modeldir.is_allocation_failure(e):
+            raise ValueError(f"{where}: not enough memory to load the weights ({modeldir.first_line(e)})") from None
+        raise ValueError(f"{where}: unreadable weights ({modeldir.first_line(e)})") from None
 
 
 def _unk_id(spm_path: str) -> int:

@@ -13,7 +13,7 @@ import json
 import os
 
 from decoder import durable
-from decoder.modeldir import ModelConfig, moses_options
+from decoder.modeldir import ModelConfig, ModelDirError, moses_options, read_json
 
 KIT = "kit.json"
 MAX_LEN_A, MAX_LEN_B = 1.5, 10  # decoder.translator.Options' defaults (python -m decoder --max-len-a/-b)
@@ -21,7 +21,7 @@ MAX_LEN_A, MAX_LEN_B = 1.5, 10  # decoder.translator.Options' defaults (python -
 
 def max_decoding_length(n_tokens: int, max_positions: int, a: float = MAX_LEN_A, b: int = MAX_LEN_B) -> int:
     """Tokens before </s> our decoder allows for a source of n_tokens SentencePiece pieces (no </s>)."""
-    return min(int(a * (n_tokens + 1) + b), max_positions - 1) - 1
+    return max(min(int(a * (n_tokens + 1) + b), max_positions - 1), 1) - 1  # as translator.limits: >= 1 step
 
 
 def normaliser_call(cfg: ModelConfig) -> str:
@@ -99,8 +99,10 @@ def read_kit(d: str) -> dict:
     p = os.path.join(d, KIT)
     if not os.path.isfile(p):
         return {}
-    with open(p, encoding="utf-8") as fh:
-        kit = json.load(fh)
+    try:
+        kit = read_json(p, what="kit.json")
+    except ModelDirError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(kit, dict):
         raise ValueError(f"{p}: expected a JSON object")
     return kit
