@@ -22,7 +22,8 @@ COPY Dockerfile build/image/wheelhous[e] /wheels/
 RUN test -f /wheels/requirements.txt || { echo "error: build/image/ is not staged: run 'make image-context' (the model, wheels and ops), then docker build again" >&2; exit 1; }
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /wheels -r /wheels/requirements.txt \
- && /opt/venv/bin/pip uninstall -q -y pip \
+ # the CUDA torch's triton (600 MB) compiles for torch.compile only, which the decoder does not use
+ && /opt/venv/bin/pip uninstall -q -y triton pip \
  # torch's test suite, C++ headers and cmake files serve extension builds only;
  # so do the CUDA wheels' headers (GPU stage)
  && cd /opt/venv/lib/python3*/site-packages \

@@ -436,7 +436,7 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
     stage(model_dir, device)
     base_id = c.images.get(base).id
     key_tag = f"{repo(device)}:{input_key(base_id, device)}"
-    args = {"BASE_IMAGE": base, **({"CUDA_OPS_LIBRARY": CUDA_OPS} if device == "gpu" else {})}
+    args = {"BASE_IMAGE": base}
     if has_image(c, key_tag):
         log(f"{key_tag} is up to date")
     else:
@@ -445,7 +445,8 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
         # it untagged (a dangling 1.2 GB), and kept it is the next build's cache
         build_tag = stage_tag(base_id, device)
         _build(c, quiet, device, tag=build_tag, target="build", buildargs=args)
-        _build(c, quiet, device, tag=key_tag, buildargs=args, labels=oci_labels(model_dir, device=device))
+        cuda = {"CUDA_OPS_LIBRARY": CUDA_OPS} if device == "gpu" else {}  # the final stage's ARG only
+        _build(c, quiet, device, tag=key_tag, buildargs={**args, **cuda}, labels=oci_labels(model_dir, device=device))
         prune_old_keys(c, key_tag)
         prune_old_keys(c, build_tag)
     if tag:
@@ -471,8 +472,8 @@ def main(argv=None) -> int:
                  "the GPU image is built by `make image DEVICE=gpu`")
     model = a.model or default_model()
     if a.stage_only:
-        where_ = os.path.relpath(stage(model), HOME)
-        print(f"staged {where_}/ (model {model}); now, at the repository root: docker build -t kit .")
+        staged = os.path.relpath(stage(model), HOME)
+        print(f"staged {staged}/ (model {model}); now, at the repository root: docker build -t kit .")
         return 0
     tag = a.tag or f"{repo(a.device)}:latest"
     key_tag = build(model, tag, a.base, device=a.device)

@@ -51,6 +51,18 @@ def docker_build(context: str, tag: str, base: str) -> subprocess.CompletedProce
                           cwd=context, env=env, capture_output=True, text=True, timeout=1800)
 
 
+def remove_untagged_stage(c, log: str) -> None:
+    """The legacy builder leaves a multi-stage build's first stage untagged (1.2 GB of
+    `<none>`): the image printed just before the final stage's FROM, ours to remove."""
+    import docker
+    for stage in re.findall(r"---> ([0-9a-f]{12})\nStep \d+/\d+ : FROM", log):
+        try:
+            if not c.images.get(stage).tags:
+                c.images.remove(stage)
+        except docker.errors.APIError:  # gone already, or a container of another build uses it
+            pass
+
+
 @pytest.mark.slow
 def test_docker_build_at_the_root_builds_an_image_that_translates(model_dir):
     from test_container import TEXT, reference, run
@@ -74,6 +86,7 @@ def test_docker_build_at_the_root_builds_an_image_that_translates(model_dir):
     finally:
         if r.returncode == 0:
             c.images.remove(tag)
+        remove_untagged_stage(c, r.stdout)
 
 
 @pytest.mark.slow
