@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.setup-stamp
 APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test distill bench clean help image evaluate cuda-check
+.PHONY: setup test distill bench clean help image image-context image-gpu-test evaluate cuda-check
 
 help:
 	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
@@ -15,6 +15,7 @@ help:
 	@echo "make evaluate  BLEU/chrF vs words/s for every system, Pareto chart (EVAL_ARGS=...)"
 	@echo "make setup     create $(VENV) and install what the kit needs"
 	@echo "make cuda-check  compile the CUDA kernels with nvcc (no GPU needed; fetches a CUDA torch)"
+	@echo "make image     the submission image [MODEL=dir] [DEVICE=gpu]; make image-context, then docker build -t kit ."
 
 setup: $(STAMP)
 
@@ -38,13 +39,26 @@ $(STAMP): pyproject.toml
 	$(VPY) -c "from decoder import ops; ops.available()"
 	touch $@
 
-# The submission image; MODEL defaults to the latest exported student under runs/.
+# The submission image (the root Dockerfile); MODEL defaults to the latest exported
+# student under runs/. DEVICE=gpu: the GPU track's image (CUDA torch, about 2.6 GB of
+# wheels cached in build/image-gpu/, and nvcc from PyPI in $(CUDA_VENV)).
 # Starts nothing: needs a running docker daemon (.ci/run shows how to start one).
+# image-context stages build/image/ only (no docker): then `docker build -t kit .`.
 MODEL ?=
-IMAGE ?= wmt-kit:latest
+DEVICE ?= cpu
+IMAGE ?= $(if $(filter gpu,$(DEVICE)),wmt-kit-gpu:latest,wmt-kit:latest)
 image: setup
 	$(VPY) -c "import docker" 2>/dev/null || $(VPY) -m pip install -q -e ".[image]"
-	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --tag $(call shq,$(IMAGE))
+	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --device $(call shq,$(DEVICE)) \
+	  --tag $(call shq,$(IMAGE))
+image-context: setup
+	$(VPY) -m submission.image --stage-only $(if $(MODEL),--model $(call shq,$(MODEL)))
+
+# Builds the GPU image and checks its contents and CPU fallback (tests/test_image_gpu.py):
+# too slow and too big (about 9 GB of disk) for `make test`.
+image-gpu-test: setup
+	$(VPY) -c "import docker" 2>/dev/null || $(VPY) -m pip install -q -e ".[image]"
+	KIT_TEST_GPU_IMAGE=1 $(VPY) -m pytest -q tests/test_image_gpu.py
 
 # make distill [PRESET=default|wmt] [NAME=run] [NPROC=N] [TEACHER_CMD="apertium -u eng-spa" |
 #   TEACHER_MODEL="dir [dir ...]" | TEACHER_HF=dir] [SRC=f.en TGT=f.es [SRC_LANG=.. TGT_LANG=..]]

@@ -4,7 +4,8 @@ Built with torch.utils.cpp_extension into $TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions; `make setup` builds it, else the first decode does,
 saying so in one stderr line), or loaded prebuilt from $DECODER_OPS_LIBRARY (the
 submission image: it has no compiler, so `make image` builds the library on
-the host, which runs the same torch and glibc). Where neither works
+the host, which runs the same torch and glibc; the GPU image also loads its
+CUDA kernels, compiled ahead of time, from $DECODER_OPS_CUDA_LIBRARY). Where neither works
 `available()` is False and callers use the plain PyTorch reference
 (decoder/quant.py, decoder/fused.py), which the tests check the ops against.
 """
@@ -67,12 +68,16 @@ def _build_cuda() -> bool:
     """The CUDA kernels are a library of their own, so a failed nvcc build costs
     only them (CUDA tensors then take the references), never the CPU ops."""
     from torch.utils.cpp_extension import CUDA_HOME
-    if torch.version.cuda is None or CUDA_HOME is None:
+    prebuilt = os.environ.get("DECODER_OPS_CUDA_LIBRARY")  # the GPU image: no nvcc in there
+    if not prebuilt and (torch.version.cuda is None or CUDA_HOME is None):
         print("warning: no nvcc (CUDA_HOME) for the fused CUDA kernels; CUDA uses the PyTorch reference",
               file=sys.stderr, flush=True)
         return False
     try:
-        build_cuda_library()
+        if prebuilt:
+            torch.ops.load_library(prebuilt)
+        else:
+            build_cuda_library()
     except Exception as e:
         print(f"warning: fused CUDA kernels unavailable ({str(e).splitlines()[0][:200]}); "
               f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)

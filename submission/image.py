@@ -1,11 +1,21 @@
 """Build the submission image with the docker SDK (what `make image` runs).
 
-    python -m submission.image [--model DIR] [--tag wmt-kit:latest] [--base IMAGE]
+    python -m submission.image [--model DIR] [--device cpu|gpu] [--tag TAG] [--base IMAGE] [--stage-only]
 
-Works from a checkout and from an installed package alike: the Dockerfile
-and .dockerignore ship in submission/docker/, the build context is sent as a
-tar of exactly the files .dockerignore admits, and the staged inputs go to
-build/ of the checkout (installed: of the current directory).
+Builds the Dockerfile at the repository root (`docker build -t kit .` there
+builds the same CPU image once --stage-only, `make image-context`, has staged
+build/image/). Works from a checkout and from an installed package alike: an
+installed kit has the Dockerfile and .dockerignore in submission/docker/, the
+build context is sent as a tar of exactly the files .dockerignore admits, and
+the staged inputs go to build/ of the checkout (installed: of the current
+directory).
+
+Two images: `cpu` (the CPU wheel of the host's torch) and `gpu`, for the WMT
+GPU track: the CUDA build of the same torch and its nvidia-* libraries from
+the package registry, and decoder/csrc's CUDA kernels compiled ahead of time
+for sm_80 and sm_90 (plus PTX for later GPUs) with nvcc from the registry, by
+tools/cuda_check.py in the venv `make cuda-check` uses. The GPU image's inputs
+are staged in build/image-gpu/ and sent as the context's build/image/.
 
 Steps, each cached: a base image (the public slim Python image when docker can
 pull it, else `localbase:bookworm` made with debootstrap: this machine kind has
@@ -37,17 +47,22 @@ from typing import IO
 from decoder.cliargs import checkout_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout, or site-packages
-DOCKER = os.path.join(ROOT, "submission", "docker")  # Dockerfile and .dockerignore
+# Dockerfile and .dockerignore: at the top of a checkout; an installed kit has them in
+# submission/docker/ (in a checkout, links to the top's: one file each)
+DOCKER = ROOT if os.path.isfile(os.path.join(ROOT, "Dockerfile")) else os.path.join(ROOT, "submission", "docker")
 # where runs/ and build/ are: the checkout, or (installed) the current directory
 HOME = ROOT if os.path.isfile(os.path.join(ROOT, "pyproject.toml")) else os.getcwd()
-STAGE = os.path.join(HOME, "build", "image")          # the Dockerfile COPYs from here
-WHEELS, MODEL = os.path.join(STAGE, "wheelhouse"), os.path.join(STAGE, "model")
-OPS = os.path.join(STAGE, "ops")  # the prebuilt fused-ops library (decoder/csrc)
+CONTEXT_STAGE = "build/image"  # the Dockerfile COPYs the staged inputs from here, in the context
+DEVICES = ("cpu", "gpu")
+CUDA_ARCHS = "8.0;9.0+PTX"  # machine code for A100 and H100; PTX the driver compiles for later GPUs
+CUDA_OPS = "/app/ops/decoder_ops_cuda.so"  # the GPU image's prebuilt CUDA kernels
 PUBLIC_BASE, LOCAL_BASE = "python:3.11-slim-bookworm", "localbase:bookworm"
 # What `import decoder` needs at run time, and nothing else: ctranslate2,
 # transformers, matplotlib and sacrebleu stay out of the image.
 RUNTIME = ["torch", "sentencepiece", "sacremoses", "safetensors", "numpy"]
 IMAGE_PY = "3.11"  # both bases ship CPython 3.11
+# wheels that run on the image's glibc (Debian bookworm: 2.36); the CUDA ones need 2.27
+PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in range(36, 16, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 MODEL_FILES = ("config.json", "model.safetensors", "spm.model")
 
 
@@ -143,39 +158,54 @@ def clean_rootfs(rootfs: str) -> None:
                 os.remove(path)
 
 
-def pins() -> list[str]:
-    """The host's installed versions: the image runs what the tests ran."""
-    return [f"{p}=={metadata.version(p)}" for p in RUNTIME]
+def stage_dir(device: str = "cpu") -> str:
+    """Where an image's inputs are staged: the CPU image's where `docker build .` finds them."""
+    return os.path.join(HOME, "build", "image" if device == "cpu" else f"image-{device}")
 
 
-def ensure_wheelhouse() -> list[str]:
-    want = "\n".join(pins()) + "\n"
-    req = os.path.join(WHEELS, "requirements.txt")
+def repo(device: str = "cpu") -> str:
+    """The image's repository: its key tags and build stage are kept apart from the other device's."""
+    return "wmt-kit" if device == "cpu" else f"wmt-kit-{device}"
+
+
+def pins(device: str = "cpu") -> list[str]:
+    """The host's installed versions: the image runs what the tests ran. On the GPU
+    the same torch version, in the build PyPI serves for Linux: the CUDA one."""
+    out = [f"{p}=={metadata.version(p)}" for p in RUNTIME]
+    return out if device == "cpu" else [re.sub(r"\+.*", "", p) for p in out]
+
+
+def ensure_wheelhouse(device: str = "cpu") -> list[str]:
+    wheels = os.path.join(stage_dir(device), "wheelhouse")
+    want = "\n".join(pins(device)) + "\n"
+    req = os.path.join(wheels, "requirements.txt")
     if os.path.isfile(req) and open(req).read() == want:
-        return sorted(os.listdir(WHEELS))
-    log(f"downloading wheels: {' '.join(pins())}")
-    shutil.rmtree(WHEELS, ignore_errors=True)
-    os.makedirs(WHEELS)
+        return sorted(os.listdir(wheels))
+    log(f"downloading wheels: {' '.join(pins(device))}" + (" (CUDA torch: about 2.6 GB)" if device == "gpu" else ""))
+    shutil.rmtree(wheels, ignore_errors=True)
+    os.makedirs(wheels)
     # For the image's Python and platform, not the host's: the host may differ.
-    plat = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                        "manylinux1_x86_64") for a in ("--platform", p)]
-    # torch's CUDA wheels are several GB: on x86 Linux ask for the +cpu build first
-    # (pip's find-links or PyTorch's CPU index); plain PyPI as the fallback.
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", WHEELS, "--only-binary=:all:",
-           "--python-version", IMAGE_PY, *plat]
-    torch_pin = pins()[0]
-    cpu = torch_pin if "+cpu" in torch_pin else torch_pin + "+cpu"
-    rest = pins()[1:]
-    r = subprocess.run(cmd + [cpu, *rest])
-    if r.returncode:
-        r = subprocess.run(cmd + ["--extra-index-url", "https://download.pytorch.org/whl/cpu", cpu, *rest])
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", wheels, "--only-binary=:all:",
+           "--python-version", IMAGE_PY, *[a for p in PLATFORMS for a in ("--platform", p)]]
+    if device == "gpu":
+        from tools.cuda_check import registry_env  # a local wheel folder may offer only the +cpu build
+        r = subprocess.run(cmd + pins(device), env=registry_env())
+    else:
+        # torch's CUDA wheels are several GB: on x86 Linux ask for the +cpu build first
+        # (pip's find-links or PyTorch's CPU index); plain PyPI as the fallback.
+        torch_pin = pins()[0]
+        cpu = torch_pin if "+cpu" in torch_pin else torch_pin + "+cpu"
+        rest = pins()[1:]
+        r = subprocess.run(cmd + [cpu, *rest])
+        if r.returncode:
+            r = subprocess.run(cmd + ["--extra-index-url", "https://download.pytorch.org/whl/cpu", cpu, *rest])
     if r.returncode:
         raise SystemExit("error: pip download of the run-time wheels failed")
     open(req, "w").write(want)
-    return sorted(os.listdir(WHEELS))
+    return sorted(os.listdir(wheels))
 
 
-def stage_ops() -> bool:
+def stage_ops(device: str = "cpu") -> bool:
     """Build decoder/csrc on the host into the build context.
 
     The image has no compiler, and the JIT fallback would leave the container on
@@ -183,8 +213,12 @@ def stage_ops() -> bool:
     The host runs the image's torch (pins()) and Debian's glibc, so the library
     fits; its kernels choose their ISA at run time. Without a compiler the
     image still works, on the references, and says so once on stderr."""
-    shutil.rmtree(OPS, ignore_errors=True)
-    os.makedirs(OPS)
+    ops = os.path.join(stage_dir(device), "ops")
+    shutil.rmtree(ops, ignore_errors=True)
+    os.makedirs(ops)
+    if device == "gpu":
+        stage_cuda_ops(ops)
+        return True
     work = os.path.join(HOME, "build", "ops-build")
     r = subprocess.run([sys.executable, "-c", "import sys; from decoder.ops import build_library; "
                         "print(build_library(sys.argv[1]))", work],
@@ -193,9 +227,27 @@ def stage_ops() -> bool:
         log(f"fused ops not built ({(r.stderr.strip().splitlines() or ['?'])[-1][:200]}); "
             "the image will use the PyTorch references")
         return False
-    shutil.copyfile(r.stdout.strip().splitlines()[-1], os.path.join(OPS, "decoder_ops.so"))
-    os.chmod(os.path.join(OPS, "decoder_ops.so"), 0o644)
+    shutil.copyfile(r.stdout.strip().splitlines()[-1], os.path.join(ops, "decoder_ops.so"))
+    os.chmod(os.path.join(ops, "decoder_ops.so"), 0o644)
     return True
+
+
+def stage_cuda_ops(ops: str) -> None:
+    """The GPU image's ops: the CPU library and the CUDA kernels, compiled against
+    the image's CUDA torch for CUDA_ARCHS by tools/cuda_check.py in its venv
+    (`make cuda-check`'s, build/cuda-venv: torch from the GPU wheelhouse, nvcc
+    from the registry). No GPU needed; a failed build fails the image, since a
+    GPU image on the PyTorch references would be several times slower."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DECODER_OPS_LIBRARY", "DECODER_OPS_CUDA_LIBRARY", "DECODER_NO_CPP_OPS")}
+    env["TORCH_CUDA_ARCH_LIST"] = CUDA_ARCHS  # the image's targets, whatever GPU this host has
+    build = os.path.join(HOME, "build")
+    r = subprocess.run([sys.executable, "-m", "tools.cuda_check", "--venv", os.path.join(build, "cuda-venv"),
+                        "--find-links", os.path.join(stage_dir("gpu"), "wheelhouse"),
+                        "--build-dir", os.path.join(build, "ops-build-cuda"), "--out", ops],
+                       cwd=ROOT, env=env, stdout=sys.stderr)
+    if r.returncode:
+        raise SystemExit("error: the CUDA kernels did not build for the GPU image (python -m tools.cuda_check, above)")
 
 
 def default_model() -> str:
@@ -208,19 +260,20 @@ def default_model() -> str:
     return max(found, key=lambda d: os.path.getmtime(os.path.join(d, "model.safetensors")))
 
 
-def stage_model(model_dir: str) -> None:
+def stage_model(model_dir: str, device: str = "cpu") -> None:
     from decoder.modeldir import ModelDirError, load
     try:
         cfg = load(model_dir)[0]  # refuse to bake a broken model into an image
     except ModelDirError as e:
         raise SystemExit(f"error: {e}")
-    shutil.rmtree(MODEL, ignore_errors=True)
-    os.makedirs(MODEL)
+    model = os.path.join(stage_dir(device), "model")
+    shutil.rmtree(model, ignore_errors=True)
+    os.makedirs(model)
     # the shortlist too where the dir lists and has one: the container turns it on (serve.py)
     extra = (cfg.shortlist,) if cfg.shortlist and os.path.isfile(os.path.join(model_dir, cfg.shortlist)) else ()
     for f in MODEL_FILES + extra:
-        shutil.copyfile(os.path.join(model_dir, f), os.path.join(MODEL, f))
-        os.chmod(os.path.join(MODEL, f), 0o644)  # the image runs as a non-root user
+        shutil.copyfile(os.path.join(model_dir, f), os.path.join(model, f))
+        os.chmod(os.path.join(model, f), 0o644)  # the image runs as a non-root user
 
 
 def image_paths() -> list[str]:
@@ -229,18 +282,28 @@ def image_paths() -> list[str]:
         return [ln.strip()[1:] for ln in fh if ln.strip().startswith("!")]
 
 
-def where(rel: str) -> str:
-    """The file here of the build-context path `rel`."""
+def stage(model_dir: str, device: str = "cpu") -> str:
+    """Everything the Dockerfile needs beyond the sources, staged; no docker needed."""
+    ensure_wheelhouse(device)
+    stage_model(model_dir, device)
+    stage_ops(device)
+    return stage_dir(device)
+
+
+def where(rel: str, device: str = "cpu") -> str:
+    """The file here of the build-context path `rel` (the GPU image's stage is the context's build/image)."""
     if rel == "Dockerfile":
         return os.path.join(DOCKER, rel)
-    return os.path.join(HOME if rel.startswith("build/") else ROOT, rel)
+    if rel == CONTEXT_STAGE or rel.startswith(CONTEXT_STAGE + "/"):
+        return stage_dir(device) + rel[len(CONTEXT_STAGE):]
+    return os.path.join(ROOT, rel)
 
 
-def sources() -> list[str]:
+def sources(device: str = "cpu") -> list[str]:
     """Every build-context file the image depends on, as the context names it."""
     files = []
     for top in image_paths():
-        path = where(top)
+        path = where(top, device)
         if os.path.isfile(path):
             files.append(top)
         for d, dirs, names in os.walk(path):
@@ -250,24 +313,25 @@ def sources() -> list[str]:
     return files
 
 
-def context() -> IO[bytes]:
-    """The build context: a tar of sources(), which is all the Dockerfile may COPY."""
+def context(device: str = "cpu") -> IO[bytes]:
+    """The build context: a tar of sources(), which is all the Dockerfile may COPY,
+    and the listed folders themselves (an empty ops/ is still there to COPY)."""
     fh = tempfile.TemporaryFile()
     with tarfile.open(fileobj=fh, mode="w") as tar:
-        for f in sources():
-            tar.add(where(f), arcname=f, recursive=False)
+        for f in [t for t in image_paths() if os.path.isdir(where(t, device))] + sources(device):
+            tar.add(where(f, device), arcname=f, recursive=False)
     fh.seek(0)
     return fh
 
 
-def input_key(base_id: str) -> str:
-    h = hashlib.sha256(base_id.encode())
-    for f in sources():
+def input_key(base_id: str, device: str = "cpu") -> str:
+    h = hashlib.sha256(f"{base_id}\0{device}".encode())
+    for f in sources(device):
         h.update(f.encode() + b"\0")
-        if f.startswith("build/image/wheelhouse/"):
-            h.update(str(os.path.getsize(where(f))).encode())  # names carry versions
+        if f.startswith(CONTEXT_STAGE + "/wheelhouse/"):
+            h.update(str(os.path.getsize(where(f, device))).encode())  # names carry versions
         else:
-            with open(where(f), "rb") as fh:
+            with open(where(f, device), "rb") as fh:
                 hashlib.file_digest(fh, lambda: h)  # streams the file into the running key
     return h.hexdigest()[:16]
 
@@ -302,16 +366,17 @@ def model_hash(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def oci_labels(model_dir: str, root: str = ROOT) -> dict:
-    return {"org.opencontainers.image.title": "wmt-kit submission",
+def oci_labels(model_dir: str, root: str = ROOT, device: str = "cpu") -> dict:
+    return {"org.opencontainers.image.title": "wmt-kit submission" + ("" if device == "cpu" else f" ({device})"),
             "org.opencontainers.image.source": source_url(root),
             "org.opencontainers.image.revision": git_revision(root),
             "org.opencontainers.image.created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "org.wmt-kit.model.sha256": model_hash(model_dir)}
+            "org.wmt-kit.model.sha256": model_hash(model_dir),
+            "org.wmt-kit.device": device}
 
 
-def _build(c, quiet: bool, **kw) -> None:
-    with context() as ctx:
+def _build(c, quiet: bool, device: str, **kw) -> None:
+    with context(device) as ctx:
         _stream(c.api.build(fileobj=ctx, custom_context=True, dockerfile="Dockerfile", rm=True, forcerm=True,
                             decode=True, **kw), quiet)
 
@@ -324,12 +389,12 @@ def _stream(chunks, quiet: bool) -> None:
             log(chunk["stream"].rstrip())
 
 
-def stage_tag(base_id: str) -> str:
+def stage_tag(base_id: str, device: str = "cpu") -> str:
     """The build stage's tag: keyed on what it is built from (base and wheelhouse)."""
     h = hashlib.sha256(base_id.encode())
-    h.update(open(os.path.join(WHEELS, "requirements.txt"), "rb").read())
+    h.update(open(os.path.join(stage_dir(device), "wheelhouse", "requirements.txt"), "rb").read())
     h.update(open(os.path.join(DOCKER, "Dockerfile"), "rb").read())
-    return f"wmt-kit-build:{h.hexdigest()[:16]}"
+    return f"{repo(device)}-build:{h.hexdigest()[:16]}"
 
 
 def retag(c, image_id: str, tag: str) -> None:
@@ -362,24 +427,25 @@ def prune_old_keys(c, keep: str) -> None:
                     log(f"kept {t}: {str(e)[:100]}")
 
 
-def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet: bool = False) -> str:
-    """Build (or find, by input key) the image; return its key tag `wmt-kit:KEY`."""
+def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet: bool = False,
+          device: str = "cpu") -> str:
+    """Build (or find, by input key) the image; return its key tag `wmt-kit:KEY` (`wmt-kit-gpu:KEY`)."""
     c = client()
     base = ensure_base(c, base)
-    ensure_wheelhouse()
-    stage_model(model_dir)
-    stage_ops()
+    stage(model_dir, device)
     base_id = c.images.get(base).id
-    key_tag = f"wmt-kit:{input_key(base_id)}"
+    key_tag = f"{repo(device)}:{input_key(base_id, device)}"
+    args = {"BASE_IMAGE": base}
     if has_image(c, key_tag):
         log(f"{key_tag} is up to date")
     else:
         log(f"building {key_tag} from {base}")
         # the build stage first, under a tag of its own: the legacy builder would leave
         # it untagged (a dangling 1.2 GB), and kept it is the next build's cache
-        build_tag = stage_tag(base_id)
-        _build(c, quiet, tag=build_tag, target="build", buildargs={"BASE_IMAGE": base})
-        _build(c, quiet, tag=key_tag, buildargs={"BASE_IMAGE": base}, labels=oci_labels(model_dir))
+        build_tag = stage_tag(base_id, device)
+        _build(c, quiet, device, tag=build_tag, target="build", buildargs=args)
+        cuda = {"CUDA_OPS_LIBRARY": CUDA_OPS} if device == "gpu" else {}  # the final stage's ARG only
+        _build(c, quiet, device, tag=key_tag, buildargs={**args, **cuda}, labels=oci_labels(model_dir, device=device))
         prune_old_keys(c, key_tag)
         prune_old_keys(c, build_tag)
     if tag:
@@ -393,14 +459,26 @@ def main(argv=None) -> int:
                                  formatter_class=HelpFormatter)
     add_version(ap)
     ap.add_argument("--model", help="model dir to bake at /model (default: latest student under runs/)")
-    ap.add_argument("--tag", default="wmt-kit:latest", help="image tag to give the build")
+    ap.add_argument("--device", choices=DEVICES, default="cpu",
+                    help="cpu: the CPU wheel of torch; gpu: the GPU track's image (CUDA torch, prebuilt CUDA kernels)")
+    ap.add_argument("--tag", help="image tag to give the build (default: wmt-kit:latest, on gpu wmt-kit-gpu:latest)")
     ap.add_argument("--base", help=f"base image (default {PUBLIC_BASE}, else {LOCAL_BASE})")
+    ap.add_argument("--stage-only", action="store_true",
+                    help="stage build/image/ (wheels, model, ops) and stop: then `docker build -t kit .` at the root")
     a = ap.parse_args(argv)
+    if a.stage_only and a.device != "cpu":
+        ap.error("--stage-only stages the CPU image, which `docker build .` reads; "
+                 "the GPU image is built by `make image DEVICE=gpu`")
     model = a.model or default_model()
-    key_tag = build(model, a.tag, a.base)
+    if a.stage_only:
+        staged = os.path.relpath(stage(model), HOME)
+        print(f"staged {staged}/ (model {model}); now, at the repository root: docker build -t kit .")
+        return 0
+    tag = a.tag or f"{repo(a.device)}:latest"
+    key_tag = build(model, tag, a.base, device=a.device)
     size = client().images.get(key_tag).attrs["Size"]
     msize = sum(os.path.getsize(os.path.join(model, f)) for f in MODEL_FILES)
-    print(f"image {a.tag} ({key_tag}): {size / 1e6:.0f} MB")
+    print(f"image {tag} ({key_tag}): {size / 1e6:.0f} MB")
     print(f"model {model}: {msize / 1e6:.1f} MB on disk")
     return 0
 

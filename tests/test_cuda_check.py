@@ -50,3 +50,14 @@ def test_cpu_torch_without_venv_is_one_clear_error(capsys, monkeypatch):
         cuda_check.main([])
     assert e.value.code == 2
     assert "--venv" in capsys.readouterr().err
+
+
+def test_the_check_wants_a_kernel_for_each_op_the_cuda_source_registers(tmp_path):
+    """Not every op has a CUDA kernel (the int8 GEMMs, the one-row CPU steps): the
+    check expects those fused_cuda.cu registers for CUDA, and only those."""
+    cu = tmp_path / "k.cu"
+    cu.write_text('TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {\n  m.impl("cpu_op", &f);\n}\n'
+                  'TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {\n  m.impl("a_", &a);\n  m.impl("b", &b);\n}\n')
+    assert cuda_check.cuda_ops(str(cu)) == {"a_", "b"}
+    assert {"decode_attention", "add_bias_residual_layernorm"} <= cuda_check.cuda_ops()
+    assert "int8_gemm" not in cuda_check.cuda_ops()

@@ -1,4 +1,4 @@
-"""python -m tools.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR]
+"""python -m tools.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR] [--out DIR]
 
 Compiles the CUDA kernels (decoder/csrc/fused_cuda.cu) with nvcc against a CUDA
 build of torch and checks that every fused op then has a CUDA kernel
@@ -10,20 +10,22 @@ From the kit's own venv (CPU torch), --venv DIR makes DIR a second venv holding
 the CUDA build of the same torch version and, for CUDA 13 and later, nvcc from
 PyPI's nvidia-* wheels (about 5 GB), and runs the check there. An installed
 toolkit ($CUDA_HOME, /usr/local/cuda) comes before the wheels' nvcc.
+--out DIR copies the two libraries it built there: the GPU submission image
+loads them prebuilt (submission/image.py).
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import os
+import shutil
+import re
 import subprocess
 import sys
 import time
 
 from decoder.cliargs import add_version
 
-# int8_linear is the CPU int8 GEMM; every other op has a CUDA kernel
-CPU_ONLY = {"int8_linear"}
 SYSTEM_CUDA = "/usr/local/cuda"
 
 
@@ -31,16 +33,15 @@ def _run(cmd, env=None, stderr=None) -> str:
     return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, stderr=stderr).stdout.strip()
 
 
-def setup_venv(venv: str, torch_version: str) -> str:
-    """DIR/bin/python with the CUDA torch `torch_version` and nvcc; returns its path."""
+def setup_venv(venv: str, torch_version: str, find_links: str | None = None) -> str:
+    """DIR/bin/python with the CUDA torch `torch_version` and nvcc; returns its path.
+    find_links: a folder of wheels tried before PyPI (the GPU image's wheelhouse
+    holds this torch's CUDA build and its nvidia-* libraries: no second 3 GB download)."""
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    # a local wheel folder or constraint may pin the CPU build of this version, which pip would prefer
-    for k in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL"):
-        env.pop(k, None)
-    pip = [py, "-m", "pip", "install", "-q"]
+    env = registry_env()
+    pip = [py, "-m", "pip", "install", "-q", *(["--find-links", find_links] if find_links else [])]
     if not _cuda_of(py):
         print(f"installing torch=={torch_version} (CUDA build) into {venv} ...", flush=True)
         subprocess.run(pip + [f"torch=={torch_version}", "numpy", "ninja"], env=env, check=True)
@@ -55,6 +56,15 @@ def setup_venv(venv: str, torch_version: str) -> str:
     return py
 
 
+def registry_env() -> dict:
+    """This environment with pip on the package registry alone: a local wheel folder
+    or constraint may pin the CPU build of this torch version, which pip would prefer."""
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    for k in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL"):
+        env.pop(k, None)
+    return env
+
+
 def _cuda_of(py: str) -> str:
     try:
         # a venv without torch yet is the normal first run: no traceback for it
@@ -66,6 +76,17 @@ def _cuda_of(py: str) -> str:
 def _nvcc(py: str, major: str) -> str:
     code = f"import sys, glob; print(next(iter(sum((glob.glob(p + '/nvidia/cu{major}/bin/nvcc') for p in sys.path), [])), ''))"
     return _run([py, "-c", code])
+
+
+def cuda_ops(source: str | None = None) -> set[str]:
+    """The ops fused_cuda.cu registers for CUDA: each must have its kernel once the
+    library loads. The rest (the int8 GEMMs, the one-row CPU steps, ...) are CPU only."""
+    if source is None:
+        from decoder import ops
+        source = os.path.join(ops._HERE, "fused_cuda.cu")
+    text = open(source).read()
+    block = re.search(r"TORCH_LIBRARY_IMPL\(decoder_ops,\s*CUDA,\s*m\)\s*\{(.*?)\n\}", text, re.S)
+    return set(re.findall(r'm\.impl\("(\w+)"', block.group(1))) if block else set()
 
 
 def find_toolkit() -> str | None:
@@ -98,7 +119,7 @@ def find_toolkit() -> str | None:
     return home
 
 
-def check(arch: str, build_dir: str | None, verbose: bool) -> int:
+def check(arch: str, build_dir: str | None, verbose: bool, out: str | None = None) -> int:
     import torch
     home = find_toolkit()
     if home is None:
@@ -122,17 +143,24 @@ def check(arch: str, build_dir: str | None, verbose: bool) -> int:
         return 1
     print(f"built and loaded decoder_ops_cuda in {time.perf_counter() - t0:.0f} s")
     names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("decoder_ops::"))
-    missing = []
+    want = cuda_ops()
+    missing = sorted(want - set(names)) if want else ["(no TORCH_LIBRARY_IMPL(decoder_ops, CUDA) in fused_cuda.cu)"]
     for n in names:
-        if n in CPU_ONLY:
-            continue
         ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"decoder_ops::{n}", "CUDA")
-        print(f"  {n:32s} CUDA kernel {'registered' if ok else 'MISSING'}")
-        if not ok:
+        print(f"  {n:32s} " + ("CUDA kernel registered" if ok else "CUDA kernel MISSING" if n in want else "CPU only"))
+        if n in want and not ok:
             missing.append(n)
     if missing:
         print(f"FAILED: no CUDA kernel for {', '.join(missing)}", file=sys.stderr)
         return 1
+    if out:
+        from torch.utils.cpp_extension import _get_build_directory
+        os.makedirs(out, exist_ok=True)
+        for so in (os.path.join(ops.default_build_dir(), "decoder_ops.so"),
+                   os.path.join(build_dir or _get_build_directory("decoder_ops_cuda", False), "decoder_ops_cuda.so")):
+            shutil.copyfile(so, os.path.join(out, os.path.basename(so)))
+            os.chmod(os.path.join(out, os.path.basename(so)), 0o644)
+        print(f"copied decoder_ops.so and decoder_ops_cuda.so to {out}")
     print("ok" + ("" if torch.cuda.is_available() else "; no GPU here, so the kernels were not run"))
     return 0
 
@@ -144,18 +172,20 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="8.0;9.0",
                    help="targets without a GPU (TORCH_CUDA_ARCH_LIST wins when set; default: %(default)s)")
     p.add_argument("--build-dir", help="where the library is built (default: torch's extension cache)")
+    p.add_argument("--find-links", help="with --venv: a folder of wheels tried before the registry (the CUDA torch)")
+    p.add_argument("--out", help="copy the built CPU and CUDA libraries into this folder")
     p.add_argument("--verbose", action="store_true", help="show the nvcc and ninja commands")
     a = p.parse_args(argv)
     import torch
     if torch.version.cuda is None:
         if not a.venv:
             p.error("this torch is a CPU build; pass --venv DIR to check in a venv with the CUDA build")
-        py = setup_venv(a.venv, torch.__version__.split("+")[0])
-        rest = ["--arch", a.arch] + (["--build-dir", a.build_dir] if a.build_dir else []) + \
-            (["--verbose"] if a.verbose else [])
+        py = setup_venv(a.venv, torch.__version__.split("+")[0], a.find_links)
+        rest = ["--arch", a.arch] + (["--build-dir", os.path.abspath(a.build_dir)] if a.build_dir else []) + \
+            (["--out", os.path.abspath(a.out)] if a.out else []) + (["--verbose"] if a.verbose else [])
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run([py, "-m", "tools.cuda_check"] + rest, cwd=root).returncode
-    return check(a.arch, a.build_dir, a.verbose)
+    return check(a.arch, a.build_dir, a.verbose, a.out)
 
 
 if __name__ == "__main__":
