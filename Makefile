@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" || $(VPY) -m pip install -q "torch>=2.4"
 	$(VPY) -m pip install -q -e ".[test,baselines]"
 	# the fused C++ ops now, not in the first decode (20-45 s); no compiler: a warning, the references run
-	$(VPY) -c "from decoder import ops; ops.available()"
+	$(VPY) -c "from decoder import ops; print(ops.describe())"
 	touch $@
 
 # The submission image; MODEL defaults to the latest exported student under runs/.
