@@ -143,14 +143,15 @@ def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):
     if _kernel(x):
         n = x.shape[-1]
         require(h.shape == x.shape and gamma.numel() == n and beta.numel() == n and (bias is None or bias.numel() == n),
-                f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias {n} elements")
+                lambda: f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias "
+                        f"{n} elements")
         return torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
     return add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps)
 
 
 def add_bias_relu(x, bias):
     if _kernel(x):
-        require(bias.numel() == x.shape[-1], f"add_bias_relu: bias must have {x.shape[-1]} elements")
+        require(bias.numel() == x.shape[-1], lambda: f"add_bias_relu: bias must have {x.shape[-1]} elements")
         return torch.ops.decoder_ops.add_bias_relu(x, bias)
     return add_bias_relu_reference(x, bias)
 
@@ -161,9 +162,9 @@ CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <
 def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
     require(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)")
     R, V = logits.shape
-    require(K > 0 and R % K == 0, f"log_softmax_topk: {R} rows are not a multiple of K={K}")
-    require(scores.numel() == R, f"log_softmax_topk: one score per row ({R}), got {scores.numel()}")
-    require(0 < n <= K * V, f"log_softmax_topk: n must be in [1, K*V = {K * V}], got {n}")
+    require(K > 0 and R % K == 0, lambda: f"log_softmax_topk: {R} rows are not a multiple of K={K}")
+    require(scores.numel() == R, lambda: f"log_softmax_topk: one score per row ({R}), got {scores.numel()}")
+    require(0 < n <= K * V, lambda: f"log_softmax_topk: n must be in [1, K*V = {K * V}], got {n}")
     if _kernel(logits) and not (logits.is_cuda and n > CUDA_MAX_TOP):
         return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
     return log_softmax_topk_reference(logits, scores, K, n, normalized)
@@ -196,17 +197,17 @@ def decode_attention(q, k, v, mask=None, rows=None):
 def _check_attention(q, k, v, mask, rows=None):
     require(q.dim() == 4 and k.dim() == 4 and v.shape == k.shape and k.shape[1] == q.shape[1]
             and k.shape[3] == q.shape[3] and (rows is not None or k.shape[0] == q.shape[0]),
-            f"decode_attention: q (B, H, Q, D) and k, v (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}")
+            lambda: f"decode_attention: q (B, H, Q, D) and k, v (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                    f"{tuple(v.shape)}")
     B, T = q.shape[0], k.shape[2]
     require(mask is None or (mask.numel() == B * T and mask.dtype == torch.bool),
             "decode_attention: mask must be bool (B, 1, 1, T)")
     if rows is not None:  # a CPU tensor (the kernel's), read where the kernel would read it: no device sync
         require(rows.shape == (B, T) and rows.dtype == torch.long,
-                f"decode_attention_rows: rows must be long ({B}, {T})")
+                lambda: f"decode_attention_rows: rows must be long ({B}, {T})")
         lo, hi = torch.aminmax(rows) if rows.numel() else (0, -1)
         require(int(lo) >= 0 and int(hi) < k.shape[0],
-                f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
+                lambda: f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
 
 
 def encoder_attention(qkv, mask, heads: int):
@@ -214,7 +215,7 @@ def encoder_attention(qkv, mask, heads: int):
     # split over torch's threads; decoder/README.md)
     if _kernel(qkv) and qkv.device.type == "cpu":
         require(qkv.dim() == 3 and heads > 0 and qkv.shape[2] % (3 * heads) == 0,
-                f"encoder_attention: qkv must be (B, S, 3 * {heads} heads * D), got {tuple(qkv.shape)}")
+                lambda: f"encoder_attention: qkv must be (B, S, 3 * {heads} heads * D), got {tuple(qkv.shape)}")
         require(mask is None or (mask.numel() == qkv.shape[0] * qkv.shape[1] and mask.dtype == torch.bool),
                 "encoder_attention: mask must be bool (B, 1, 1, S)")
         return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
@@ -245,7 +246,8 @@ class CrossAttention:
         if self.kernel:
             kt = self.kv[0]  # (B, h, hd, Sp)
             require(q.dim() == 3 and q.shape[0] == kt.shape[0] and q.shape[2] == kt.shape[1] * kt.shape[2],
-                    f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), got {tuple(q.shape)}")
+                    lambda: f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), "
+                            f"got {tuple(q.shape)}")
             return torch.ops.decoder_ops.cross_attention(q, *self.kv)
         return cross_attention_reference(q, *self.kv)
 
@@ -258,8 +260,8 @@ def qkv_to_cache_(kc, vc, qkv, t: int):
     if _kernel(qkv):
         require(kc.dim() == 4 and vc.shape == kc.shape, "qkv_to_cache_: caches must be (N, H, T, D)")
         N, H, T, D = kc.shape
-        require(qkv.numel() == N * 3 * H * D, f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
-        require(0 <= t < T, f"qkv_to_cache_: position {t} outside the cache of {T}")
+        require(qkv.numel() == N * 3 * H * D, lambda: f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
+        require(0 <= t < T, lambda: f"qkv_to_cache_: position {t} outside the cache of {T}")
         return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
     return qkv_to_cache_reference(kc, vc, qkv, t)
 

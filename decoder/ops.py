@@ -35,12 +35,13 @@ class OpArgumentError(ValueError, RuntimeError):
     A RuntimeError too, as the op's own error is."""
 
 
-def require(ok: bool, message: str) -> None:
+def require(ok: bool, message) -> None:
     """The op wrappers' argument checks: shapes and ints in the decode step; a check
     that reads tensor data runs on CPU tensors or once per batch, never as a per-step
-    device sync."""
+    device sync. `message`: a string, or a function giving it (an f-string formatted
+    at every call cost the step microseconds)."""
     if not ok:
-        raise OpArgumentError(message)
+        raise OpArgumentError(message() if callable(message) else message)
 
 
 def available() -> bool:
@@ -276,9 +277,9 @@ def _stale(so: str) -> bool:
 
 
 def _check_int8_linear(op: str, x, wq_t) -> None:
-    require(wq_t.dtype == torch.int8 and wq_t.dim() == 2, f"{op}: wq_t must be int8 (in, out)")
+    require(wq_t.dtype == torch.int8 and wq_t.dim() == 2, lambda: f"{op}: wq_t must be int8 (in, out)")
     require(x.dim() >= 1 and x.shape[-1] == wq_t.shape[0],
-            f"{op}: x has {x.shape[-1] if x.dim() else 0} features, weight expects {wq_t.shape[0]}")
+            lambda: f"{op}: x has {x.shape[-1] if x.dim() else 0} features, weight expects {wq_t.shape[0]}")
 
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
@@ -309,7 +310,8 @@ def int8_gemm_pack(wq, idx=None):
         require(idx.dtype == torch.long and idx.dim() == 1, "int8_gemm_pack: idx must be int64 (C,)")
         lo, hi = torch.aminmax(idx) if idx.numel() else (0, -1)
         require(int(lo) >= 0 and int(hi) < wq.shape[0],
-                f"int8_gemm_pack: index {int(lo) if int(lo) < 0 else int(hi)} out of range for {wq.shape[0]} rows")
+                lambda: f"int8_gemm_pack: index {int(lo) if int(lo) < 0 else int(hi)} out of range for "
+                        f"{wq.shape[0]} rows")
     return torch.ops.decoder_ops.int8_gemm_pack(wq, idx)
 
 
@@ -318,8 +320,8 @@ def int8_gemm(xq, packed, n: int):
     require(xq.dtype == torch.int8 and xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)")
     K = xq.shape[1]
     require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == gemm_packed_numel(n, K),
-            f"int8_gemm: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of {n} outputs "
-            f"x {K} features")
+            lambda: f"int8_gemm: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "
+                    f"{n} outputs x {K} features")
     return torch.ops.decoder_ops.int8_gemm(xq, packed, n)
 
 
@@ -342,9 +344,9 @@ def int8_gemv(x, wq, w_scale, w_shift, bias, relu: bool = False, isa: int = 2):
     require(wq.dtype == torch.int8 and wq.dim() == 2, "int8_gemv: wq must be contiguous int8 (out, in) padded")
     K, N, (Np, Kp) = x.shape[-1], w_scale.numel(), wq.shape
     require(Kp % GEMV_PAD == 0 and K <= Kp < K + GEMV_PAD,
-            f"int8_gemv: wq has {Kp} columns for {K} features, expected {K} padded to a multiple of {GEMV_PAD}")
+            lambda: f"int8_gemv: wq has {Kp} columns for {K} features, expected {K} padded to a multiple of {GEMV_PAD}")
     require(Np % GEMV_BLOCK == 0 and N <= Np < N + GEMV_BLOCK,
-            f"int8_gemv: wq has {Np} rows for {N} outputs, expected them padded to a multiple of {GEMV_BLOCK}")
+            lambda: f"int8_gemv: wq has {Np} rows for {N} outputs, expected them padded to a multiple of {GEMV_BLOCK}")
     require(w_shift.numel() == Np and (bias is None or bias.numel() == N),
             "int8_gemv: w_shift int32 (padded out,), bias float32 (out,)")
     return torch.ops.decoder_ops.int8_gemv(x, wq, w_scale, w_shift, bias, relu, isa)

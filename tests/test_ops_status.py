@@ -36,7 +36,8 @@ def settings_line() -> str:
 
 def head() -> str:
     n = torch.get_num_threads()
-    return f"decoder: precision fp32, {n} thread{'s' if n > 1 else ''}, cpu ISA {torch.backends.cpu.get_cpu_capability()}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"decoder: precision fp32, {n} thread{'s' if n > 1 else ''}, cpu ISA {isa}"
 
 
 @pytest.mark.skipif(not ops.available() or torch.cuda.is_available(), reason="needs the CPU ops built, no GPU")
