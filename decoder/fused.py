@@ -236,9 +236,10 @@ class CrossAttention:
 
     def __init__(self, k, v, mask=None):
         self.kernel = _kernel(k) and k.device.type == "cpu"
-        require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
-        require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
-                "cross_arrange: mask must be bool (B, 1, 1, S)")
+        if self.kernel:
+            require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
+            require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
+                    "cross_arrange: mask must be bool (B, 1, 1, S)")
         # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
         self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
 

@@ -6,7 +6,9 @@ saying so in one stderr line), or loaded prebuilt from $DECODER_OPS_LIBRARY (the
 submission image: it has no compiler, so `make image` builds the library on
 the host, which runs the same torch and glibc). Where neither works
 `available()` is False and callers use the plain PyTorch reference
-(decoder/quant.py, decoder/fused.py), which the tests check the ops against.
+(decoder/quant.py, decoder/fused.py), which the tests check the ops against;
+`describe()` says which of the CPU ops and CUDA kernels loaded and why not (the
+decoder's settings line and `make setup` print it).
 """
 from __future__ import annotations
 
