@@ -92,7 +92,7 @@ cuda-check: setup
 OLDEST_TORCH ?= 2.4.0
 OLDEST_VENV  ?= build/oldest-torch/venv
 OLDEST_TESTS ?= tests/test_cpp17.py tests/test_fused_ops.py tests/test_shortlist.py tests/test_int8_gemm.py \
-  tests/test_int8_gemv.py tests/test_ops_status.py
+  tests/test_int8_gemv.py tests/test_ops_status.py tests/test_cross_attention.py tests/test_decoder_ops.py
 oldest-torch-check:
 	test -x $(OLDEST_VENV)/bin/python || $(PY) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install -q "torch==$(OLDEST_TORCH)" -e ".[test]"
