@@ -111,6 +111,9 @@ def linear_argmax_reference(x, weight, bias=None, chunk: int = 0):
     return F.linear(x, weight, bias).argmax(-1)
 
 
+require = ops.require  # argument checks before a kernel runs (decoder/ops.py says why)
+
+
 def _kernel(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return ops.available()
@@ -131,18 +134,24 @@ def _cuda_kernels() -> bool:
             print(f"warning: fused CUDA kernels disagree with their references ({', '.join(bad)}); "
                   f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
             ok = False
+            ops.cuda_refused(f"disagree with their references: {', '.join(bad)}")
         _cuda["ok"] = ok
     return ok
 
 
 def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):
     if _kernel(x):
+        n = x.shape[-1]
+        require(h.shape == x.shape and gamma.numel() == n and beta.numel() == n and (bias is None or bias.numel() == n),
+                lambda: f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias "
+                        f"{n} elements")
         return torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
     return add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps)
 
 
 def add_bias_relu(x, bias):
     if _kernel(x):
+        require(bias.numel() == x.shape[-1], lambda: f"add_bias_relu: bias must have {x.shape[-1]} elements")
         return torch.ops.decoder_ops.add_bias_relu(x, bias)
     return add_bias_relu_reference(x, bias)
 
@@ -151,32 +160,64 @@ CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <
 
 
 def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
+    require(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)")
+    R, V = logits.shape
+    require(K > 0 and R % K == 0, lambda: f"log_softmax_topk: {R} rows are not a multiple of K={K}")
+    require(scores.numel() == R, lambda: f"log_softmax_topk: one score per row ({R}), got {scores.numel()}")
+    require(0 < n <= K * V, lambda: f"log_softmax_topk: n must be in [1, K*V = {K * V}], got {n}")
     if _kernel(logits) and not (logits.is_cuda and n > CUDA_MAX_TOP):
         return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
     return log_softmax_topk_reference(logits, scores, K, n, normalized)
 
 
 def ngram_block_(logits, hist, n: int, vocab=None):
+    require(logits.dim() == 2 and hist.dim() == 2 and hist.shape[0] == logits.shape[0],
+            "ngram_block_: logits (R, C) and hist (R, T) must have the same rows")
     if _kernel(logits) and logits.is_contiguous():
         torch.ops.decoder_ops.ngram_block_(logits, hist, n, vocab)
         return logits
     return ngram_block_reference(logits, hist, n, vocab)
 
 
+CUDA_MAX_KEYS = 48 * 1024 // 4  # the CUDA kernel holds a row's T scores in 48 KB of shared memory
+
+
 def decode_attention(q, k, v, mask=None, rows=None):
     if rows is not None:  # CPU only: the CUDA build has no row-table kernel
         if _kernel(q) and q.device.type == "cpu" and mask is None:
+            _check_attention(q, k, v, mask, rows)
             return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
         return decode_attention_reference(q, k, v, mask, rows)
-    if _kernel(q):
+    if _kernel(q) and not (q.is_cuda and k.shape[2] > CUDA_MAX_KEYS):
+        _check_attention(q, k, v, mask)
         return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
     return decode_attention_reference(q, k, v, mask)
+
+
+def _check_attention(q, k, v, mask, rows=None):
+    require(q.dim() == 4 and k.dim() == 4 and v.shape == k.shape and k.shape[1] == q.shape[1]
+            and k.shape[3] == q.shape[3] and (rows is not None or k.shape[0] == q.shape[0]),
+            lambda: f"decode_attention: q (B, H, Q, D) and k, v (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                    f"{tuple(v.shape)}")
+    B, T = q.shape[0], k.shape[2]
+    require(mask is None or (mask.numel() == B * T and mask.dtype == torch.bool),
+            "decode_attention: mask must be bool (B, 1, 1, T)")
+    if rows is not None:  # a CPU tensor (the kernel's), read where the kernel would read it: no device sync
+        require(rows.shape == (B, T) and rows.dtype == torch.long,
+                lambda: f"decode_attention_rows: rows must be long ({B}, {T})")
+        lo, hi = torch.aminmax(rows) if rows.numel() else (0, -1)
+        require(int(lo) >= 0 and int(hi) < k.shape[0],
+                lambda: f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
 
 
 def encoder_attention(qkv, mask, heads: int):
     # 1.2-4x SDPA at every shape on one thread, 1.7-4.2x on two (its (row, head) pairs
     # split over torch's threads; docs/bench/decoder.md)
     if _kernel(qkv) and qkv.device.type == "cpu":
+        require(qkv.dim() == 3 and heads > 0 and qkv.shape[2] % (3 * heads) == 0,
+                lambda: f"encoder_attention: qkv must be (B, S, 3 * {heads} heads * D), got {tuple(qkv.shape)}")
+        require(mask is None or (mask.numel() == qkv.shape[0] * qkv.shape[1] and mask.dtype == torch.bool),
+                "encoder_attention: mask must be bool (B, 1, 1, S)")
         return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
     return encoder_attention_reference(qkv, mask, heads)
 
@@ -195,11 +236,19 @@ class CrossAttention:
 
     def __init__(self, k, v, mask=None):
         self.kernel = _kernel(k) and k.device.type == "cpu"
+        if self.kernel:
+            require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
+            require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
+                    "cross_arrange: mask must be bool (B, 1, 1, S)")
         # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
         self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
 
     def __call__(self, q):
         if self.kernel:
+            kt = self.kv[0]  # (B, h, hd, Sp)
+            require(q.dim() == 3 and q.shape[0] == kt.shape[0] and q.shape[2] == kt.shape[1] * kt.shape[2],
+                    lambda: f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), "
+                            f"got {tuple(q.shape)}")
             return torch.ops.decoder_ops.cross_attention(q, *self.kv)
         return cross_attention_reference(q, *self.kv)
 
@@ -210,6 +259,10 @@ class CrossAttention:
 
 def qkv_to_cache_(kc, vc, qkv, t: int):
     if _kernel(qkv):
+        require(kc.dim() == 4 and vc.shape == kc.shape, "qkv_to_cache_: caches must be (N, H, T, D)")
+        N, H, T, D = kc.shape
+        require(qkv.numel() == N * 3 * H * D, lambda: f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
+        require(0 <= t < T, lambda: f"qkv_to_cache_: position {t} outside the cache of {T}")
         return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
     return qkv_to_cache_reference(kc, vc, qkv, t)
 
@@ -219,12 +272,17 @@ _ARGMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels c
 
 def argmax_rows(logits):
     if _kernel(logits) and logits.dtype in _ARGMAX_DTYPES:
+        require(logits.dim() == 2 and logits.shape[1] > 0, "argmax_rows: logits must be (rows, C) with C > 0")
         return torch.ops.decoder_ops.argmax_rows(logits)
     return argmax_rows_reference(logits)
 
 
 def linear_argmax(x, weight, bias=None, chunk: int = 1024):
     if _kernel(x) and x.dtype in _ARGMAX_DTYPES:
+        require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[0] > 0,
+                "linear_argmax: x (R, d) and weight (V, d) with V > 0")
+        require(bias is None or bias.numel() == weight.shape[0], "linear_argmax: bias must have V elements")
+        require(chunk > 0, "linear_argmax: chunk must be positive")
         return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
     return linear_argmax_reference(x, weight, bias)
 

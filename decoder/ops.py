@@ -7,12 +7,15 @@ submission image: it has no compiler, so `make image` builds the library on
 the host, which runs the same torch and glibc; the GPU image also loads its
 CUDA kernels, compiled ahead of time, from $DECODER_OPS_CUDA_LIBRARY). Where neither works
 `available()` is False and callers use the plain PyTorch reference
-(decoder/quant.py, decoder/fused.py), which the tests check the ops against.
+(decoder/quant.py, decoder/fused.py), which the tests check the ops against;
+`describe()` says which of the CPU ops and CUDA kernels loaded and why not (the
+decoder's settings line and `make setup` print it).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import threading
 
@@ -28,6 +31,22 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+class OpArgumentError(ValueError, RuntimeError):
+    """Bad arguments to a fused op, refused in Python before the kernel runs: on some
+    torch builds and compilers the C++ exception of a kernel's own check (TORCH_CHECK,
+    kept as a second line) crashed the process instead of raising (issue 30).
+    A RuntimeError too, as the op's own error is."""
+
+
+def require(ok: bool, message) -> None:
+    """The op wrappers' argument checks: shapes and ints in the decode step; a check
+    that reads tensor data runs on CPU tensors or once per batch, never as a per-step
+    device sync. `message`: a string, or a function giving it (an f-string formatted
+    at every call cost the step microseconds)."""
+    if not ok:
+        raise OpArgumentError(message() if callable(message) else message)
+
+
 def available() -> bool:
     ok = _state.get("ok")
     if ok is not None:  # the decode step asks several times per layer: no lock once decided
@@ -38,8 +57,37 @@ def available() -> bool:
         return _state["ok"]
 
 
+def status() -> dict:
+    """Whether the CPU ops and the CUDA kernels are loaded, and if not why, in a few
+    words: {"cpu": bool, "cuda": bool, "cpu_why": str, "cuda_why": str} ("" when
+    loaded). Builds them first if need be, and runs the CUDA kernels' self-check."""
+    available()
+    if _state.get("cuda"):
+        from . import fused  # the check that decides whether CUDA tensors take the kernels
+        fused._cuda_kernels()
+    return {"cpu": _state["ok"], "cuda": bool(_state.get("cuda")),
+            "cpu_why": _state.get("cpu_why", ""), "cuda_why": _state.get("cuda_why", "")}
+
+
+def describe() -> str:
+    """status() as the decoder's settings line and `make setup` print it:
+    'fused ops: cpu yes, cuda no (no GPU)'."""
+    s = status()
+    say = {k: "yes" if s[k] else f"no ({s[k + '_why']})" for k in ("cpu", "cuda")}
+    return f"fused ops: cpu {say['cpu']}, cuda {say['cuda']}"
+
+
+def _reason(e: Exception) -> str:
+    """One short line for why a build failed: the compiler's first error, not torch's
+    'Error building extension' with the whole ninja log behind it."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+    line = next((x for x in lines if "error:" in x), lines[0])
+    return re.sub(r"^\S*/", "", line)[:160]  # '/path/fused_cpu.cpp:109:28: error: ...' by its file name
+
+
 def _build() -> bool:
     if os.environ.get("DECODER_NO_CPP_OPS"):
+        _state["cpu_why"] = _state["cuda_why"] = "off: DECODER_NO_CPP_OPS"
         return False
     prebuilt = os.environ.get("DECODER_OPS_LIBRARY")
     try:
@@ -48,13 +96,17 @@ def _build() -> bool:
         else:
             build_library()
     except Exception as e:  # no compiler, no headers, an ABI mismatch: the reference path still works
-        print(f"warning: fused C++ ops unavailable ({str(e).splitlines()[0][:200]}); "
-              f"using the PyTorch reference", file=sys.stderr, flush=True)
+        _state["cpu_why"] = ("load failed: " if prebuilt else "build failed: ") + _reason(e)
+        _state["cuda_why"] = "the CPU ops are not loaded"
+        print(f"warning: fused C++ ops unavailable ({_state['cpu_why']}); using the PyTorch reference",
+              file=sys.stderr, flush=True)
         return False
 
     _register_fakes()
     if torch.cuda.is_available():
         _state["cuda"] = _build_cuda()
+    else:
+        _state["cuda_why"] = "no GPU"
     return True
 
 
@@ -64,12 +116,18 @@ def cuda_available() -> bool:
     return available() and _state.get("cuda", False)
 
 
+def cuda_refused(why: str) -> None:
+    """decoder/fused.py's self-check found the built CUDA kernels wrong on this GPU."""
+    _state["cuda"], _state["cuda_why"] = False, why
+
+
 def _build_cuda() -> bool:
     """The CUDA kernels are a library of their own, so a failed nvcc build costs
     only them (CUDA tensors then take the references), never the CPU ops."""
     from torch.utils.cpp_extension import CUDA_HOME
     prebuilt = os.environ.get("DECODER_OPS_CUDA_LIBRARY")  # the GPU image: no nvcc in there
     if not prebuilt and (torch.version.cuda is None or CUDA_HOME is None):
+        _state["cuda_why"] = "no nvcc (CUDA_HOME)"
         print("warning: no nvcc (CUDA_HOME) for the fused CUDA kernels; CUDA uses the PyTorch reference",
               file=sys.stderr, flush=True)
         return False
@@ -79,8 +137,9 @@ def _build_cuda() -> bool:
         else:
             build_cuda_library()
     except Exception as e:
-        print(f"warning: fused CUDA kernels unavailable ({str(e).splitlines()[0][:200]}); "
-              f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
+        _state["cuda_why"] = ("load failed: " if prebuilt else "build failed: ") + _reason(e)
+        print(f"warning: fused CUDA kernels unavailable ({_state['cuda_why']}); CUDA uses the PyTorch reference",
+              file=sys.stderr, flush=True)
         return False
     return True
 
@@ -224,26 +283,52 @@ def _stale(so: str) -> bool:
     return os.path.getmtime(so) < newest
 
 
+def _check_int8_linear(op: str, x, wq_t) -> None:
+    require(wq_t.dtype == torch.int8 and wq_t.dim() == 2, lambda: f"{op}: wq_t must be int8 (in, out)")
+    require(x.dim() >= 1 and x.shape[-1] == wq_t.shape[0],
+            lambda: f"{op}: x has {x.shape[-1] if x.dim() else 0} features, weight expects {wq_t.shape[0]}")
+
+
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
     """packed: wq_t's columns as `int8_gemm_pack` lays them out (our VNNI product), or None (`_int_mm`)."""
+    require(x.dtype == torch.float32, "int8_linear: x must be float32")
+    _check_int8_linear("int8_linear", x, wq_t)
     return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu, packed)
 
 
 def int8_linear_quantized(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
+    require(x.dtype == torch.float32, "int8_linear: x must be float32")
+    _check_int8_linear("int8_linear", x, wq_t)
     return torch.ops.decoder_ops.int8_linear_quantized(x, wq_t, w_scale, bias, relu, packed)
 
 
 def int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu: bool = False, packed=None):
+    require(xq.dtype == torch.int8 and xs.dtype == torch.float32 and xq.dim() >= 1
+            and xs.numel() * xq.shape[-1] == xq.numel(),
+            "int8_linear_prequantized: xq must be int8 (..., K) with one float scale per row")
+    _check_int8_linear("int8_linear", xq, wq_t)
     return torch.ops.decoder_ops.int8_linear_prequantized(xq, xs, wq_t, w_scale, bias, relu, packed)
 
 
 def int8_gemm_pack(wq, idx=None):
     """wq (out, in) int8 (rows idx only, if given) packed for `int8_gemm` (decoder/csrc/int8_gemm.cpp)."""
+    require(wq.dtype == torch.int8 and wq.dim() == 2, "int8_gemm_pack: wq must be int8 (out, in)")
+    if idx is not None:  # once per batch (a shortlist's rows), CPU weights: no device sync
+        require(idx.dtype == torch.long and idx.dim() == 1, "int8_gemm_pack: idx must be int64 (C,)")
+        lo, hi = torch.aminmax(idx) if idx.numel() else (0, -1)
+        require(int(lo) >= 0 and int(hi) < wq.shape[0],
+                lambda: f"int8_gemm_pack: index {int(lo) if int(lo) < 0 else int(hi)} out of range for "
+                        f"{wq.shape[0]} rows")
     return torch.ops.decoder_ops.int8_gemm_pack(wq, idx)
 
 
 def int8_gemm(xq, packed, n: int):
     """xq (M, K) int8 times the packed (n, K) weights: (M, n) int32, exactly `torch._int_mm(xq, wq.t())`."""
+    require(xq.dtype == torch.int8 and xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)")
+    K = xq.shape[1]
+    require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == gemm_packed_numel(n, K),
+            lambda: f"int8_gemm: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "
+                    f"{n} outputs x {K} features")
     return torch.ops.decoder_ops.int8_gemm(xq, packed, n)
 
 
@@ -258,7 +343,19 @@ def gemm_packed_numel(n: int, k: int) -> int:
     return np_ * (4 + -(-k // 4) * 4)
 
 
+GEMV_PAD, GEMV_BLOCK = 64, 4  # int8_gemv's weight layout: columns padded to 64, rows to 4 (kPad, kBlock)
+
+
 def int8_gemv(x, wq, w_scale, w_shift, bias, relu: bool = False, isa: int = 2):
+    require(x.dtype == torch.float32 and x.dim() >= 1, "int8_gemv: x must be float32")
+    require(wq.dtype == torch.int8 and wq.dim() == 2, "int8_gemv: wq must be contiguous int8 (out, in) padded")
+    K, N, (Np, Kp) = x.shape[-1], w_scale.numel(), wq.shape
+    require(Kp % GEMV_PAD == 0 and K <= Kp < K + GEMV_PAD,
+            lambda: f"int8_gemv: wq has {Kp} columns for {K} features, expected {K} padded to a multiple of {GEMV_PAD}")
+    require(Np % GEMV_BLOCK == 0 and N <= Np < N + GEMV_BLOCK,
+            lambda: f"int8_gemv: wq has {Np} rows for {N} outputs, expected them padded to a multiple of {GEMV_BLOCK}")
+    require(w_shift.numel() == Np and (bias is None or bias.numel() == N),
+            "int8_gemv: w_shift int32 (padded out,), bias float32 (out,)")
     return torch.ops.decoder_ops.int8_gemv(x, wq, w_scale, w_shift, bias, relu, isa)
 
 

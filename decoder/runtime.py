@@ -42,4 +42,5 @@ def describe(tr, requested: str | None = None) -> str:
     where = (f"cuda {torch.cuda.get_device_name(tr.device)}" if tr.device.startswith("cuda")
              else f"cpu ISA {torch.backends.cpu.get_cpu_capability()}")
     why = getattr(tr, "auto_choice", lambda: None)() if requested == "auto" else None
-    return f"decoder: precision {precision}, {par}, {where}" + (f"; auto timed {why}" if why else "")
+    from .ops import describe as fused_ops  # whether the C++/CUDA kernels built, and if not why
+    return f"decoder: precision {precision}, {par}, {where}; {fused_ops()}" + (f"; auto timed {why}" if why else "")

@@ -15,13 +15,22 @@ class Shortlist:
     """
 
     def __init__(self, offsets, ids, frequent, eos_id: int, device):
+        always = torch.cat([frequent, torch.tensor([eos_id])])
+        _check_lists(offsets, ids, always)  # once, where the lists are born: the step then reads them unchecked
         self.offsets, self.ids = offsets.to(device), ids.to(device)  # CSR: (V+1,), (nnz,)
-        self.always = torch.cat([frequent, torch.tensor([eos_id])]).to(device)  # (N+1,)
+        self.always = always.to(device)  # (N+1,)
         self.vocab_size = offsets.numel() - 1
 
     def candidates(self, src):
         """src (B, S) source ids -> the allowed target ids (C,), ascending, </s> among them."""
         if src.device.type == "cpu" and ops.available():
+            # checked here, not by the C++ op's own check (a C++ exception crashed some builds, issue 30):
+            # once per batch, on a CPU tensor
+            lo, hi = torch.aminmax(src) if src.numel() else (0, -1)
+            if int(lo) < 0 or int(hi) >= self.vocab_size:
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise ops.OpArgumentError(
+                    f"shortlist_candidates: source id {bad} outside the vocabulary of {self.vocab_size}")
             return torch.ops.decoder_ops.shortlist_candidates(src, self.offsets, self.ids, self.always)
         return self.candidates_reference(src)
 
@@ -36,3 +45,19 @@ class Shortlist:
         allowed[self.ids[pos]] = True
         allowed[self.always] = True
         return allowed.nonzero()[:, 0]  # (C,)
+
+
+def _check_lists(offsets, ids, always) -> None:
+    """What shortlist_candidates reads without bounds: offsets ascending within ids, every
+    id within the vocabulary; an ops.OpArgumentError (a ValueError) otherwise. A model dir's
+    file is refused before this, with its name (decoder/modeldir.py): this is for lists
+    built in code."""
+    if not all(t.dtype == torch.long and t.dim() == 1 for t in (offsets, ids, always)) or offsets.numel() < 1:
+        raise ops.OpArgumentError("shortlist: offsets (V+1,), ids (nnz,) and frequent (N,) must be 1-d int64")
+    V = offsets.numel() - 1
+    if int(offsets[0]) < 0 or int(offsets[-1]) > ids.numel() or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ops.OpArgumentError(f"shortlist: offsets must ascend from 0 within the {ids.numel()} ids")
+    for what, t in (("target", ids), ("always-allowed", always)):
+        bad = t[(t < 0) | (t >= V)]
+        if bad.numel():
+            raise ops.OpArgumentError(f"shortlist_candidates: {what} id {int(bad[0])} outside the vocabulary of {V}")

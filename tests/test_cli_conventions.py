@@ -154,14 +154,14 @@ def test_cli_and_library_share_the_default_precision():
 def test_cli_default_output_is_the_library_default_output_and_says_what_ran(model_dir):
     """Before, the CLI ran `auto` (int8 on this kind of CPU) and the library fp32, with no word."""
     import torch
-    from decoder import Translator
+    from decoder import Translator, ops
     lines = ["the man sees a dog", "Él was old.", "a", "the king said unto them , the land"]
     r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
                        input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
                        timeout=300)
     assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
     isa = torch.backends.cpu.get_cpu_capability()
-    assert r.stderr.decode().splitlines() == [f"decoder: precision fp32, 1 thread, cpu ISA {isa}"]
+    assert r.stderr.decode().splitlines() == [f"decoder: precision fp32, 1 thread, cpu ISA {isa}; {ops.describe()}"]
 
 
 @pytest.mark.parametrize("command", [["-m", "decoder", "--threads", "2", "--precision", "auto"],

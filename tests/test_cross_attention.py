@@ -77,8 +77,9 @@ def test_cross_attention_skips_keys_masked_anywhere_and_gives_sdpas_zeros_where_
     for Q in (1, 4):
         q = torch.randn(B, Q, H * D, generator=g)
         got = fused.CrossAttention(k, v, mask)(q)
-        torch.testing.assert_close(got, fused.cross_attention_reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
-    assert not got[3].any()
+        want = fused.cross_attention_reference(q, k, v, mask)
+        torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=1e-5)
+        assert not got[3].any()  # no key: zeros, as torch 2.13's SDPA gives (2.4's gives NaN)
 
 
 def test_arranged_kv_after_a_shrink_equal_arranging_the_kept_sentences():

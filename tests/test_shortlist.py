@@ -114,12 +114,20 @@ def test_candidates_kernel_equals_the_tensor_reference_on_random_lists():
 
 
 @pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
-def test_candidates_kernel_refuses_ids_outside_the_vocabulary():
-    sl = Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 5]), torch.tensor([], dtype=torch.long), 0, "cpu")
-    with pytest.raises(RuntimeError, match="source id 3 outside"):
-        sl.candidates(torch.tensor([[3]]))
-    with pytest.raises(RuntimeError, match="target id 5 outside"):
-        sl.candidates(torch.tensor([[1]]))
+def test_candidates_kernel_refuses_ids_outside_the_vocabulary(monkeypatch):
+    # refused in Python, before the kernel: its own C++ check crashed the process on some builds (issue 30)
+    monkeypatch.setattr(torch.ops.decoder_ops, "shortlist_candidates", lambda *a: pytest.fail("the kernel ran"))
+    none = torch.tensor([], dtype=torch.long)
+    with pytest.raises(ValueError, match="target id 5 outside the vocabulary of 2"):
+        Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 5]), none, 0, "cpu")
+    with pytest.raises(ValueError, match="always-allowed id 7 outside"):
+        Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), none, 7, "cpu")
+    with pytest.raises(ValueError, match="offsets must ascend"):
+        Shortlist(torch.tensor([0, 2, 1]), torch.tensor([1, 0]), none, 0, "cpu")
+    sl = Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), none, 0, "cpu")
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=f"source id {bad} outside the vocabulary of 2"):
+            sl.candidates(torch.tensor([[1, bad]]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -129,7 +129,7 @@ def check(arch: str, build_dir: str | None, verbose: bool, out: str | None = Non
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch)
     from decoder import ops
     if not ops.available():
-        print("error: the CPU library (op schemas) did not build", file=sys.stderr)
+        print(f"error: the CPU library (op schemas) did not build ({ops.status()['cpu_why']})", file=sys.stderr)
         return 1
     nvcc = _run([os.path.join(home, "bin", "nvcc"), "--version"]).splitlines()[-1]
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {nvcc}, "

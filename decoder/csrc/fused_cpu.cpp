@@ -36,7 +36,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <bit>
+#include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -106,7 +106,11 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const float scale = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  // memcpy, not C++20's std::bit_cast: torch's extension build compiles C++17 (2.11 and older)
+  // (tests/test_cpp17.py); compilers turn it into one register move
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
   return x != x ? x : (x < -87.f ? 0.f : p * scale);
 }
 

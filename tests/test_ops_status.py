@@ -1,0 +1,86 @@
+"""A failed build of the fused ops is visible: decoder/ops.py says whether the CPU ops
+and the CUDA kernels are loaded and, if not, why; the decoder's settings line and
+`make setup` print it (issue 30: a C++20 construct once failed the build on older
+torch with one warning line, and every op then silently ran its slow reference)."""
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from decoder import ops
+from decoder.runtime import describe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NINJA_FAILURE = ("Error building extension 'decoder_ops': [1/5] c++ -MMD -MF fused_cpu.o.d -std=c++17 -O3 -c "
+                 "/somewhere/decoder/csrc/fused_cpu.cpp -o fused_cpu.o\nFAILED: fused_cpu.o\n"
+                 "/somewhere/decoder/csrc/fused_cpu.cpp:109:28: error: 'bit_cast' is not a member of 'std'\n"
+                 "ninja: build stopped: subcommand failed.\n")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """ops as in a new process: nothing decided yet (the library itself stays loaded)."""
+    monkeypatch.setattr(ops, "_state", {})
+    monkeypatch.delenv("DECODER_NO_CPP_OPS", raising=False)
+    monkeypatch.delenv("DECODER_OPS_LIBRARY", raising=False)
+
+
+def settings_line() -> str:
+    tr = types.SimpleNamespace(precision="fp32", pool=None, device="cpu")
+    return describe(tr, "fp32")
+
+
+def head() -> str:
+    n = torch.get_num_threads()
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"decoder: precision fp32, {n} thread{'s' if n > 1 else ''}, cpu ISA {isa}"
+
+
+@pytest.mark.skipif(not ops.available() or torch.cuda.is_available(), reason="needs the CPU ops built, no GPU")
+def test_settings_line_says_the_cpu_ops_are_loaded():
+    assert ops.status() == {"cpu": True, "cuda": False, "cpu_why": "", "cuda_why": "no GPU"}
+    assert settings_line() == head() + "; fused ops: cpu yes, cuda no (no GPU)"
+
+
+def test_settings_line_says_why_a_failed_build_left_the_ops_out(fresh, monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError(NINJA_FAILURE)
+    monkeypatch.setattr(ops, "build_library", fail)
+    assert not ops.available()
+    assert settings_line() == head() + ("; fused ops: cpu no (build failed: fused_cpu.cpp:109:28: error: 'bit_cast' "
+                                        "is not a member of 'std'), cuda no (the CPU ops are not loaded)")
+
+
+def test_settings_line_says_the_ops_were_switched_off(fresh, monkeypatch):
+    monkeypatch.setenv("DECODER_NO_CPP_OPS", "1")
+    assert ops.describe() == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)"
+
+
+def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(ops, "build_library", lambda *a, **k: None)  # the library is loaded already
+    monkeypatch.setattr(ops, "_register_fakes", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.1")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert ops.available() and ops.describe() == "fused ops: cpu yes, cuda no (no nvcc (CUDA_HOME))"
+
+    def nvcc_fails(*a, **k):
+        raise RuntimeError("Error building extension 'decoder_ops_cuda'\nfused_cuda.cu(12): error: identifier x")
+    monkeypatch.setattr(ops, "_state", {})
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(ops, "build_cuda_library", nvcc_fails)
+    assert ops.describe() == "fused ops: cpu yes, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
+
+
+def test_make_setup_ends_by_printing_the_same_status_line():
+    recipe = open(os.path.join(ROOT, "Makefile")).read().split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    code = re.findall(r'\$\(VPY\) -c "([^"]*decoder import ops[^"]*)"', recipe)
+    assert len(code) == 1, recipe
+    r = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ROOT, "DECODER_NO_CPP_OPS": "1"})
+    assert r.stdout == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)\n", r.stderr
