@@ -431,17 +431,17 @@ def _allowed(name: str, device: str, k: Kernels) -> bool:
     return True
 
 
-def resolve(switches, *, device: str = "cpu", beam: int = 1, kernels: Kernels | None = None,
-            static_shapes: bool = False, sync_every: int | None = None, **settings) -> Plan:
+def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: int = 0,
+            kernels: Kernels | None = None, static_shapes: bool = False, sync_every: int | None = None) -> Plan:
     """The Plan for `switches` (a Switches) on `device` ("cpu" | "cuda"), with
     `kernels` loaded (None: what this process has), at `beam`: what the step
-    calls and which loop and state run, decided once. `settings` (e.g.
-    no_repeat_ngram) decide, with the other switches, each entry's `needs`.
+    calls and which loop and state run, decided once. `no_repeat_ngram` decides,
+    with the other switches, each entry's `needs`.
     `static_shapes`: the fixed-shape state without graphs on any device;
     `sync_every`: host reads every this many steps (None: the device's)."""
     device = "cuda" if device.startswith("cuda") else "cpu"
     k = loaded_kernels(device) if kernels is None else kernels
-    view = SimpleNamespace(**dataclasses.asdict(switches), **settings)
+    view = SimpleNamespace(**dataclasses.asdict(switches), no_repeat_ngram=no_repeat_ngram)
     slots: dict = {}
     runs = set()
     for o in OPTIMISATIONS:

@@ -9,6 +9,13 @@ at the last allowed step </s> is forced, so every sentence ends.
 With a lexical shortlist the logits cover only the batch's candidates: column j
 is token `vocab[j]` (`vocab` (C,) ascending, </s> among them). The searches pick
 columns and map them back at once, so histories and outputs are real ids.
+
+Two forms of each loop, the plan's `sync_every` picks: `greedy` and
+`beam_search` read the finished rows to the host every step (CPU: a read is a
+memory access, and these are the measured fastest); `greedy_device` and
+`beam_device` keep that bookkeeping on the device and read it every
+`sync_every` steps, plus the outputs once per batch (CUDA: each read stops the
+host until the GPU has caught up). Every read goes through decoder/hostsync.py.
 """
 from __future__ import annotations
 
@@ -87,8 +94,8 @@ def greedy(state, limits, s: Search, vocab=None, lims=None) -> list[list[int]]:
             if shrink and n_done >= s.shrink_ratio * done.numel():
                 keep = (~done).nonzero()[:, 0]
                 state.keep(keep, keep)
-                alive, hist, limits, nxt, done = (alive[hostsync.to_cpu(keep, 'finished rows')], hist[keep], limits[keep],
-                                                  nxt[keep], done[keep])
+                alive, hist, limits, nxt, done = (alive[hostsync.to_cpu(keep, "finished rows")], hist[keep],
+                                                  limits[keep], nxt[keep], done[keep])
         tokens = nxt
     return out
 
