@@ -198,7 +198,7 @@ def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(bea
     from decoder.search import Search
     B, V = 13, 11
     vocab = torch.tensor([0, 2, 3, 5, 6, 7, 8, 10]) if shortlist else None  # </s> (2) among the candidates
-    lims = [4 + (3 * b) % 17 for b in range(B)]
+    lims = [1 + (3 * b) % 17 for b in range(B)]  # a limit of 1 forces </s> at the first step
     runs = {}
     for sync in (1, every):
         plan = resolve(Switches(), beam=beam, kernels=Kernels(cpu=False, cuda=False), sync_every=sync,
