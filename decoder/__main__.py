@@ -12,8 +12,8 @@ import os
 import sys
 
 from . import cliargs
-from .cliargs import (BEAM_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY, MAX_THREADS, MAX_TOKENS, float_range,
-                      int_range, positive_int)
+from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
+                      MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, first_line, is_allocation_failure
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
@@ -46,11 +46,12 @@ def parser() -> argparse.ArgumentParser:
                         "(same output as one process with --threads 1; often faster than N threads)")
     cliargs.alias(p, "--max-tokens", p.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=None,
-        help=f"padded source tokens per batch (default: {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a beam; "
-             "old name: --max-tokens)"))
+        help=f"padded source tokens per batch (default: CPU {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a beam; "
+             f"CUDA {GPU_MAX_TOKENS} / beam size; old name: --max-tokens)"))
     cliargs.alias(p, "--max-sentences", p.add_argument(
-        "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=512,
-        help="sentences per batch, at most (old name: --max-sentences)"))
+        "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=None,
+        help=f"sentences per batch, at most (default: CPU {MAX_SENTENCES}; CUDA {GPU_MAX_SENTENCES} / beam size; "
+             "old name: --max-sentences)"))
     p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES,
                    help="lines read, sorted and batched together before output; "
                         "1 when the input is a terminal (line by line)")

@@ -1,4 +1,4 @@
-"""Decoding states: one `DecoderState`, three caches.
+"""Decoding states: one `DecoderState`, five caches.
 
 A state is what the searches (decoder/search.py) drive: `step(tokens, t)`,
 `reorder(rows)`, `keep(sentences, rows)` and `can_shrink`. Every state runs the
@@ -10,6 +10,9 @@ the layers attend through:
   cross-attention K/V computed once per sentence and shared by its beams: the
   beams of a sentence are the query positions of one attention call (FastSeq),
   so nothing is copied per beam. Beam reorder is an in-place gather.
+- `RowTableCache` (beam, CPU): the incremental cache whose reorder rewrites a
+  (rows, T) table of cache rows instead of moving K/V; the attention kernel
+  reads through the table.
 - `StaticCache`: the same with shapes that never change from step to step: the
   position arrives in a device tensor, K/V are written with index_copy_, every
   step attends over the whole buffer with a mask for the positions not written
@@ -333,8 +336,8 @@ class DecoderState:
 
     def __init__(self, model: Model, cache, out=None, phase=lambda name: _UNTIMED):
         self.m, self.cache, self.out, self.phase = model, cache, out, phase
-        self.one_row = isinstance(cache, OneRowCache)  # steps take and give Python ints (search.greedy_one)
-        self.step_argmax = cache.step_argmax(out) if self.one_row else None
+        # the one-row state's steps take and give Python ints (search.greedy_one)
+        self.step_argmax = cache.step_argmax(out) if isinstance(cache, OneRowCache) else None
 
     @property
     def can_shrink(self) -> bool:
@@ -362,12 +365,10 @@ CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static"
           "one_row": OneRowCache, "row_table": RowTableCache}
 
 
-def new_state(model: Model, kind: str, enc, mask, beam: int, max_len: int, out=None,
-              phase=lambda name: _UNTIMED, **kw) -> DecoderState:
-    """The state for one batch; an incremental greedy one of one sentence is the
-    latency mode's OneRowCache when the one_row switch is on."""
-    if kind == "incremental" and beam == 1 and enc.shape[0] == 1 and model.plan.one_row:
-        kind = "one_row"
-    elif kind == "incremental" and beam > 1 and model.plan.kv_row_table:
-        kind = "row_table"
+def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,
+              phase=lambda name: _UNTIMED) -> DecoderState:
+    """The state for one batch, the one its plan resolved (`Plan.state_for`: the
+    latency mode's OneRowCache for one sentence where the plan has it)."""
+    kind = model.plan.state_for(enc.shape[0])
+    kw = {"graphs": model.plan.cuda_graphs} if kind == "static" else {}
     return DecoderState(model, CACHES[kind](model, enc, mask, beam, max_len, **kw), out, phase)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fused, modeldir, ops
+from . import fused, modeldir
 from .modeldir import sinusoidal_table
 from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Linear, make_linear
@@ -186,9 +186,10 @@ class Model:
         """Per decoder layer the arguments of the C++ `one_row_layer` op that
         stay fixed (its 30 weight tensors, eps, where the biases go, the gemv
         ISA), made once; None where the op does not apply: it runs int8 gemv
-        linears, one q|k|v product and relu (OneRowCache then runs `layer`)."""
+        linears, one q|k|v product and relu (OneRowCache then runs `layer`). The
+        plan calls it only where the C++ ops are loaded (switch one_row_layer)."""
         if not hasattr(self, "_one_row"):
-            self._one_row = self._one_row_args() if ops.available() else None
+            self._one_row = self._one_row_args()
         return self._one_row
 
     def _one_row_args(self) -> list | None:

@@ -345,7 +345,7 @@ def describe(kw: dict) -> str:
 @dataclass(frozen=True)
 class Plan:
     """What the decoder runs, resolved once from the switches."""
-    state: str                  # "incremental" | "recompute" (the static state is chosen per device)
+    state: str                  # "recompute" | "incremental" | "row_table" | "static" (decoder/cache.py)
     sort: bool
     normalise: Callable         # greedy: logits -> what the argmax runs on
     early_stop: bool
@@ -366,8 +366,8 @@ class Plan:
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
     block: Callable             # n-gram blocking, in place
-    cuda_graphs: bool
-    one_row: bool               # one sentence, greedy: the one-row loop and state
+    cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
+    one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
@@ -375,18 +375,89 @@ class Plan:
     kv_half: bool               # beam, row table: an fp32 model's self-attention K/V cache in fp16
     one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
     one_row_step: bool          # one-row state, greedy: the whole step one C++ call, the argmax column back
+    # resolved from the device, the beam and the kernels loaded, not slots of a switch:
+    device: str = "cpu"         # "cpu" | "cuda"
+    loop: str = "greedy"        # "greedy" | "beam" (batches of one sentence: `one_row` above)
+    sync_every: int = 1         # the loop reads its finished rows to the host every this many steps
+    kernels: bool = False       # the device's fused kernels are loaded (C++ on CPU; CUDA: built and self-checked)
+    runs: frozenset = frozenset()  # the switches that resolved on
+
+    def state_for(self, sentences: int) -> str:
+        """The decoder cache of a batch (decoder/cache.py CACHES): `state`, or the
+        one-row latency state for one sentence, greedy."""
+        return "one_row" if self.one_row and sentences == 1 else self.state
+
+    def summary(self, precision: str = "fp32") -> str:
+        """The plan in one clause of the settings line: loop, state, graphs, host
+        reads, and the switches of this device and loop that differ from their defaults."""
+        relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
+                    "int8" if precision == "int8" else "", self.device}
+        diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
+                if o.bench in relevant and (o.name in self.runs) != o.default and o.name != "cuda_graphs"]
+        reads = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
+        return (f"{self.loop} loop, {self.state} state" + (", one-row state at 1 sentence" if self.one_row else "")
+                + f", CUDA graphs {'on' if self.cuda_graphs else 'off'}, host reads {reads}"
+                + (f"; {' '.join(diff)}" if diff else ""))
 
 
-def resolve(switches, **settings) -> Plan:
-    """The Plan for `switches` (a Switches); `settings` (e.g. no_repeat_ngram)
-    decide, with the other switches, each entry's `needs`."""
-    view = SimpleNamespace(**dataclasses.asdict(switches), **settings)
+@dataclass(frozen=True)
+class Kernels:
+    """What is loaded: the inputs `resolve` decides the device's kernels from."""
+    cpu: bool   # the C++ ops (decoder/csrc, decoder/ops.py)
+    cuda: bool  # the CUDA kernels, built and agreeing with their references
+
+
+def loaded_kernels(device: str) -> Kernels:
+    """The kernels this process has (builds them on first use; CUDA only for a CUDA device)."""
+    from . import ops
+    return Kernels(ops.available(), device == "cuda" and fused._cuda_kernels())
+
+
+# switches whose kernels exist for the CPU only: a CUDA plan never holds them
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "kv_row_table", "kv_half",
+                      "one_row_layer", "one_row_step"})
+# of those, the ones whose off path is the same math where the C++ ops are not loaded
+SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step"})
+# host reads of the finished rows: every step on CPU (a read is a memory access there, and the
+# per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
+SYNC_EVERY = {"cpu": 1, "cuda": 8}
+
+
+def _allowed(name: str, device: str, k: Kernels) -> bool:
+    if name == "cuda_graphs":
+        return device == "cuda"
+    if name in CPU_ONLY:
+        return device == "cpu" and (k.cpu or name not in SAME_WITHOUT_OPS)
+    return True
+
+
+def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: int = 0,
+            kernels: Kernels | None = None, static_shapes: bool = False, sync_every: int | None = None) -> Plan:
+    """The Plan for `switches` (a Switches) on `device` ("cpu" | "cuda"), with
+    `kernels` loaded (None: what this process has), at `beam`: what the step
+    calls and which loop and state run, decided once. `no_repeat_ngram` decides,
+    with the other switches, each entry's `needs`.
+    `static_shapes`: the fixed-shape state without graphs on any device;
+    `sync_every`: host reads every this many steps (None: the device's)."""
+    device = "cuda" if device.startswith("cuda") else "cpu"
+    k = loaded_kernels(device) if kernels is None else kernels
+    view = SimpleNamespace(**dataclasses.asdict(switches), no_repeat_ngram=no_repeat_ngram)
     slots: dict = {}
+    runs = set()
     for o in OPTIMISATIONS:
         slots.setdefault(o.slot, o.off)
-        if getattr(switches, o.name) and o.needs(view):
+        if getattr(switches, o.name) and o.needs(view) and _allowed(o.name, device, k):
             slots[o.slot] = o.on
-    return Plan(**slots)
+            runs.add(o.name)
+    loop = "beam" if beam > 1 else "greedy"
+    if slots["state"] == "incremental":
+        if slots["cuda_graphs"] or static_shapes:
+            slots["state"] = "static"
+        elif loop == "beam" and slots["kv_row_table"]:
+            slots["state"] = "row_table"
+    slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
+    return Plan(**slots, device=device, loop=loop, sync_every=sync_every or SYNC_EVERY[device],
+                kernels=k.cuda if device == "cuda" else k.cpu, runs=frozenset(runs))
 
 
 def table_markdown() -> str:

@@ -4,6 +4,7 @@ the searches call, so the benchmarks (tools/) can turn them on one at a time."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -13,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from . import modeldir, ops
-from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_tokens_for
+from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, restore
 from .cache import new_state
 from .model import Model
@@ -35,18 +36,19 @@ class Options:
     length_penalty: float = 1.0
     max_len_a: float = 1.5      # output cap a * source tokens + b
     max_len_b: int = 10
-    max_tokens: int | None = None  # padded source tokens per batch; None: cliargs.max_tokens_for(beam)
-    max_sentences: int = 512
+    max_tokens: int | None = None  # padded source tokens per batch; None: cliargs.max_tokens_for(beam, device)
+    max_sentences: int | None = None  # None: cliargs.max_sentences_for(beam, device)
     chunk_lines: int = 20000    # lines read, sorted and batched together
     workers: int = 0            # CPU: >1 = that many pinned 1-thread processes fed whole batches (workers.py)
     static_shapes: bool = False  # the fixed-shape (CUDA-graph) cache without graphs, on any device (tests)
+    sync_every: int | None = None  # host reads of the finished rows every N steps; None: the device's (Plan)
     switches: Switches = field(default_factory=Switches)
 
     def __post_init__(self):
-        if self.max_tokens is None:
-            self.max_tokens = max_tokens_for(self.beam)
         for name, kind, lo, hi in self.RANGES:  # the CLI's bounds (decoder/cliargs.py), for library callers
             v = getattr(self, name)
+            if v is None and name in self.DEVICE_DEFAULTS:
+                continue  # filled in for the device (for_device)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
             if not (ok and math.isfinite(v) and lo <= v <= hi):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'} "
@@ -56,7 +58,14 @@ class Options:
               ("max_len_a", float, 0.0, MAX_LEN), ("max_len_b", int, 0, MAX_LEN),
               ("no_repeat_ngram", int, 0, MAX_LEN), ("max_tokens", int, 1, MAX_INT),
               ("max_sentences", int, 1, MAX_INT), ("chunk_lines", int, 1, MAX_INT),
-              ("shrink_ratio", float, 0.0, 1.0), ("workers", int, 0, MAX_INT))
+              ("shrink_ratio", float, 0.0, 1.0), ("workers", int, 0, MAX_INT), ("sync_every", int, 1, MAX_INT))
+    DEVICE_DEFAULTS = ("max_tokens", "max_sentences", "sync_every")  # None: the device's
+
+    def for_device(self, device: str) -> "Options":
+        """These options with the batch sizes the user left unset filled in for `device`."""
+        return dataclasses.replace(
+            self, max_tokens=self.max_tokens or max_tokens_for(self.beam, device),
+            max_sentences=self.max_sentences or max_sentences_for(self.beam, device))
 
     @classmethod
     def make(cls, **kw) -> "Options":
@@ -68,6 +77,12 @@ class Options:
         """The inverse of `make`."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "switches"}
         return {**d, **asdict(self.switches)}
+
+
+def runs_on(device: str) -> str:
+    """The device that will run: CUDA asked for where there is none runs on the CPU
+    (`resolve_device_precision` says so)."""
+    return "cpu" if device.startswith("cuda") and not torch.cuda.is_available() else device
 
 
 def resolve_device_precision(device: str, precision: str, probe: Probe | None = None) -> tuple[str, str]:
@@ -107,15 +122,17 @@ class Translator:
     def __init__(self, model_dir: str, *, device: str = "cpu", precision: str = "fp32",
                  threads: int | None = None, **options):
         """`options`: Options' settings and the switches of decoder/optimisations.py, by name."""
-        self.opts = o = Options.make(**options)
-        self.plan = resolve(o.switches, no_repeat_ngram=o.no_repeat_ngram)
-        if self.plan.retain_memory:
-            retain_freed_memory()
+        # one resolution: the device, its batch sizes, the precision, then the plan of what runs there
+        self.opts = o = Options.make(**options).for_device(runs_on(device))
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         cfg, weights, spm_path = modeldir.load(model_dir)
         self.probe = self.probe_for(cfg) if precision == "auto" else None
         self.device, self.precision = resolve_device_precision(device, precision, self.probe)
+        self.plan = resolve(o.switches, device=self.device, beam=o.beam, no_repeat_ngram=o.no_repeat_ngram,
+                            static_shapes=o.static_shapes, sync_every=o.sync_every)
+        if self.plan.retain_memory:
+            retain_freed_memory()
         self.cfg = cfg
         self.text = Text(cfg, spm_path, cfg.arch.max_positions)
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
@@ -141,8 +158,10 @@ class Translator:
         """What `auto` times: this model's step products at the rows a step will
         have: 1 where batches are single sentences (latency), else a batch
         (64 rows: products are throughput-bound from there on)."""
-        rows, kernel = min(self.opts.max_sentences, 64), self.plan.int8_kernel
-        if rows <= self.plan.int8_gemv_rows and ops.available():
+        # before the plan (it needs the precision): the CPU switches as they resolve on a CPU
+        plan = resolve(self.opts.switches, no_repeat_ngram=self.opts.no_repeat_ngram)
+        rows, kernel = min(self.opts.max_sentences, 64), plan.int8_kernel
+        if rows <= plan.int8_gemv_rows and ops.available():
             kernel = "gemv"  # the kernel those rows run, in fbgemm's and in our _int_mm linear
         return Probe(rows=rows, kernel=kernel, d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
 
@@ -152,12 +171,9 @@ class Translator:
             return None
         return self.probe.describe(*time_probe(self.probe))
 
-    def state_kind(self) -> str:
-        """The decoder cache this translator's steps run through (decoder/cache.py)."""
-        if self.plan.state == "recompute":
-            return "recompute"
-        graphs = self.plan.cuda_graphs and self.model.device.type == "cuda"
-        return "static" if graphs or self.opts.static_shapes else "incremental"
+    def state_kind(self, sentences: int = 2) -> str:
+        """The decoder cache a batch of `sentences` runs through (decoder/cache.py): the plan's."""
+        return self.plan.state_for(sentences)
 
     # -- token level ---------------------------------------------------------------
     def limits(self, lengths: list[int]) -> torch.Tensor:
@@ -178,17 +194,16 @@ class Translator:
         for i, s in enumerate(srcs):
             src[i, :len(s)] = torch.tensor(s)
         src = src.to(self.model.device)
-        limits = self.limits([len(s) for s in srcs]).to(self.model.device)
+        lims = self.limits([len(s) for s in srcs])  # (B,) built on the host: no read to find its max
+        limits, lims = lims.to(self.model.device), lims.tolist()
         with self.phase("encode"):
             enc, mask = self.model.encode(src)
         vocab = out = None
         if self.shortlist is not None:  # one candidate set and one sliced projection per batch
             vocab = self.shortlist.candidates(src)  # (C,)
             out = self.model.output_rows(vocab, len(srcs) * o.beam)
-        kind = self.state_kind()
-        kw = {"graphs": self.model.device.type == "cuda" and self.plan.cuda_graphs} if kind == "static" else {}
-        state = new_state(self.model, kind, enc, mask, o.beam, int(limits.max()), out, self.phase, **kw)
-        return self.search.run(state, limits, vocab)
+        state = new_state(self.model, enc, mask, o.beam, max(lims), out, self.phase)
+        return self.search.run(state, limits, lims, vocab)
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it

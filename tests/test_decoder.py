@@ -334,6 +334,5 @@ def test_beam_search_batches_half_the_source_tokens_unless_told(model_dir):
     assert Translator(model_dir).opts.max_tokens == MAX_TOKENS
     assert Translator(model_dir, beam=4).opts.max_tokens == BEAM_MAX_TOKENS < MAX_TOKENS
     assert Translator(model_dir, beam=4, max_tokens=999).opts.max_tokens == 999
-    from decoder.translator import Options
     # the workers get the resolved number, not a None to resolve again
-    assert Options.make(beam=2).flat()["max_tokens"] == BEAM_MAX_TOKENS
+    assert Translator(model_dir, beam=2).opts.flat()["max_tokens"] == BEAM_MAX_TOKENS

@@ -1,0 +1,43 @@
+"""Every device-to-host read of the decode loop, counted.
+
+On CUDA a read (`.tolist()`, `int(t)`, `bool(t.any())`) waits for every kernel
+queued before it: the host stops issuing work and the GPU then idles while it
+catches up. The searches (decoder/search.py), the states (decoder/cache.py)
+and `Translator.translate_ids` read only through this module, so the tests can
+count the reads a batch makes (`reset`, `counts`): the device-style loops
+(plan.sync_every > 1) make one per `sync_every` steps plus a few per batch.
+On CPU a read is a memory access, so the count is all it costs.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+counts: Counter = Counter()  # reads per kind since the last reset
+
+
+def reset() -> None:
+    counts.clear()
+
+
+def total() -> int:
+    return sum(counts.values())
+
+
+def item(t: torch.Tensor, kind: str):
+    """The one element of t as a Python number (int, float or bool)."""
+    counts[kind] += 1
+    return t.item()
+
+
+def to_list(t: torch.Tensor, kind: str) -> list:
+    """t as (nested) Python lists."""
+    counts[kind] += 1
+    return t.tolist()
+
+
+def to_cpu(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """t copied to the host as a tensor."""
+    counts[kind] += 1
+    return t.cpu()

@@ -1,0 +1,217 @@
+"""One resolution of the decode configuration (decoder/optimisations.py `resolve`):
+after the device, the beam and the loaded kernels are known, into the loop, the
+state and the kernels the step calls; the batch sizes of each device
+(decoder/cliargs.py); and the device-style loops (decoder/search.py
+`greedy_device`, `beam_device`) whose host reads decoder/hostsync.py counts."""
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+
+from decoder import hostsync
+from decoder import optimisations as opt
+from decoder.cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_SENTENCES, MAX_TOKENS,
+                             max_sentences_for, max_tokens_for)
+from decoder.optimisations import CrossPlain, Kernels, Switches, encoder_attend_plain, resolve
+from decoder.translator import Options
+
+BOTH = Kernels(cpu=True, cuda=True)
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
+MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
+trained = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")),
+                             reason="trained fixture tests/fixtures/bible-tiny is absent")
+
+
+# -- the plan, per device ------------------------------------------------------------------------
+
+def test_cpu_plan_runs_the_per_step_loops_and_the_cpu_kernels():
+    g = resolve(Switches(), device="cpu", beam=1, kernels=BOTH)
+    assert (g.device, g.loop, g.state, g.one_row, g.cuda_graphs, g.sync_every, g.kernels) == \
+        ("cpu", "greedy", "incremental", True, False, 1, True)
+    assert g.state_for(1) == "one_row" and g.state_for(5) == "incremental"
+    assert g.encoder_attend is opt.encoder_attend_fused and g.cross_kv is opt.cross_fused
+    b = resolve(Switches(), device="cpu", beam=4, kernels=BOTH)
+    assert (b.loop, b.state, b.one_row, b.kv_row_table) == ("beam", "row_table", False, True)
+    assert b.state_for(1) == "row_table"  # one sentence in a beam is not the one-row state
+    assert resolve(Switches(cache=False), beam=4, kernels=BOTH).state == "recompute"
+    assert resolve(Switches(), kernels=BOTH, static_shapes=True).state == "static"
+
+
+def test_cpu_plan_without_the_cpp_ops_holds_the_same_math_without_them():
+    p = resolve(Switches(), device="cpu", beam=1, kernels=Kernels(cpu=False, cuda=False))
+    assert not p.kernels and p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
+    assert not p.one_row_layer and not p.one_row_step and {"one_row_layer", "one_row_step"}.isdisjoint(p.runs)
+
+
+def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
+    for beam in (1, 4):
+        p = resolve(Switches(), device="cuda", beam=beam, kernels=BOTH)
+        assert (p.device, p.state, p.cuda_graphs, p.one_row, p.kernels) == ("cuda", "static", True, False, True)
+        assert p.loop == ("beam" if beam > 1 else "greedy") and p.sync_every == opt.SYNC_EVERY["cuda"] > 1
+        assert p.runs.isdisjoint(opt.CPU_ONLY) and not p.kv_row_table and not p.kv_half
+        assert p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
+    assert resolve(Switches(), device="cuda:0", kernels=BOTH).device == "cuda"
+    # graphs off: the incremental state, also for a beam (the row table is a CPU kernel)
+    eager = resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH)
+    assert eager.state == "incremental" and eager.state_for(1) == "incremental"
+    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).state_for(1) == "one_row"
+    assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).kernels
+
+
+def test_sync_interval_is_a_plan_setting_on_any_device():
+    assert resolve(Switches(), device="cpu", kernels=BOTH, sync_every=8).sync_every == 8
+    assert resolve(Switches(), device="cuda", kernels=BOTH, sync_every=1).sync_every == 1
+
+
+def test_plan_summary_says_the_loop_state_graphs_reads_and_what_differs():
+    cpu = resolve(Switches(), device="cpu", beam=4, kernels=BOTH).summary()
+    assert cpu.startswith("beam loop, row_table state") and "CUDA graphs off" in cpu and "every step" in cpu
+    cuda = resolve(Switches(fused_relu=True), device="cuda", beam=1, kernels=BOTH).summary("fp16")
+    assert "greedy loop, static state" in cuda and "CUDA graphs on" in cuda and "every 8 steps" in cuda
+    assert "fused_relu" in cuda.split(";")[1] and "no fused_encoder_attention" in cuda
+    assert "\n" not in cuda and "kv_row_table" not in cuda  # a beam switch, not greedy's
+
+
+# -- batch sizes, per device ---------------------------------------------------------------------
+
+def test_batch_defaults_per_device():
+    assert (max_tokens_for(1), max_sentences_for(1)) == (MAX_TOKENS, MAX_SENTENCES)
+    assert (max_tokens_for(4), max_sentences_for(4)) == (BEAM_MAX_TOKENS, MAX_SENTENCES)
+    assert (max_tokens_for(1, "cuda"), max_sentences_for(1, "cuda")) == (GPU_MAX_TOKENS, GPU_MAX_SENTENCES)
+    assert (max_tokens_for(4, "cuda:1"), max_sentences_for(4, "cuda")) == (8192, 1024)  # 8k: measured at beam 4
+    assert max_tokens_for(64, "cuda") >= 256 and max_sentences_for(64, "cuda") >= 16
+
+
+def test_an_explicit_batch_size_wins_on_every_device():
+    for device in ("cpu", "cuda"):
+        o = Options.make(beam=4, max_tokens=999, max_sentences=7).for_device(device)
+        assert (o.max_tokens, o.max_sentences) == (999, 7)
+    o = Options.make(beam=4).for_device("cuda")
+    assert (o.max_tokens, o.max_sentences) == (max_tokens_for(4, "cuda"), max_sentences_for(4, "cuda"))
+
+
+def test_help_says_the_batch_defaults_of_each_device(capsys):
+    from decoder.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for n in (MAX_TOKENS, BEAM_MAX_TOKENS, GPU_MAX_TOKENS, MAX_SENTENCES, GPU_MAX_SENTENCES):
+        assert str(n) in text
+
+
+# -- the device-style loops: host reads counted, outputs unchanged --------------------------------
+
+def translate_counting(lines, batch: int, **kw):
+    """Outputs, and (steps, host reads) per batch of `batch` sentences."""
+    from decoder import Translator
+    tr = Translator(MODEL, **kw)
+    steps = [0]
+
+    @contextlib.contextmanager
+    def phase(name):
+        steps[0] += name == "decode steps"
+        yield
+    tr.phase = phase
+    srcs = [s for s in tr.text.encode(lines) if s is not None]
+    out, counts = [], []
+    for i in range(0, len(srcs), batch):
+        hostsync.reset()
+        steps[0] = 0
+        out += tr.translate_ids(srcs[i:i + batch])
+        counts.append((steps[0], hostsync.total()))
+    return out, counts
+
+
+@pytest.fixture(scope="module")
+def lines():
+    with open(SRC, encoding="utf-8") as fh:
+        return [line.rstrip("\n") for line in fh][:40]
+
+
+@trained
+@pytest.mark.parametrize("kw,extra", [(dict(beam=1), 1), (dict(beam=4), 2), (dict(beam=2, static_shapes=True), 2)])
+def test_device_loop_reads_once_per_few_steps_and_gives_the_same_tokens(lines, kw, extra):
+    torch.set_num_threads(2)
+    every = 8
+    per_step, step_counts = translate_counting(lines, 16, **kw)
+    device, counts = translate_counting(lines, 16, sync_every=every, **kw)
+    assert device == per_step
+    for steps, reads in counts:  # one read per `every` steps, the outputs' reads once per batch
+        assert reads <= math.ceil(steps / every) + extra, (steps, reads)
+    assert all(reads >= steps for steps, reads in step_counts)  # the per-step loop: a read every step
+
+
+@trained
+def test_device_loop_shrinks_the_batch_at_its_reads(lines, monkeypatch):
+    from decoder import cache
+    kept = []
+    keep = cache.DecoderState.keep
+    monkeypatch.setattr(cache.DecoderState, "keep", lambda self, s, r: (kept.append(s.numel()), keep(self, s, r)))
+    device, _ = translate_counting(lines, 24, sync_every=4, beam=1)
+    assert kept, "no early stop happened: the test would not see one"
+    kept.clear()
+    beam, _ = translate_counting(lines, 24, sync_every=4, beam=4)
+    assert kept
+    assert device == translate_counting(lines, 24, beam=1)[0] and beam == translate_counting(lines, 24, beam=4)[0]
+
+
+def test_host_reads_are_counted_per_kind():
+    hostsync.reset()
+    t = torch.tensor([3, 1])
+    assert hostsync.to_list(t, "a") == [3, 1] and hostsync.item(t[0], "a") == 3
+    assert hostsync.to_cpu(t, "b").tolist() == [3, 1]
+    assert dict(hostsync.counts) == {"a": 2, "b": 1} and hostsync.total() == 3
+    hostsync.reset()
+    assert hostsync.total() == 0
+
+
+class FakeState:
+    """A decoder state whose logits (rows, V) depend only on each row's sentence, its last
+    token and the step (a fixed random table), so the picks cannot depend on which
+    other sentences share the batch: the two loops must agree exactly."""
+    can_shrink = True
+
+    def __init__(self, B: int, K: int, C: int = 11, eos: int = 2, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(B, 11, C, generator=g)  # (sentence, last token id, column)
+        self.end = torch.randint(1, 14, (B,), generator=g).float()  # when </s> starts to win
+        self.sent, self.eos_col = torch.arange(B).repeat_interleave(K), eos if C == 11 else 1
+
+    def step(self, tokens, t, best=False):
+        logits = self.table[self.sent, tokens].clone()  # (rows, V)
+        logits[:, self.eos_col] += 3.0 * (t - self.end[self.sent])
+        return logits.argmax(-1) if best else logits
+
+    def reorder(self, rows):
+        self.sent = self.sent[rows]
+
+    def keep(self, sents, rows):
+        self.sent = self.sent[rows]
+
+
+@pytest.mark.parametrize("beam,ngram,shortlist", [(1, 0, False), (1, 2, False), (1, 0, True), (3, 0, False),
+                                                  (4, 2, False), (2, 0, True)])
+@pytest.mark.parametrize("every", [2, 8])
+def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(beam, ngram, shortlist, every):
+    from decoder.search import Search
+    B, V = 13, 11
+    vocab = torch.tensor([0, 2, 3, 5, 6, 7, 8, 10]) if shortlist else None  # </s> (2) among the candidates
+    lims = [1 + (3 * b) % 17 for b in range(B)]  # a limit of 1 forces </s> at the first step
+    runs = {}
+    for sync in (1, every):
+        plan = resolve(Switches(), beam=beam, kernels=Kernels(cpu=False, cuda=False), sync_every=sync,
+                       no_repeat_ngram=ngram)
+        search = Search(plan, start_id=0, eos_id=2, pad_id=1, beam=beam, no_repeat_ngram=ngram)
+        state = FakeState(B, beam, V if vocab is None else len(vocab))
+        steps = [0]
+        step = state.step
+        state.step = lambda *a, **k: (steps.__setitem__(0, steps[0] + 1), step(*a, **k))[1]
+        hostsync.reset()
+        runs[sync] = search.run(state, torch.tensor(lims), lims, vocab), steps[0], hostsync.total()
+    (want, steps1, reads1), (got, steps, reads) = runs[1], runs[every]
+    assert got == want and all(isinstance(x, int) for row in got for x in row)
+    assert reads <= math.ceil(steps / every) + (1 if beam == 1 else 2) + (2 if shortlist and beam > 1 else 0)
+    assert reads1 >= steps1  # the per-step loop: at least one read a step
+    assert steps < steps1 + every  # the late reads cost at most every-1 extra steps
