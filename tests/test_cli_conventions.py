@@ -28,6 +28,8 @@ class FakeTranslator:
     """Records what the CLI asks of the library; translates by upper-casing."""
     made = []
     precision, device, pool = "fp32", "cpu", None
+    plan = SimpleNamespace(summary=lambda precision: "greedy loop")  # what the settings line reads
+    opts = SimpleNamespace(max_tokens=1536, max_sentences=512)
 
     def __init__(self, model_dir, **kw):
         self.kw = kw
@@ -203,7 +205,7 @@ HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5
         "tools.bench": {"--passes": "(default: 1)", "--repeat-input": "(default: 1)"},
         "tools.bench_fused": {"--passes": "(default: 3)"},
         "submission.evaluate": {"--passes": "(default: 3)"},
-        "submission.image": {"--tag": "(default: wmt-kit:latest)"},
+        "submission.image": {"--tag": "(default: wmt-kit:latest, on gpu wmt-kit-gpu:latest)"},
         "student.data prepare": {"--vocab-size": "(default: 8000)"},
         "student.train": {"--lr": "(default: 0.002 at 3072 tokens", "--dev-src": "newstest"},
         "student.train average": {"--last": "(default: 4)", "--run": "ckpt-", "--out": "checkpoint"},

@@ -30,8 +30,11 @@ def fresh(monkeypatch):
 
 
 def settings_line() -> str:
-    tr = types.SimpleNamespace(precision="fp32", pool=None, device="cpu")
-    return describe(tr, "fp32")
+    """The line for a translator whose plan summary is PLAN: the fused-ops clause stands before it."""
+    tr = types.SimpleNamespace(precision="fp32", pool=None, device="cpu",
+                               plan=types.SimpleNamespace(summary=lambda precision: "PLAN"),
+                               opts=types.SimpleNamespace(max_tokens=1536, max_sentences=512))
+    return describe(tr, "fp32").removesuffix("; PLAN; batches 1536 tokens x 512")
 
 
 def head() -> str:
