@@ -51,8 +51,7 @@ DEVICE ?= cpu
 IMAGE ?= $(if $(filter gpu,$(DEVICE)),wmt-kit-gpu:latest,wmt-kit:latest)
 image: setup
 	$(VPY) -c "import docker" 2>/dev/null || $(VPY) -m pip install -q -e ".[image]"
-	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --device $(call shq,$(DEVICE)) \
-	  --tag $(call shq,$(IMAGE))
+	$(VPY) -m submission.image $(if $(MODEL),--model $(call shq,$(MODEL))) --device $(call shq,$(DEVICE)) --tag $(call shq,$(IMAGE))
 image-context: setup
 	$(VPY) -m submission.image --stage-only $(if $(MODEL),--model $(call shq,$(MODEL)))
 

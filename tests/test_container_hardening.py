@@ -27,7 +27,7 @@ def damaged(model_dir, tmp_path, how):
     c = json.loads((bad / "config.json").read_text())
     if how == "n_heads 0":
         c["architecture"]["n_heads"] = 0
-        expected = "config.json: architecture.n_heads must be >= 1"
+        expected = "config.json: architecture.n_heads must be in [1, 1,024], got 0"
     else:
         c["special_ids"]["eos"] = c["architecture"]["vocab_size"] + 7
         expected = "config.json: special_ids.eos must be below vocab_size"

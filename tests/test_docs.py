@@ -11,8 +11,8 @@ import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ALLOWED = ("/run.sh", "/model", "/dev/null", "/dev/stdin", "/dev/stdout", "/proc/", "/usr/bin/time",
-           "/usr/share/sword")
+ALLOWED = ("/run.sh", "/model", "/dev/null", "/dev/stdin", "/dev/stdout", "/dev/zero", "/proc/", "/usr/bin/time",
+           "/usr/share/sword", "/usr/local/cuda")
 # an absolute path where a path can start: line start, blank, quote, bracket, =, : or ,
 # (not the middle of a word or a URL: "words/s", "https://...")
 ABSOLUTE = re.compile(r"(?:^|(?<=[\s`'\"(\[=:,]))/[A-Za-z0-9._~-]+(?:/[A-Za-z0-9._~+-]*)*", re.M)

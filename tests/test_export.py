@@ -84,7 +84,7 @@ def test_truncated_weights_are_reported(model_dir):
 def test_garbage_config_is_reported(model_dir):
     _, out = model_dir
     open(os.path.join(out, "config.json"), "wb").write(b"\xff\x00not json")
-    with pytest.raises(ModelDirError, match="config.json: not valid JSON"):
+    with pytest.raises(ModelDirError, match="config.json: not UTF-8"):
         load(out)
 
 

@@ -42,15 +42,20 @@ def test_a_prebuilt_cuda_library_is_loaded_without_nvcc(monkeypatch, tmp_path, c
     import torch.utils.cpp_extension as ext
 
     from decoder import ops
-    monkeypatch.setattr(ext, "CUDA_HOME", None)
-    loaded = []
-    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
-    monkeypatch.setenv("DECODER_OPS_CUDA_LIBRARY", "/app/ops/decoder_ops_cuda.so")
-    assert ops._build_cuda() is True and loaded == ["/app/ops/decoder_ops_cuda.so"]
-    monkeypatch.undo()
-    monkeypatch.setenv("DECODER_OPS_CUDA_LIBRARY", str(tmp_path / "missing.so"))
-    assert ops._build_cuda() is False
-    err = capsys.readouterr().err.splitlines()
+    saved = dict(ops._state)  # _build_cuda records why the kernels are out: the process's status
+    try:
+        monkeypatch.setattr(ext, "CUDA_HOME", None)
+        loaded = []
+        monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+        monkeypatch.setenv("DECODER_OPS_CUDA_LIBRARY", "/app/ops/decoder_ops_cuda.so")
+        assert ops._build_cuda() is True and loaded == ["/app/ops/decoder_ops_cuda.so"]
+        monkeypatch.undo()
+        monkeypatch.setenv("DECODER_OPS_CUDA_LIBRARY", str(tmp_path / "missing.so"))
+        assert ops._build_cuda() is False
+        err = capsys.readouterr().err.splitlines()
+    finally:
+        ops._state.clear()
+        ops._state.update(saved)
     assert len(err) == 1 and err[0].startswith("warning: fused CUDA kernels unavailable"), err
 
 

@@ -19,7 +19,10 @@ from student.train import TrainConfig
 
 # -- stage keys -------------------------------------------------------------------------------------
 
-def _changed(v):
+def _changed(v, kind: str = ""):
+    """Another value of v's kind; for None, of the field's annotated kind (`kind`, e.g. "int | None")."""
+    if v is None and kind.split(" ")[0] in ("int", "float"):
+        return {"int": 4096, "float": 1e-3}[kind.split(" ")[0]]
     if isinstance(v, bool):
         return not v
     if isinstance(v, int):
@@ -61,7 +64,8 @@ def test_every_distill_option_the_student_trains_with_changes_its_stage_key():
         return _student_key(pipeline.train_config(cfg, "student", cfg.student_preset, "a", "b"))
 
     keyed = {f.name for f in dataclasses.fields(pipeline.DistillConfig)
-             if key(dataclasses.replace(base_cfg, **{f.name: _changed(getattr(base_cfg, f.name))})) != key(base_cfg)}
+             if key(dataclasses.replace(base_cfg, **{f.name: _changed(getattr(base_cfg, f.name), str(f.type))}))
+             != key(base_cfg)}
     assert keyed == {"corpus", "src_lang", "tgt_lang", "dev_src", "dev_tgt", "test_src", "test_tgt", "vocab_size", "max_tokens", "eval_every", "save_every",
                      "dev_max", "patience", "amp", "seed", "student_preset", "student_set", "student_steps",
                      "student_minutes", "student_lr", "student_warmup"}
