@@ -33,6 +33,7 @@ FORMAT = 1
 SHARD = 50_000   # pairs a shard (and a worker's task)
 LIMIT = 1022     # tokens kept a side, leaving room for eos under the presets' max_positions
 SUB = 5_000      # lines normalised and encoded at a time inside a shard
+POOL_BYTES = 16 << 20  # smaller sources encode in-process: starting workers would cost more
 
 
 class Side:
@@ -109,7 +110,7 @@ def _encode_shards(src, tgt, spm_model, langs, normaliser, out, rank, world, ver
     with textio.open_binary(src) as fs, textio.open_binary(tgt) as ft, \
             tqdm(desc=desc, unit="pair", unit_scale=True, disable=not verbose) as bar:
         lines = _aligned(textio.read_lines(fs), textio.read_lines(ft), src, tgt)
-        n_workers = workers()
+        n_workers = workers() if os.path.getsize(src) > POOL_BYTES else 1
         for _ in imap_ordered(_encode_shard, tasks(lines, bar), n_workers, _setup, setup):
             pass
     return seen[0]

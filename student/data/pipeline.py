@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from decoder import durable
 
+from . import dedup
 from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings
 from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, Lines, Parallel,
                      count_nonempty_pairs, extract_bible, read_lines, read_parallel, write_lines)
@@ -30,11 +31,12 @@ SEEDED_DRAW = "random.sample"
 SPLITS = ("train", "dev", "test")
 HELD_OUT_MAX = 1000  # dev and test size for a seeded split: 5% of the corpus, at most this
 CHUNK = 20_000       # pairs cleaned and deduplicated at a time
+DEDUP_BOUND = dedup.BOUND  # pair hashes held in memory before a sorted run spills to disk
 NORM_CHUNK = 2_000   # sample pairs per normalisation task
 # SentencePiece's sample: the pairs spm_options' input_sentence_size (2M sentences) allows, and a
 # byte bound, as its trainer's memory grows with the characters it holds
 SPM_SAMPLE_PAIRS = 1_000_000
-SPM_SAMPLE_BYTES = 128 << 20
+SPM_SAMPLE_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -208,7 +210,8 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
             bad += b
     pairs = Parallel(files["src"], files["tgt"])
     own = {k: [] for k in ("dev", "test") if k not in held}
-    cleaner = Cleaner(options["max_words"], options["min_ratio"], options["max_ratio"], f"{out}/.dedup")
+    cleaner = Cleaner(options["max_words"], options["min_ratio"], options["max_ratio"], f"{out}/.dedup",
+                      DEDUP_BOUND)
     sample = Sample(SPM_SAMPLE_PAIRS, SPM_SAMPLE_BYTES, options["seed"])
     routes, total = _routes(pairs, files, held, options["seed"])
     with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
