@@ -100,10 +100,11 @@ class Parallel:
                         f"{self.tgt.path} has {self.tgt.n} lines")
 
 
-def count_nonempty_pairs(src: str, tgt: str) -> tuple[int, int]:
+def count_nonempty_pairs(src: str, tgt: str, verbose: bool = False) -> tuple[int, int]:
     """(pairs, pairs with both sides non-empty) of two files, streamed: the seeded split's first pass."""
     n = ok = 0
-    for a, b in Parallel(src, tgt):
+    for a, b in tqdm(Parallel(src, tgt), desc="counting", unit="pair", unit_scale=True, miniters=10_000,
+                     disable=not verbose):
         n += 1
         ok += bool(a and b)
     return n, ok

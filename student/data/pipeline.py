@@ -213,7 +213,7 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
     cleaner = Cleaner(options["max_words"], options["min_ratio"], options["max_ratio"], f"{out}/.dedup",
                       DEDUP_BOUND)
     sample = Sample(SPM_SAMPLE_PAIRS, SPM_SAMPLE_BYTES, options["seed"])
-    routes, total = _routes(pairs, files, held, options["seed"])
+    routes, total = _routes(pairs, files, held, options["seed"], verbose)
     with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
             open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
             tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, disable=not verbose) as bar:
@@ -262,7 +262,7 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
         json.dump(meta, fh, indent=2, ensure_ascii=False)
 
 
-def _routes(pairs, files: dict, held: dict, seed: int):
+def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
     """(iterator of (split or None, pair) over the corpus, pair count if known already).
 
     The Bible is split by book, so test verses are unseen (a book whose split the user gave
@@ -276,7 +276,7 @@ def _routes(pairs, files: dict, held: dict, seed: int):
     todo = [s for s in ("test", "dev") if s not in held]
     if not todo:
         return (("train", p) for p in pairs), None
-    n, candidates = count_nonempty_pairs(files["src"], files["tgt"])
+    n, candidates = count_nonempty_pairs(files["src"], files["tgt"], verbose)
     size = min(HELD_OUT_MAX, max(1, n // 20))
     picks = random.Random(seed).sample(range(candidates), min(candidates, size * len(todo)))
     split_of = {}
