@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--src", required=True)
     ap.add_argument("--tgt", required=True)
-    ap.add_argument("--work", required=True, help="data dir and run dir go here")
+    ap.add_argument("--work", help="data dir and run dir go here (required)")
     ap.add_argument("--preset", default="teacher-tiny")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     if a.child:
         first_step(a)
         return 0
+    if not a.work:
+        ap.error("the following arguments are required: --work")
     os.makedirs(a.work, exist_ok=True)
     env_py = [sys.executable]
     log = os.path.join(a.work, "bench.log")
