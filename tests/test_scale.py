@@ -17,26 +17,40 @@ from student.train.batching import make_batches, pack_ascending, shard
 from tools.synth_corpus import generate
 
 
-def synth(tmp_path, n):
-    return generate(n, str(tmp_path / f"synth{n}"), "en", "de", seed=1, verbose=False)
+@pytest.fixture(scope="module")
+def synth4000(tmp_path_factory):
+    return generate(4000, str(tmp_path_factory.mktemp("synth")), "en", "de", seed=1, verbose=False)
 
 
-def test_prepare_peak_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
-    # bounds scaled down so that 8,000 pairs cross each of them several times
-    monkeypatch.setattr(pipeline, "CHUNK", 500)
-    monkeypatch.setattr(pipeline, "SPM_SAMPLE_PAIRS", 400)
-    monkeypatch.setattr(pipeline, "DEDUP_BOUND", 1000)
+def head(paths, n, d):
+    """The first n pairs of a corpus, as files in d."""
+    os.makedirs(d, exist_ok=True)
+    out = []
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            lines = fh.read().splitlines(keepends=True)[:n]
+        out.append(os.path.join(d, os.path.basename(p)))
+        with open(out[-1], "w", encoding="utf-8") as fh:
+            fh.writelines(lines)
+    return out
+
+
+def test_prepare_peak_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch, synth4000):
+    # bounds scaled down so that 4,000 pairs cross each of them several times
+    monkeypatch.setattr(pipeline, "CHUNK", 250)
+    monkeypatch.setattr(pipeline, "SPM_SAMPLE_PAIRS", 200)
+    monkeypatch.setattr(pipeline, "DEDUP_BOUND", 500)
     peaks = {}
-    for n in (2000, 8000):
-        src, tgt = synth(tmp_path, n)
+    for n in (1000, 4000):
+        src, tgt = head(synth4000, n, str(tmp_path / str(n)))
         tracemalloc.start()
         p = prepare(src=src, tgt=tgt, data_dir=str(tmp_path / "data"), vocab_size=400, verbose=False)
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert p.counts["train"] == n - 2 * p.counts["dev"]  # the synthetic corpus loses nothing
-        assert not any(p.counts["removed"].values()) and p.counts["spm_sample_pairs"] == 400
+        assert not any(p.counts["removed"].values()) and p.counts["spm_sample_pairs"] == 200
     # loading the corpus whole (the code before streaming) made this 2.5x and more
-    assert peaks[8000] < 1.3 * peaks[2000], peaks
+    assert peaks[4000] < 1.3 * peaks[1000], peaks
 
 
 def test_dedup_keeps_first_occurrences_across_spilled_runs(tmp_path):
@@ -121,12 +135,17 @@ def test_resumed_position_reads_the_batches_an_unbroken_epoch_would():
         assert [b.tolist() for b in resumed[idx:idx + 3]] == [b.tolist() for b in epoch][idx:idx + 3]
 
 
+@pytest.fixture(scope="module")
+def toy_prepared(tmp_path_factory, synth4000):
+    d = tmp_path_factory.mktemp("toy")
+    src, tgt = head(synth4000, 400, str(d))
+    return prepare(src=src, tgt=tgt, data_dir=str(d / "data"), vocab_size=400, verbose=False)
+
+
 @pytest.fixture
-def toy_encoded(tmp_path, monkeypatch):
+def toy_encoded(toy_prepared, monkeypatch):
     monkeypatch.setattr(indexed, "SHARD", 70)
-    src, tgt = synth(tmp_path, 400)
-    p = prepare(src=src, tgt=tgt, data_dir=str(tmp_path / "data"), vocab_size=400, verbose=False)
-    return p, *p.splits["train"]
+    return toy_prepared, *toy_prepared.splits["train"]
 
 
 def encode(p, src, tgt, out, **kw):
