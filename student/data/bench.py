@@ -2,7 +2,7 @@
 with wall time and peak memory of each phase (a benchmark, not a test).
 
     python -m tools.synth_corpus --pairs 10000000 --out /data/synth
-    python -m tools.bench_data --src /data/synth/train.en --tgt /data/synth/train.de --work /data/bench
+    python -m student.data.bench --src /data/synth/train.en --tgt /data/synth/train.de --work /data/bench
 
 Each phase runs in its own process tree; peak RSS is sampled every 0.2 s as the sum
 over the tree (the parent and its worker processes) and also read from
@@ -89,7 +89,7 @@ def first_step(args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_data", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--src", required=True)
     ap.add_argument("--tgt", required=True)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     os.environ["KIT_DATA_DIR"] = data
     prep = measure(env_py + ["-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt, "--data-dir", data],
                    log)
-    train = measure(env_py + ["-m", "tools.bench_data", "--child", "--src", a.src, "--tgt", a.tgt,
+    train = measure(env_py + ["-m", "student.data.bench", "--child", "--src", a.src, "--tgt", a.tgt,
                               "--out", os.path.join(a.work, "run"), "--preset", a.preset], log)
     steps = json.loads(train.pop("stdout").splitlines()[-1])
     prep.pop("stdout")
