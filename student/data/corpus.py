@@ -103,7 +103,7 @@ class Parallel:
 def count_nonempty_pairs(src: str, tgt: str, verbose: bool = False) -> tuple[int, int]:
     """(pairs, pairs with both sides non-empty) of two files, streamed: the seeded split's first pass."""
     n = ok = 0
-    for a, b in tqdm(Parallel(src, tgt), desc="counting", unit="pair", unit_scale=True, miniters=10_000,
+    for a, b in tqdm(Parallel(src, tgt), desc="counting", unit="pair", unit_scale=True, miniters=10_000, delay=1,
                      disable=not verbose):
         n += 1
         ok += bool(a and b)

@@ -216,7 +216,8 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
     routes, total = _routes(pairs, files, held, options["seed"], verbose)
     with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
             open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
-            tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, disable=not verbose) as bar:
+            tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, delay=1,
+                 disable=not verbose) as bar:
         for chunk in _chunks(routes, CHUNK):
             train = []
             for split, p in chunk:
