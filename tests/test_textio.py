@@ -109,8 +109,10 @@ def test_trainer_pairs_stay_aligned_with_a_u2028_inside_a_line(tmp_path, monkeyp
     os.makedirs(cfg.out_dir)
     c = Corpus(cfg, verbose=False)
     eos = c.sp.eos_id()
-    assert c.train["src"] == [ids + [eos] for ids in c.sp.encode([c.norm_src(s) for s in dsrc])]
-    assert c.train["tgt"] == [ids + [eos] for ids in c.sp.encode([c.norm_tgt(t) for t in dtgt])]
+    assert [c.train["src"][i].tolist() for i in range(len(c.train))] == \
+        [ids + [eos] for ids in c.sp.encode([c.norm_src(s) for s in dsrc])]
+    assert [c.train["tgt"][i].tolist() for i in range(len(c.train))] == \
+        [ids + [eos] for ids in c.sp.encode([c.norm_tgt(t) for t in dtgt])]
 
 
 def test_shard_without_its_final_newline_is_incomplete_and_translated_again(tmp_path):

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import functools
 import re
+import tempfile
+
+import numpy as np
 
 from decoder.modeldir import moses_options
+
+from . import dedup
 
 # C0 controls except tab, DEL, and C1 controls: left in, they become odd pieces or
 # break line-based tools downstream
@@ -17,30 +22,60 @@ def clean_pairs(pairs, max_words: int = 200, min_ratio: float = 0.3, max_ratio: 
     """Drop bad pairs; returns (kept pairs, {rule: pairs removed, ..., "kept": n}).
 
     A pair is counted under the first rule (in RULES order) that rejects it.
-    ratio = source words / target words.
+    ratio = source words / target words. In memory: prepare() streams with Cleaner.
     """
-    counts = dict.fromkeys(RULES, 0)
-    seen, kept = set(), []
-    for src, tgt in pairs:
-        src, tgt = src.strip(), tgt.strip()
+    with tempfile.TemporaryDirectory() as spill:
+        cleaner = Cleaner(max_words, min_ratio, max_ratio, spill)
+        kept = cleaner.chunk(list(pairs))[0]
+        cleaner.close()
+    return kept, cleaner.counts
+
+
+class Cleaner:
+    """clean_pairs over a stream, chunk by chunk, with counts over the whole stream.
+    Duplicates are exact pairs (after strip), found by hash in bounded memory (dedup.py)."""
+
+    def __init__(self, max_words: int, min_ratio: float, max_ratio: float, spill_dir: str,
+                 bound: int = dedup.BOUND):
+        self.max_words, self.min_ratio, self.max_ratio = max_words, min_ratio, max_ratio
+        self.counts = {**dict.fromkeys(RULES, 0), "kept": 0}
+        self.dedup = dedup.Dedup(spill_dir, bound)
+
+    def chunk(self, pairs) -> tuple[list[tuple[str, str]], list[int]]:
+        """(kept pairs, their sizes in UTF-8 bytes) of the next pairs of the stream."""
+        cand, sizes, hashes = [], [], []
+        counts = self.counts
+        for src, tgt in pairs:
+            src, tgt = src.strip(), tgt.strip()
+            rule = self.rule(src, tgt)
+            if rule:
+                counts[rule] += 1
+                continue
+            s, t = src.encode(errors="surrogatepass"), tgt.encode(errors="surrogatepass")
+            cand.append((src, tgt))
+            sizes.append(len(s) + len(t))
+            hashes.append(dedup.pair_hash(s, t))
+        new = self.dedup.first_seen(np.array(hashes, np.uint64)).tolist()
+        kept = [p for p, n in zip(cand, new) if n]
+        counts["duplicate"] += len(cand) - len(kept)
+        counts["kept"] += len(kept)
+        return kept, [x for x, n in zip(sizes, new) if n]
+
+    def rule(self, src: str, tgt: str) -> str | None:
+        """The first rule (RULES order, duplicates aside) that rejects the pair, or None."""
         ns, nt = len(src.split()), len(tgt.split())
         if not ns or not nt:
-            rule = "empty"
-        elif _CONTROL.search(src) or _CONTROL.search(tgt):
-            rule = "control_chars"
-        elif ns > max_words or nt > max_words:
-            rule = "too_long"
-        elif not min_ratio <= ns / nt <= max_ratio:
-            rule = "ratio"
-        elif (src, tgt) in seen:
-            rule = "duplicate"
-        else:
-            seen.add((src, tgt))
-            kept.append((src, tgt))
-            continue
-        counts[rule] += 1
-    counts["kept"] = len(kept)
-    return kept, counts
+            return "empty"
+        if _CONTROL.search(src) or _CONTROL.search(tgt):
+            return "control_chars"
+        if ns > self.max_words or nt > self.max_words:
+            return "too_long"
+        if not self.min_ratio <= ns / nt <= self.max_ratio:
+            return "ratio"
+        return None
+
+    def close(self):
+        self.dedup.close()
 
 
 def normaliser_settings(src_lang: str, tgt_lang: str) -> dict:
@@ -55,6 +90,12 @@ def normalise(text: str, lang: str, settings: dict) -> str:
     if settings.get("type") != "moses-punct":
         raise ValueError(f"unknown normaliser type {settings.get('type')!r}")
     return _moses(lang, tuple(moses_options(settings).items())).normalize(text)
+
+
+def normalise_pairs(task) -> list[str]:
+    """(pairs, src_lang, tgt_lang, settings) -> source, target, source, ... normalised: one pool task."""
+    pairs, s_lang, t_lang, settings = task
+    return [normalise(x, lang, settings) for pair in pairs for x, lang in zip(pair, (s_lang, t_lang))]
 
 
 @functools.lru_cache(maxsize=None)

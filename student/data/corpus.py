@@ -30,22 +30,35 @@ def read_lines(path: str) -> tuple[list[str], int]:
     decoder.textio's reader: it splits on '\\n' only (str.splitlines would also split
     on U+2028, \\x1c, ... and silently shift one side of a parallel corpus against the other).
     """
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
-    lines, bad, gz = [], 0, False
-    try:
-        with open(path, "rb") as fh:
-            gz = fh.read(2) == b"\x1f\x8b"  # only to name the failure; open_binary sniffs too
-        with textio.open_binary(path) as fh:
-            for raw in textio.split_lines(fh):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    line, bad = textio.decode(raw), bad + 1
-                lines.append(line.strip())
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise DataError(f"{path}: {'truncated or corrupt gzip' if gz else 'unreadable'} ({e})") from None
-    return lines, bad
+    reader = Lines(path)
+    lines = list(reader)
+    return lines, reader.bad
+
+
+class Lines:
+    """read_lines as a stream: iterate for the stripped lines; `bad` counts those with invalid
+    UTF-8 read so far, `n` all of them."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        self.path, self.bad, self.n = path, 0, 0
+
+    def __iter__(self):
+        gz = False
+        try:
+            with open(self.path, "rb") as fh:
+                gz = fh.read(2) == b"\x1f\x8b"  # only to name the failure; open_binary sniffs too
+            with textio.open_binary(self.path) as fh:
+                for raw in textio.split_lines(fh):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError:
+                        line, self.bad = textio.decode(raw), self.bad + 1
+                    self.n += 1
+                    yield line.strip()
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            raise DataError(f"{self.path}: {'truncated or corrupt gzip' if gz else 'unreadable'} ({e})") from None
 
 
 def read_parallel(src: str, tgt: str) -> tuple[list[tuple[str, str]], int]:
@@ -55,6 +68,46 @@ def read_parallel(src: str, tgt: str) -> tuple[list[tuple[str, str]], int]:
     if len(s) != len(t):
         raise DataError(f"line counts differ: {src} has {len(s)} lines, {tgt} has {len(t)} lines")
     return list(zip(s, t)), bad_s + bad_t
+
+
+class Parallel:
+    """Pairs of two line-aligned files as a stream; a length mismatch is a DataError once the
+    shorter file ends (naming both counts). `bad` counts lines with invalid UTF-8."""
+
+    def __init__(self, src: str, tgt: str):
+        self.src, self.tgt = Lines(src), Lines(tgt)
+
+    @property
+    def bad(self) -> int:
+        return self.src.bad + self.tgt.bad
+
+    def __iter__(self):
+        s, t = iter(self.src), iter(self.tgt)
+        for a in s:
+            b = next(t, None)
+            if b is None:
+                self._mismatch(s, t)
+            yield a, b
+        if next(t, None) is not None:
+            self._mismatch(s, t)
+
+    def _mismatch(self, s, t):
+        for _ in s:
+            pass
+        for _ in t:
+            pass
+        raise DataError(f"line counts differ: {self.src.path} has {self.src.n} lines, "
+                        f"{self.tgt.path} has {self.tgt.n} lines")
+
+
+def count_nonempty_pairs(src: str, tgt: str, verbose: bool = False) -> tuple[int, int]:
+    """(pairs, pairs with both sides non-empty) of two files, streamed: the seeded split's first pass."""
+    n = ok = 0
+    for a, b in tqdm(Parallel(src, tgt), desc="counting", unit="pair", unit_scale=True, miniters=10_000, delay=1,
+                     disable=not verbose):
+        n += 1
+        ok += bool(a and b)
+    return n, ok
 
 
 def write_lines(path: str, lines) -> None:

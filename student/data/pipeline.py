@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -15,13 +16,27 @@ from tqdm import tqdm
 
 from decoder import durable
 
-from .clean import clean_pairs, normalise, normaliser_settings
-from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError,
-                     extract_bible, read_lines, read_parallel, write_lines)
+from . import dedup
+from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings
+from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, Lines, Parallel,
+                     count_nonempty_pairs, extract_bible, read_lines, read_parallel, write_lines)
+from .parallel import imap_ordered, workers
+from .sample import Sample
 
 FORMAT = 1  # bump when the output changes for the same inputs, so old caches are not reused
+# a seeded dev/test split draws with random.sample over the non-empty pairs (format 1 shuffled
+# all their indices: memory that grows with the corpus); in the key of seeded splits alone,
+# so the Bible's prepared dir (split by book, output unchanged) keeps its name
+SEEDED_DRAW = "random.sample"
 SPLITS = ("train", "dev", "test")
 HELD_OUT_MAX = 1000  # dev and test size for a seeded split: 5% of the corpus, at most this
+CHUNK = 20_000       # pairs cleaned and deduplicated at a time
+DEDUP_BOUND = dedup.BOUND  # pair hashes held in memory before a sorted run spills to disk
+NORM_CHUNK = 2_000   # sample pairs per normalisation task
+# SentencePiece's sample: the pairs spm_options' input_sentence_size (2M sentences) allows, and a
+# byte bound, as its trainer's memory grows with the characters it holds
+SPM_SAMPLE_PAIRS = 1_000_000
+SPM_SAMPLE_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -82,6 +97,8 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     norm = normaliser_settings(s_lang, t_lang)
     options = dict(format=FORMAT, langs=[s_lang, t_lang], max_words=max_words, min_ratio=min_ratio,
                    max_ratio=max_ratio, seed=seed, normaliser=norm, spm=spm_options(vocab_size))
+    if "book" not in files and not {"dev_src", "test_src"} <= set(files):
+        options["seeded_draw"] = SEEDED_DRAW
     key = hashlib.sha256(json.dumps(
         [options, {role: file_digest(p) for role, p in files.items()}], sort_keys=True).encode())
     out = os.path.join(data_dir, "prepared", f"{name}-{key.hexdigest()[:12]}")
@@ -184,42 +201,61 @@ def _logger(verbose: bool):
 
 
 def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbose: bool) -> None:
-    pairs, bad = read_parallel(files["src"], files["tgt"])
-    held, train = {}, pairs
-    for split in ("dev", "test"):
+    """One streamed pass over the corpus: split, clean, deduplicate, write train and sample it
+    for SentencePiece. Memory: the dev/test pairs, one chunk, the dedup bound and the sample."""
+    held, bad = {}, 0
+    for split in ("dev", "test"):  # the user's own dev/test: newstest-sized, read whole
         if f"{split}_src" in files:
             held[split], b = read_parallel(files[f"{split}_src"], files[f"{split}_tgt"])
             bad += b
-    if "book" in files:  # the Bible: split by book, so test verses are unseen
-        books = read_lines(files["book"])[0]
-        own = {"dev": BIBLE_DEV_BOOK, "test": BIBLE_TEST_BOOK}
-        for split, book in own.items():
-            held.setdefault(split, [p for p, b in zip(pairs, books) if b == book])
-        train = [p for p, b in zip(pairs, books) if b not in own.values()]
-    elif len(held) < 2:
-        held, train = _seeded_split(pairs, held, options["seed"])
+    pairs = Parallel(files["src"], files["tgt"])
+    own = {k: [] for k in ("dev", "test") if k not in held}
+    cleaner = Cleaner(options["max_words"], options["min_ratio"], options["max_ratio"], f"{out}/.dedup",
+                      DEDUP_BOUND)
+    sample = Sample(SPM_SAMPLE_PAIRS, SPM_SAMPLE_BYTES, options["seed"])
+    routes, total = _routes(pairs, files, held, options["seed"], verbose)
+    with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
+            open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
+            tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, delay=1,
+                 disable=not verbose) as bar:
+        for chunk in _chunks(routes, CHUNK):
+            train = []
+            for split, p in chunk:
+                if split == "train":
+                    train.append(p)
+                elif split:
+                    own[split].append(p)
+            kept, sizes = cleaner.chunk(train)
+            fs.writelines(x + "\n" for x, _ in kept)
+            ft.writelines(y + "\n" for _, y in kept)
+            sample.add(kept, sizes)
+            bar.update(len(chunk))
+    cleaner.close()
+    held.update(own)
+    n_pairs, bad = pairs.src.n, bad + pairs.bad
 
     n_held = sum(map(len, held.values()))
     # dev/test stay raw so BLEU is computed against the real references
     held = {k: [(s, t) for s, t in v if s and t] for k, v in held.items()}
-    train, removed = clean_pairs(train, options["max_words"], options["min_ratio"], options["max_ratio"])
+    removed = dict(cleaner.counts)
     kept = removed.pop("kept")
     if not kept:
-        raise DataError(f"nothing left to train on after cleaning {len(pairs)} pairs "
+        raise DataError(f"nothing left to train on after cleaning {n_pairs} pairs "
                         f"(removed: {', '.join(f'{k} {n}' for k, n in removed.items())}); "
                         "check the files, --max-words and the ratio bounds")
     for split, p in held.items():
         if not p:
             raise DataError(f"the {split} split is empty")
-    splits = {"train": train, **held}
-    for split, p in splits.items():
-        write_lines(f"{out}/{split}.{s_lang}", (s for s, _ in p))
-        write_lines(f"{out}/{split}.{t_lang}", (t for _, t in p))
+    for split in ("dev", "test"):
+        write_lines(f"{out}/{split}.{s_lang}", (s for s, _ in held[split]))
+        write_lines(f"{out}/{split}.{t_lang}", (t for _, t in held[split]))
 
-    _train_spm(out, train, s_lang, t_lang, options, verbose)
-    counts = {"pairs_read": len(pairs), "invalid_utf8_lines": bad, "removed": removed,
+    _logger(verbose)(f"sentencepiece sample: {len(sample)} of {kept} train pairs ({sample.bytes / 1e6:.1f} MB)")
+    spm_pairs = len(sample)
+    _train_spm(out, sample.items(), s_lang, t_lang, options, verbose)
+    counts = {"pairs_read": n_pairs, "invalid_utf8_lines": bad, "removed": removed,
               "dev_test_empty": n_held - sum(map(len, held.values())),
-              **{k: len(v) for k, v in splits.items()}}
+              "train": kept, **{k: len(v) for k, v in held.items()}, "spm_sample_pairs": spm_pairs}
     meta = {"src_lang": s_lang, "tgt_lang": t_lang, "normaliser": options["normaliser"],
             "counts": counts, "options": options, "inputs": files,
             "held_out": held_out_origin(files, book="book" in files)}
@@ -227,26 +263,57 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
         json.dump(meta, fh, indent=2, ensure_ascii=False)
 
 
-def _seeded_split(pairs, held, seed):
-    """Dev/test drawn at random from the non-empty pairs for whichever of them the user did not give."""
-    candidates = [i for i, (s, t) in enumerate(pairs) if s and t]
-    random.Random(seed).shuffle(candidates)
-    size = min(HELD_OUT_MAX, max(1, len(pairs) // 20))
-    taken = set()
-    for split in ("test", "dev"):
-        if split not in held:
-            idx = sorted(candidates[len(taken):len(taken) + size])
-            held[split] = [pairs[i] for i in idx]
-            taken.update(idx)
-    return held, [p for i, p in enumerate(pairs) if i not in taken]
+def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
+    """(iterator of (split or None, pair) over the corpus, pair count if known already).
+
+    The Bible is split by book, so test verses are unseen (a book whose split the user gave
+    goes nowhere); other corpora give dev/test a seeded random draw of non-empty pairs for
+    whichever of them the user did not give (a first pass counts them)."""
+    if "book" in files:
+        split_of = {BIBLE_DEV_BOOK: "dev", BIBLE_TEST_BOOK: "test"}
+        books = iter(Lines(files["book"]))
+        return ((None if split_of.get(b) in held else split_of.get(b, "train"), p)
+                for p, b in zip(pairs, books)), None
+    todo = [s for s in ("test", "dev") if s not in held]
+    if not todo:
+        return (("train", p) for p in pairs), None
+    n, candidates = count_nonempty_pairs(files["src"], files["tgt"], verbose)
+    size = min(HELD_OUT_MAX, max(1, n // 20))
+    picks = random.Random(seed).sample(range(candidates), min(candidates, size * len(todo)))
+    split_of = {}
+    for k, split in enumerate(todo):
+        split_of.update(dict.fromkeys(picks[k * size:(k + 1) * size], split))
+
+    def routes():
+        rank = 0  # among the non-empty pairs
+        for s, t in pairs:
+            split = "train"
+            if s and t:
+                split, rank = split_of.get(rank, "train"), rank + 1
+            yield split, (s, t)
+    return routes(), n
 
 
-def _train_spm(out, train, s_lang, t_lang, options, verbose):
+def _chunks(it, size: int):
+    it = iter(it)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def _train_spm(out, sample, s_lang, t_lang, options, verbose):
+    """SentencePiece on the sample (every train pair when they fit its bounds: the Bible does),
+    normalised over the cores, source and target of each pair in the corpus order."""
     import sentencepiece as spm
     path = f"{out}/spm-input.txt"
-    write_lines(path, (normalise(x, lang, options["normaliser"])
-                       for pair in tqdm(train, desc="normalising", unit="pair", disable=not verbose)
-                       for x, lang in zip(pair, (s_lang, t_lang))))
+    tasks = ((sample[i:i + NORM_CHUNK], s_lang, t_lang, options["normaliser"])
+             for i in range(0, len(sample), NORM_CHUNK))
+    n_workers = workers() if len(sample) >= 4 * NORM_CHUNK else 1
+    with open(path, "w", encoding="utf-8", newline="\n") as fh, \
+            tqdm(total=len(sample), desc="normalising", unit="pair", disable=not verbose) as bar:
+        for lines in imap_ordered(normalise_pairs, tasks, n_workers):
+            fh.writelines(x + "\n" for x in lines)
+            bar.update(len(lines) // 2)
+    del sample
     _logger(verbose)(f"training SentencePiece ({options['spm']['model_type']}, vocab {options['spm']['vocab_size']})")
     spm.set_random_generator_seed(options["seed"])
     try:

@@ -38,9 +38,17 @@ def repetitive(words: list[str], max_repeat: int = 4, max_share: float = 0.5) ->
 def clean_distilled(src: list[str], hyp: list[str], min_ratio: float = 0.3, max_ratio: float = 2.5,
                     max_repeat: int = 4):
     """(kept source lines, kept translations, {rule: removed, "kept": n}); ratio = source/target words."""
-    counts = dict.fromkeys(RULES, 0)
-    ks, kh = [], []
-    for s, h in zip(src, hyp):
+    counts = {}
+    kept = list(iter_clean_distilled(zip(src, hyp), counts, min_ratio, max_ratio, max_repeat))
+    return [s for s, _ in kept], [h for _, h in kept], counts
+
+
+def iter_clean_distilled(pairs, counts: dict, min_ratio: float = 0.3, max_ratio: float = 2.5,
+                         max_repeat: int = 4):
+    """clean_distilled over a stream of (source, translation): yields the kept pairs; `counts`
+    holds the removals by rule and "kept" once the stream is through."""
+    counts.update(dict.fromkeys(RULES, 0), kept=0)
+    for s, h in pairs:
         s, h = one_line(s), one_line(h)
         sw, hw = s.split(), h.split()
         if not sw or not hw:
@@ -52,10 +60,7 @@ def clean_distilled(src: list[str], hyp: list[str], min_ratio: float = 0.3, max_
         elif not min_ratio <= len(sw) / len(hw) <= max_ratio:
             rule = "ratio"
         else:
-            ks.append(s)
-            kh.append(h)
+            counts["kept"] += 1
+            yield s, h
             continue
         counts[rule] += 1
-    counts["kept"] = len(ks)
-    return ks, kh, counts
-

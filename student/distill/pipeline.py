@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -25,12 +26,13 @@ from safetensors import SafetensorError, safe_open
 
 from decoder import durable, modeldir
 from student import chart
-from student.data import prepare, read_lines
+from student.data import prepare
+from student.data.corpus import Lines
 from student.data.pipeline import file_digest
 from student.distill import report as report_mod
 from student.distill import side
-from student.distill.filter import clean_distilled, one_line
-from student.distill.shards import assemble, translate_shards
+from student.distill.filter import iter_clean_distilled, one_line
+from student.distill.shards import count_lines, iter_assembled, translate_shards
 from student.distill.stages import Run, barrier
 from student.distill.teachers import TeacherError, make_teacher
 from student.export import export_checkpoint
@@ -220,8 +222,21 @@ def _log(rank, verbose):
     return lambda msg: None
 
 
-def _read(path):
-    return read_lines(path)[0]
+def _write_pairs(src_path: str, tgt_path: str, pairs) -> int:
+    """Both sides of a stream of pairs into two files, each replaced whole (durable); returns the count."""
+    n = [0]
+
+    def write(tmp_src):
+        def both(tmp_tgt):
+            with open(tmp_src, "w", encoding="utf-8", newline="\n") as fs, \
+                    open(tmp_tgt, "w", encoding="utf-8", newline="\n") as ft:
+                for s, t in pairs:
+                    fs.write(s + "\n")
+                    ft.write(t + "\n")
+                    n[0] += 1
+        durable.atomic_write(tgt_path, both)
+    durable.atomic_write(src_path, write)
+    return n[0]
 
 
 def _training_result(d: str, **more) -> dict:
@@ -268,9 +283,8 @@ def run(cfg: DistillConfig, verbose: bool = True) -> dict:
         upstream_teacher = [tkey]
     p.record_teacher()
     p.choose_student_init(teacher_dir)
-    src_lines = _read(train_src)
-    dkey, ddir = p.distill(src_lines, [data_key] + upstream_teacher)
-    ckey, cdir = p.corpus(src_lines, train_tgt, dkey, ddir)
+    dkey, ddir = p.distill(train_src, [data_key] + upstream_teacher)
+    ckey, cdir = p.corpus(train_src, train_tgt, dkey, ddir)
     # students: the KD student, and with baseline_student the same recipe on the original pairs
     jobs = [("student", f"{cdir}/train.src", f"{cdir}/train.tgt", [ckey])]
     if cfg.baseline_student:
@@ -328,14 +342,13 @@ class Pipeline:
         prep, limit = self.prep, self.cfg.train_limit
 
         def work(d):
-            if self.rank == 0:
-                src, tgt = prep.read("train")
-                n = limit or len(src)
-                durable.write_lines(f"{d}/train.src", (one_line(x) for x in src[:n]))
-                durable.write_lines(f"{d}/train.tgt", (one_line(x) for x in tgt[:n]))
+            if self.rank == 0:  # streamed: the corpus may be far larger than memory
+                for path, side in zip(prep.splits["train"], ("src", "tgt")):
+                    durable.write_lines(f"{d}/train.{side}",
+                                        (one_line(x) for x in itertools.islice(Lines(path), limit or None)))
 
         def finish(d):
-            return {"train_pairs": len(_read(f"{d}/train.src")), "prepared": prep.dir,
+            return {"train_pairs": count_lines(f"{d}/train.src"), "prepared": prep.dir,
                     "langs": [prep.src_lang, prep.tgt_lang]}
 
         key, d, _ = self.runner.stage("data", {"prepared": os.path.basename(prep.dir), "train_limit": limit},
@@ -419,47 +432,46 @@ class Pipeline:
             self.runner.manifest["student_init"] = self.init
             self.runner.save()
 
-    def distill(self, src_lines: list[str], upstream: list[str]) -> tuple[str, str]:
-        """The teacher's translation of the training source: each rank its own shards,
-        rank 0 assembles once all are through. (key, dir holding distilled.txt)"""
+    def distill(self, train_src: str, upstream: list[str]) -> tuple[str, str]:
+        """The teacher's translation of the training source (a file, read a shard at a time): each
+        rank its own shards, rank 0 assembles once all are through. (key, dir holding distilled.txt)"""
         cfg, teacher, speed = self.cfg, self.teacher, {}
 
         def work(d):
             teacher.load()  # loading (and starting worker processes) is not translation speed
-            speed.update(translate_shards(teacher, src_lines, f"{d}/shards", cfg.shard_size, self.rank,
+            speed.update(translate_shards(teacher, train_src, f"{d}/shards", cfg.shard_size, self.rank,
                                           self.world, verbose=self.verbose and self.rank == 0))
             if hasattr(teacher, "close"):  # its worker processes would sit on memory while students train
                 teacher.close()
 
         def finish(d):
-            hyp = assemble(f"{d}/shards", len(src_lines), cfg.shard_size)
-            durable.write_lines(f"{d}/distilled.txt", hyp)
-            return {"sentences": len(hyp), "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
+            n = count_lines(train_src)
+            durable.write_lines(f"{d}/distilled.txt", iter_assembled(f"{d}/shards", n, cfg.shard_size))
+            return {"sentences": n, "shards": len(os.listdir(f"{d}/shards")), "teacher": teacher.name,
                     "world": self.world, **_decoding(teacher), "rank0": speed}
 
         key, d, _ = self.runner.stage("distill", {"teacher": teacher.identity, "shard_size": cfg.shard_size},
                                       upstream, work, finish)
         return key, d
 
-    def corpus(self, src_lines: list[str], train_tgt: str, dkey: str, ddir: str) -> tuple[str, str]:
-        """The teacher's output cleaned, optionally with the original pairs added: (key, dir)."""
+    def corpus(self, train_src: str, train_tgt: str, dkey: str, ddir: str) -> tuple[str, str]:
+        """The teacher's output cleaned, optionally with the original pairs added: (key, dir).
+        Streamed pair by pair into the two files."""
         cfg = self.cfg
         opts = {"min_ratio": cfg.min_ratio, "max_ratio": cfg.max_ratio, "max_repeat": cfg.max_repeat,
                 "mix_original": cfg.mix_original}
 
         def finish(d):
-            s, h, counts = clean_distilled(src_lines, _read(f"{ddir}/distilled.txt"), cfg.min_ratio,
-                                           cfg.max_ratio, cfg.max_repeat)
-            if not s:
+            counts = {}
+            kept = iter_clean_distilled(zip(Lines(train_src), Lines(f"{ddir}/distilled.txt")), counts,
+                                        cfg.min_ratio, cfg.max_ratio, cfg.max_repeat)
+            original = zip(Lines(train_src), (one_line(x) for x in Lines(train_tgt))) if cfg.mix_original else ()
+            n = _write_pairs(f"{d}/train.src", f"{d}/train.tgt", itertools.chain(kept, original))
+            if not counts["kept"]:
                 raise TeacherError(f"nothing left of the distilled corpus after cleaning ({counts}); "
                                    f"look at {ddir}/distilled.txt")
-            if cfg.mix_original:
-                s = s + src_lines
-                h = h + [one_line(x) for x in _read(train_tgt)]
-            durable.write_lines(f"{d}/train.src", s)
-            durable.write_lines(f"{d}/train.tgt", h)
             return {"removed": {k: v for k, v in counts.items() if k != "kept"}, "distilled_kept": counts["kept"],
-                    "pairs": len(s), "mixed_original": cfg.mix_original}
+                    "pairs": n, "mixed_original": cfg.mix_original}
 
         key, d, _ = self.runner.stage("corpus", opts, [dkey], _no_work, finish)
         return key, d

@@ -23,7 +23,8 @@ from tqdm import tqdm
 from decoder import durable
 from decoder.machine import cpu_info, has_native_bf16
 from student import chart
-from student.data import normalise, prepare
+from student.data import indexed, normalise, prepare
+from student.data.pipeline import file_digest
 from student.model import Transformer, preset
 from student.train import sizing
 from student.train.batching import collate, make_batches, shard
@@ -146,27 +147,38 @@ def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> Lamb
     return LambdaLR(opt, lambda e: inv_sqrt_lr(e + 1, 1.0, cfg.warmup), last_epoch=step - 1)
 
 
-class Corpus:
-    """Normalised, SentencePiece-encoded splits, cached under the run dir."""
+def prepare_corpus(cfg: TrainConfig, verbose: bool):
+    return prepare(cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
+                   dev_src=cfg.dev_src, dev_tgt=cfg.dev_tgt, test_src=cfg.test_src, test_tgt=cfg.test_tgt,
+                   vocab_size=cfg.vocab_size, verbose=verbose)
 
-    def __init__(self, cfg: TrainConfig, verbose: bool):
-        self.prep = prepare(cfg.corpus, src=cfg.src, tgt=cfg.tgt, src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang,
-                            dev_src=cfg.dev_src, dev_tgt=cfg.dev_tgt, test_src=cfg.test_src,
-                            test_tgt=cfg.test_tgt, vocab_size=cfg.vocab_size, verbose=verbose)
+
+class Corpus:
+    """The prepared corpus: train normalised and encoded into memory-mapped shards on disk
+    (student/data/indexed.py, cached under the run dir), dev in memory."""
+
+    def __init__(self, cfg: TrainConfig, verbose: bool, prep=None):
+        self.prep = prep or prepare_corpus(cfg, verbose)
         self.sp = spm.SentencePieceProcessor(model_file=self.prep.spm_model)
         p = self.prep
         self.norm_src = lambda s: normalise(s, p.src_lang, p.normaliser)
         self.norm_tgt = lambda s: normalise(s, p.tgt_lang, p.normaliser)
-        if cfg.train_src:
-            from decoder.textio import read_file  # splits on "\n" only, as every reader here
-            src, tgt = read_file(cfg.train_src), read_file(cfg.train_tgt)
-            if len(src) != len(tgt):
-                raise ValueError(f"{cfg.train_src}: {len(src)} lines but {cfg.train_tgt}: {len(tgt)}")
-        else:
-            src, tgt = p.read("train")
-        self.train = self._encode(cfg, "train", src, tgt)
+        self.train = self._encode_train(cfg, verbose)
         self.dev_src, self.dev_ref = p.read("dev")
         self.dev = self._encode(cfg, "dev", self.dev_src, self.dev_ref)
+
+    def _encode_train(self, cfg, verbose) -> indexed.Indexed:
+        """The training pairs (cfg.train_src/tgt, e.g. a distilled corpus, else the prepared train
+        split) encoded once, keyed by content; every rank encodes its shards."""
+        p = self.prep
+        src, tgt = (cfg.train_src, cfg.train_tgt) if cfg.train_src else p.splits["train"]
+        key = hashlib.sha256(json.dumps([indexed.FORMAT, file_digest(src), file_digest(tgt),
+                                         file_digest(p.spm_model), p.normaliser, p.src_lang, p.tgt_lang],
+                                        sort_keys=True).encode()).hexdigest()[:16]
+        rank, world = dist_info()
+        return indexed.encode(src, tgt, p.spm_model, (p.src_lang, p.tgt_lang), p.normaliser,
+                              os.path.join(cfg.out_dir, f"encoded-train-{key}"), rank, world, verbose,
+                              barrier=lambda: dist.barrier() if world > 1 else None)
 
     def _encode(self, cfg, name, src, tgt):
         key = hashlib.sha256(("\n".join(src) + "\0" + "\n".join(tgt)).encode()).hexdigest()[:16]
@@ -242,10 +254,10 @@ def init_distributed() -> tuple[bool, torch.device]:
 
 def load_corpus(cfg: TrainConfig, ddp: bool) -> Corpus:
     rank = dist_info()[0]
-    corpus = Corpus(cfg, True) if rank == 0 else None  # rank 0 builds the caches, the others read them
+    prep = prepare_corpus(cfg, True) if rank == 0 else None  # rank 0 prepares, the others read it
     if ddp:
         dist.barrier()
-    return corpus or Corpus(cfg, False)
+    return Corpus(cfg, rank == 0, prep or prepare_corpus(cfg, False))  # every rank encodes its shards
 
 
 def autocast_setup(amp: str, device: torch.device):
@@ -289,7 +301,8 @@ class Trainer:
         self.last_path = os.path.join(cfg.out_dir, "last.pt")
         cfg = self.decide_sizes(cfg, device, corpus.sp.get_piece_size())
         self.cfg, self.corpus, self.device, self.ddp = cfg, corpus, device, ddp
-        self.train_lens = ([len(x) for x in corpus.train["src"]], [len(x) + 1 for x in corpus.train["tgt"]])
+        src_lens, tgt_lens = corpus.train.lengths()  # (N,) int32 each: the corpus' only resident part
+        self.train_lens = (src_lens, tgt_lens + 1)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         sp, prep = corpus.sp, corpus.prep
