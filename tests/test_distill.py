@@ -330,7 +330,7 @@ def test_a_failing_student_stops_the_one_beside_it_and_the_error_names_its_stage
         train_side_by_side([("student", good, str(env / "good.log")), ("baseline", bad, str(env / "bad.log"))],
                            [two[:1], two[1:]], lambda msg: None)
     msg = str(e.value)
-    assert msg.startswith("[baseline] training failed: FileNotFoundError") and "\n" not in msg
+    assert msg.startswith("[baseline] training failed: DataError: ") and "missing.src" in msg and "\n" not in msg
     assert msg.endswith("; stopped student beside it") and str(env / "bad.log") in msg
     assert mp.active_children() == []
     assert "Traceback" in (env / "bad.log").read_text()  # the whole story is in the stage's log
