@@ -167,16 +167,10 @@ def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
                     r = b * K + hostsync.item(src_beam[b, j], "finished rows")
                     fb.append((hostsync.item(top_s[b, j], "score") / (t + 1) ** s.length_penalty,
                                hostsync.to_list(hist[r], "output")))
-        # the best K continuations that are not </s>: the K lowest ranks, </s> ranked after the rest
         if t == 0:
             rank, rank_eos = torch.arange(n_top, device=dev), torch.arange(n_top, 2 * n_top, device=dev)
-        sel = torch.where(is_eos, rank_eos, rank).topk(K, dim=1, largest=False).indices  # (nb, K) by score
-        scores = top_s.gather(1, sel)
-        rows = (first[:nb] + src_beam.gather(1, sel)).view(-1)
-        tokens = col.gather(1, sel).view(-1)
-        if vocab is not None:
-            tokens = vocab.index_select(0, tokens)
-        hist = torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+        scores, rows, tokens, hist = advance(top_s, col, src_beam, torch.where(is_eos, rank_eos, rank),
+                                             first[:nb], hist, vocab, K)
         # forced </s> ends a sentence even if fewer than K hypotheses were finite
         done = [len(finals[a]) >= K or lim <= t + 1 for a, lim in zip(alive, lims)]
         n_done = sum(done)
@@ -194,6 +188,18 @@ def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
         else:
             state.reorder(rows)
     return [max(f, key=lambda s: s[0])[1] for f in finals]
+
+
+def advance(top_s, col, src_beam, ranks, first, hist, vocab, K: int):
+    """The best K continuations that are not </s> (`ranks` (nb, n_top): </s> ranked after
+    the rest): their scores (nb, K), the rows they continue (nb*K,), their tokens (nb*K,)
+    as ids, and the histories reordered and extended (nb*K, t+1)."""
+    sel = ranks.topk(K, dim=1, largest=False).indices  # (nb, K) by score
+    rows = (first + src_beam.gather(1, sel)).view(-1)
+    tokens = col.gather(1, sel).view(-1)
+    if vocab is not None:
+        tokens = vocab.index_select(0, tokens)
+    return top_s.gather(1, sel), rows, tokens, torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
 
 
 def beam_top(p: Plan, logits, scores, limits, K: int, n_top: int, t: int, forced_col: int | None):
@@ -341,13 +347,8 @@ def beam_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
         finals.add(t, sent, ends, top_s, hist, (first[:nb] + src_beam[:, :K]).view(-1))
         if t == 0:
             rank, rank_eos = torch.arange(n_top, device=dev), torch.arange(n_top, 2 * n_top, device=dev)
-        sel = torch.where(is_eos, rank_eos, rank).topk(K, dim=1, largest=False).indices  # (nb, K) by score
-        scores = top_s.gather(1, sel)
-        rows = (first[:nb] + src_beam.gather(1, sel)).view(-1)
-        tokens = col.gather(1, sel).view(-1)
-        if vocab is not None:
-            tokens = vocab.index_select(0, tokens)
-        hist = torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+        scores, rows, tokens, hist = advance(top_s, col, src_beam, torch.where(is_eos, rank_eos, rank),
+                                             first[:nb], hist, vocab, K)
         if checkpoint(t, T, every):
             done = hostsync.to_list((finals.count.index_select(0, sent) >= K) | (limits <= t + 1), "finished mask")
             n_done = sum(done)

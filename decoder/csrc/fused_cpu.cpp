@@ -106,7 +106,7 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  // memcpy, not C++20's std::bit_cast: torch's extension build compiles C++17 (2.11 and older)
+  // memcpy, not C++20's bit-cast function: torch's extension build compiles C++17 (2.11 and older)
   // (tests/test_cpp17.py); compilers turn it into one register move
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
