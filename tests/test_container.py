@@ -279,6 +279,10 @@ def test_low_process_limit_gives_every_line_or_one_error_never_a_hang(image, mod
     assert "Traceback" not in r.stderr.decode()
     if r.exit_code == 0:
         assert r.stdout == reference(model_dir, TEXT, ONE, chosen_precision(r.stderr))
-        assert len(err) <= 1 and all(x.startswith("warning: ") for x in err), err
+        # a worker that started may still die of the limit later: SentencePiece's batch calls
+        # start a thread pool per call and abort the process when refused ("terminate called
+        # without an active exception"); the pool then finishes with fewer workers, as after
+        # an OOM kill, with its warning
+        assert not [x for x in err if x.startswith("error:")], err
     else:
         assert [x for x in err if x.startswith("error: ")] == err[-1:] and r.stdout == b"", err

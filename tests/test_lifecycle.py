@@ -103,6 +103,16 @@ def test_writing_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_pa
     assert no_temp_files(tmp_path, tmp_path / "models")
 
 
+def test_write_link_replaces_the_link_itself_not_what_it_points_to(tmp_path):
+    """A stage link of student.distill: re-pointed, while the dir it pointed to stays."""
+    (tmp_path / "stage-a").mkdir()
+    (tmp_path / "stage-b").mkdir()
+    durable.write_link(str(tmp_path / "stage"), "stage-a")
+    durable.write_link(str(tmp_path / "stage"), "stage-b")
+    assert os.readlink(tmp_path / "stage") == "stage-b" and (tmp_path / "stage-a").is_dir()
+    assert no_temp_files(tmp_path)
+
+
 def test_a_fifo_or_a_device_is_written_in_place_never_replaced(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
