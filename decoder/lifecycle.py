@@ -83,9 +83,23 @@ def stop_on_signals() -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
 
 
+def release_ops_build() -> None:
+    """Removes the fused ops' build lock if this process is building or loading them
+    (decoder/ops.py; torch's FileBaton): an exit that skips its release would leave the
+    lock behind, and every later run would wait on it forever."""
+    ops = sys.modules.get("decoder.ops")
+    if ops is None or not ops._lock.locked() or "ok" in ops._state:
+        return
+    try:
+        os.remove(os.path.join(ops.default_build_dir(), "lock"))
+    except Exception:
+        pass
+
+
 def _stop(signum: int, frame) -> None:
     from . import durable
     durable.remove_unfinished()
+    release_ops_build()
     try:  # os.write: print() could be the very call this handler interrupted
         os.write(2, f"error: stopped by {signal.Signals(signum).name}\n".encode())
     except OSError:

@@ -81,6 +81,8 @@ def _exit_with_parent() -> None:
 
     def watch():
         parent.join()  # returns at end of file on the pipe from the parent
+        from .lifecycle import release_ops_build
+        release_ops_build()
         os._exit(1)
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 

@@ -20,6 +20,9 @@ from decoder import durable
 from fixture_model import make_model_dir, synthetic_corpus
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
+# runs killed on purpose: without the fused ops no build lock is held when the kill lands
+# (lifecycle.release_ops_build covers it in the real runs; a test must not risk it)
+KILLED_ENV = dict(ENV, DECODER_NO_CPP_OPS="1")
 LINES = synthetic_corpus(12, seed=4)
 TEXT = ("\n".join(LINES) + "\n").encode()
 
@@ -172,7 +175,7 @@ def test_signal_removes_the_temp_output_and_exits_with_one_line(model_dir, tmp_p
     out = tmp_path / "out.txt"
     out.write_text("previous\n")
     p = subprocess.Popen(decoder(model_dir, "-o", str(out), "--chunk-lines", "1"), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=KILLED_ENV, cwd=ROOT)
     try:
         p.stdin.write(TEXT)  # and stdin stays open: the run is still going when the signal comes
         p.stdin.flush()
@@ -221,7 +224,7 @@ def test_workers_and_resource_tracker_exit_when_the_parent_is_killed(model_dir, 
     """A killed parent closes nothing: its workers (a model copy each) and the
     multiprocessing resource tracker used to run on, forever."""
     p = subprocess.Popen(decoder(model_dir, "--workers", "2", "--chunk-lines", "1"), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=KILLED_ENV, cwd=ROOT)
     kids = []
     try:
         p.stdin.write(TEXT)
@@ -349,7 +352,7 @@ def test_pool_whose_own_thread_is_refused_translates_in_process_never_hangs(mode
     every job waiting forever (the run under `docker run --pids-limit 12` hung)."""
     try:
         r = subprocess.run([sys.executable, "-c", POOL_WITH_A_THREAD_REFUSED, model_dir, what],
-                           capture_output=True, env=ENV, cwd=ROOT, timeout=300)
+                           capture_output=True, env=KILLED_ENV, cwd=ROOT, timeout=300)
     except subprocess.TimeoutExpired:
         pytest.fail("the pool hung")
     assert r.returncode == 0 and r.stdout == b"0\n", r.stderr.decode()[-2000:]
