@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from . import cliargs
+from . import cliargs, lifecycle
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, first_line, is_allocation_failure
@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")
     p.add_argument("-o", "--output", default="-",
                    help="translations; - = stdout. A file is written next to its name and renamed over it "
-                        "when complete: it is never seen half-written")
+                        "when complete: it is never seen half-written (a symlink's target is; a device or "
+                        "FIFO is written in place)")
     cliargs.alias(p, "--beam", p.add_argument(
         "--beam-size", dest="beam", metavar="N", type=int_range(1, MAX_BEAM), default=1,
         help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy (old name: --beam)"))
@@ -94,9 +95,13 @@ def check_output(path: str) -> None:
     """Refuse an output path that cannot be written before minutes of decoding, not after."""
     if path == "-":
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    from .durable import resolve
+    target, in_place = resolve(path)  # where atomic_write will write
+    if os.path.isdir(target):
         raise OSError(f"{path} is a directory")
+    if in_place:  # a device or a FIFO: opening it is the check
+        return
+    parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         raise OSError(f"no such directory: {parent}")
     if not os.access(parent, os.W_OK):
@@ -125,7 +130,12 @@ def translate(tr: Translator, src, out, flush: bool) -> None:
 
 
 def main(argv=None) -> int:
+    closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
     a = parse_args(argv)
+    error = lifecycle.closed_error(closed, stdin=a.input == "-", stdout=a.output == "-")
+    if error:
+        print(error, file=sys.stderr)
+        return 2
     try:
         check_output(a.output)
     except OSError as e:
@@ -171,11 +181,17 @@ def main(argv=None) -> int:
         except OSError as e:  # a full disk: the previous file stays, no partial one appears
             print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
             return 1
+        except RuntimeError as e:
+            if not lifecycle.thread_refused(e):
+                raise
+            print(lifecycle.thread_refused(e), file=sys.stderr)
+            return 1
     return 0
 
 
 def cli() -> int:
     """`python -m decoder` and the `wmt-kit-translate` console script."""
+    lifecycle.stop_on_signals()  # the process's own handlers: not for main() called in-process
     return cliargs.run(main)
 
 

@@ -9,21 +9,65 @@ flushed, reads back empty. A completion marker (a stage's done.json) is
 written this way only after `fsync_tree` of everything it vouches for.
 
 Temp names are `TARGET.tmp.PID`: a later run can tell a dead writer's leftover
-from a live one's (student/train/trainer.py:remove_stale_tmp). Files and dirs
+from a live one's (student/train/trainer.py:remove_stale_tmp). A signal that
+stops a command removes the temp files being written (`remove_unfinished`,
+called by decoder/lifecycle.py's handler).
+
+What a file name means to a writer (`resolve`): a symlink is followed, so its
+target is replaced and the link stays a link; an existing file that is not a
+regular file (a device such as /dev/null, a FIFO) or a name under /proc
+(/dev/stdout, /dev/fd/N) is written in place, never renamed over: run as
+root, a rename would replace /dev/null with a regular file for the whole
+system. `write_link` replaces a link itself. Files and dirs
 get the modes the user's umask gives, as any other file they create (not
 mkstemp's 0600 or mkdtemp's 0700): a model dir is meant to be shared.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 from typing import Callable, Iterable
+
+_unfinished: set[str] = set()  # temp files being written now
 
 
 def tmp_name(path: str) -> str:
     return f"{path}.tmp.{os.getpid()}"
+
+
+def remove_unfinished() -> None:
+    """Removes the temp files of the writes in progress (a signal handler's cleanup)."""
+    for tmp in list(_unfinished):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def resolve(path: str) -> tuple[str, bool]:
+    """(where a write to `path` lands, whether it is written in place): symlinks
+    followed; in place for a name under /proc or an existing non-regular file."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links in a path
+        head, tail = os.path.split(p)
+        head = os.path.realpath(head)
+        p = os.path.join(head, tail)
+        if head == "/proc" or head.startswith("/proc/"):
+            return p, True  # /dev/stdout -> /proc/self/fd/1: a file already open, maybe a pipe
+        if not os.path.islink(p):
+            break
+        p = os.path.normpath(os.path.join(head, os.readlink(p)))
+    else:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        return p, False
+    return p, not stat.S_ISREG(mode)
 
 
 def fsync_path(path: str) -> None:
@@ -100,16 +144,42 @@ def publish(tmp: str, path: str) -> None:
 
 
 def atomic_write(path: str, write: Callable[[str], object]) -> None:
-    """`write(tmp)` creates the temp file; then it replaces `path`. On an
-    exception the temp file goes and `path` keeps its previous contents."""
-    tmp = tmp_name(path)
+    """`write(tmp)` creates the temp file; then it replaces `path` (a symlink's
+    target). On an exception the temp file goes and `path` keeps its previous
+    contents. A device, a FIFO or /dev/stdout is given to `write` itself."""
+    target, in_place = resolve(path)
+    if in_place:
+        write(target)
+        return
+    tmp = tmp_name(target)
+    _unfinished.add(tmp)
     try:
         write(tmp)
+        publish(tmp, target)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        _unfinished.discard(tmp)
+
+
+def write_link(path: str, target: str) -> None:
+    """`path` becomes a symlink to `target`, replacing what was there (a link too:
+    the link itself, not what it points to)."""
+    tmp = tmp_name(path)
+    _unfinished.add(tmp)
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(target, tmp)
         publish(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
             os.remove(tmp)
         raise
+    finally:
+        _unfinished.discard(tmp)
 
 
 def write_text(path: str, text: str) -> None:

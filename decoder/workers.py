@@ -18,36 +18,86 @@ worker left the parent translates in its own process. Either way no batch is
 lost and the output is unchanged, since a batch's output does not depend on
 where it runs. This module does not import the translator: the pool is given
 a picklable factory that builds a one-process, one-thread translator.
+
+A pool that cannot start (no worker loads its translator: under `docker run
+--pids-limit` a worker cannot start a thread) gives one warning and the parent
+translates in its own process at once; it never waits for a worker that will
+not come. A worker never outlives its parent: killed by SIGKILL, the parent
+closes nothing, and a worker waiting on its call queue would wait forever
+(every worker holds both ends of that pipe), holding its model copy. Each
+worker watches the pipe that multiprocessing gives every spawned child, whose
+write end only the parent holds: end of file there means the parent is gone,
+and the worker exits. Linux's parent-death signal (PR_SET_PDEATHSIG) is not
+used: it fires when the *thread* that started the child ends, and a pool is
+restarted from whichever thread found a worker dead (the pipeline's reader
+thread among them), which ends long before the parent.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
 from functools import partial
-from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimeout  # builtin TimeoutError from 3.11 only
 from typing import Callable
 
+_CHECK_S = 1.0  # a waiting job checks this often that its executor can still answer
 _translator = None  # this worker's own translator
+_start_error: str | None = None  # why it could not be built
+
+
+class WorkerStartError(Exception):
+    """A worker process could not build its translator; every call to it raises this."""
 
 
 def _init(factory: Callable, cores) -> None:
-    core = cores.get()
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-    try:  # out of memory, the kernel kills a worker (the parent recovers from that), not the parent
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("500")  # raising one's own score needs no privilege
-    except OSError:
-        pass
-    global _translator
-    _translator = factory()
+    global _translator, _start_error
+    # Ctrl-C reaches the whole process group: the parent alone answers it, in one line
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _exit_with_parent()
+        core = cores.get()
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        try:  # out of memory, the kernel kills a worker (the parent recovers from that), not the parent
+            with open("/proc/self/oom_score_adj", "w") as fh:
+                fh.write("500")  # raising one's own score needs no privilege
+        except OSError:
+            pass
+        _translator = factory()
+    except Exception as e:  # no thread under a process limit, no memory: the parent says it, once
+        _start_error = f"{type(e).__name__}: {e}"
+
+
+def _exit_with_parent() -> None:
+    """Ends this worker when its parent process is gone (module docstring)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        parent.join()  # returns at end of file on the pipe from the parent
+        from .lifecycle import release_ops_build
+        release_ops_build()
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _ready() -> int:
+    """This worker's pid once its translator is built; WorkerStartError if it cannot be."""
+    if _start_error is not None:
+        raise WorkerStartError(_start_error)
+    return os.getpid()
 
 
 def _call(method: str, arg, translator=None):
     """translator.method(arg); by default this worker's translator."""
+    if translator is None:
+        _ready()
     return getattr(translator or _translator, method)(arg)
 
 
@@ -64,9 +114,16 @@ class Job:
         while True:
             fut, gen = self.sent
             try:
-                out = fut.result()
+                out = fut.result(timeout=_CHECK_S)
+            except WaitTimeout:
+                if self.pool._stalled(gen):
+                    self.pool._recover(gen, "the pool's manager thread stopped")
+                continue
             except BrokenExecutor:
                 self.pool._recover(gen)
+                continue
+            except WorkerStartError as e:
+                self.pool._recover(gen, str(e))
                 continue
             self.pool._forget(self)
             return out
@@ -89,18 +146,37 @@ class WorkerPool:
         self._executor = self._start(n)
 
     def _start(self, n: int) -> Executor:
-        if n == 0:  # no process left: this one translates, one batch at a time
-            self._local = self._factory()
-            return ThreadPoolExecutor(1, thread_name_prefix="translate")
+        """An executor of n worker processes; none (n == 0, or none can be started) = this process."""
+        if n > 0:
+            try:
+                return self._processes(n)
+            except (OSError, RuntimeError) as e:  # fork or a thread refused (a process limit)
+                _warn(f"translation worker processes could not start ({e}); translating in this process")
+                self.n = 0
+        self._local = self._factory()
+        return _InProcess()
+
+    def _processes(self, n: int) -> Executor:
         # spawn, not fork: a forked child inherits torch's OpenMP pool in a broken state
         ctx = mp.get_context("spawn")
         cores = sorted(os.sched_getaffinity(0))
-        queue = ctx.Queue()
+        queue = ctx.SimpleQueue()  # a Queue would start a feeder thread here
         for i in range(n):
             queue.put(cores[i] if len(cores) >= n else None)
         ex = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init, initargs=(self._factory, queue))
-        for _ in range(n):  # start (and load) every worker now, while the parent reads its input
-            ex.submit(int)
+        try:
+            _start_feeder(ex)
+            # start (and load) every worker now, while the parent reads its input; a child
+            # inherits the signal mask, so each starts with Ctrl-C blocked (_init then ignores it)
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                for _ in range(n):
+                    ex.submit(_ready)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        except BaseException:
+            _end(ex)
+            raise
         return ex
 
     def wait_started(self, timeout: float = 300.0) -> None:
@@ -112,8 +188,8 @@ class WorkerPool:
         while len(seen) < self.n and time.monotonic() < end:
             # a task runs only after its process's initializer: n distinct pids = n loaded workers
             try:
-                seen.update(f.result() for f in [self._executor.submit(os.getpid) for _ in range(self.n)])
-            except BrokenExecutor:  # a worker died starting: the first job's result() recovers
+                seen.update(f.result() for f in [self._executor.submit(_ready) for _ in range(self.n)])
+            except (BrokenExecutor, WorkerStartError):  # the first job's result() recovers
                 return
             if len(seen) < self.n:
                 time.sleep(0.05)
@@ -141,21 +217,33 @@ class WorkerPool:
             fut.set_exception(e)
         job.sent = (fut, self._gen)
 
-    def _recover(self, gen: int) -> None:
-        """A worker of generation `gen` died: one worker fewer, every pending job again."""
+    def _recover(self, gen: int, start_error: str | None = None) -> None:
+        """A worker of generation `gen` died: one worker fewer, every pending job again.
+        One that could not build its translator (`start_error`): this process at once."""
         with self._lock:
             if gen != self._gen:  # another job's result() already did it
                 return
-            old, self.n = self._executor, self.n - 1
-            where = f"{self.n} worker process{'es' if self.n > 1 else ''}" if self.n else "this process"
-            print(f"warning: a translation worker process died (out of memory?); "
-                  f"finishing the input with {where}", file=sys.stderr, flush=True)
-            old.shutdown(wait=False, cancel_futures=True)
+            old = self._executor
+            if start_error is None:
+                self.n -= 1
+                where = f"{self.n} worker process{'es' if self.n > 1 else ''}" if self.n else "this process"
+                _warn(f"a translation worker process died (out of memory?); finishing the input with {where}")
+                old.shutdown(wait=False, cancel_futures=True)
+            else:
+                self.n = 0
+                _warn(f"translation worker processes could not start ({start_error}); translating in this process")
+                _end(old)
             self._gen += 1
             self._executor = self._start(self.n)
             for job in self._jobs.values():
                 if not _succeeded(job.sent[0]):
                     self._send(job)
+
+    def _stalled(self, gen: int) -> bool:
+        """Whether generation `gen`'s executor lost the thread that hands its jobs to the
+        workers and notices their deaths: its jobs would then wait forever."""
+        manager = getattr(self._executor, "_executor_manager_thread", None)
+        return gen == self._gen and manager is not None and not manager.is_alive()
 
     def _forget(self, job: Job) -> None:
         with self._lock:
@@ -165,6 +253,43 @@ class WorkerPool:
         with self._lock:
             self._jobs.clear()
             self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class _InProcess(Executor):
+    """Runs each call at once in the calling thread: the parent's own translator
+    needs no thread, which a process limit may refuse."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+
+def _start_feeder(ex: ProcessPoolExecutor) -> None:
+    """Starts the thread that feeds the executor's call queue now, in this thread: started
+    on its first job by the executor's manager thread instead, a refusal (a process limit)
+    would kill that thread and every job would wait forever. RuntimeError if refused."""
+    queue = getattr(ex, "_call_queue", None)
+    if queue is None or not hasattr(queue, "_start_thread"):
+        return  # another Python's internals: its manager thread starts it
+    with queue._notempty:  # as Queue.put does
+        if queue._thread is None:
+            queue._start_thread()
+
+
+def _end(ex: Executor) -> None:
+    """Stops an executor's worker processes now and waits until they are gone: a
+    process limit counts them, and the parent is about to start its own threads."""
+    for proc in list((getattr(ex, "_processes", None) or {}).values()):
+        proc.terminate()
+    ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _succeeded(fut: Future) -> bool:

@@ -247,3 +247,42 @@ def test_missing_or_corrupt_model_exits_nonzero_with_one_error(image, model_dir,
 def test_bad_arguments_are_a_usage_error(image):
     r = run(image, ["/run.sh", "TPU", "throughput"], b"x\n")
     assert r.exit_code == 2 and b"usage" in r.stderr
+
+
+def test_docker_stop_ends_a_running_translation_with_sigterms_status(image):
+    """Python as PID 1 has no default action for SIGTERM: without serve.py's handler,
+    `docker stop` waited its whole timeout and then killed the container (137)."""
+    import time
+    from submission.dockerrun import Session
+    s = Session(image, ["/run.sh", "CPU-ALL", "throughput"], nano_cpus=CPUS * 10**9)
+    try:
+        s.write(TEXT)  # stdin stays open: the run waits for more input, workers and all
+        end = time.monotonic() + 300
+        while b"decoder: precision" not in bytes(s._err) and time.monotonic() < end:
+            time.sleep(0.2)
+        s.client.api.stop(s.id, timeout=120)  # SIGTERM, and SIGKILL only after 120 s
+        r = s.finish(b"", timeout=120)
+    finally:
+        s.remove()
+    assert r.exit_code == 128 + 15, r.stderr[-2000:]
+    assert own_stderr(r.stderr) == ["error: stopped by SIGTERM"]
+
+
+@pytest.mark.parametrize("pids", [8, 12])
+def test_low_process_limit_gives_every_line_or_one_error_never_a_hang(image, model_dir, pids):
+    """Under `--pids-limit 12` a worker could not start a thread and the run hung
+    with no output. Now: the workers' start fails, one warning, and the parent
+    translates every line itself; at 8 even the parent cannot start the threads of
+    its pipeline: one error line. `run` fails on a container that outlives its timeout."""
+    r = run(image, ["/run.sh", "CPU-ALL", "throughput"], TEXT, pids_limit=pids, timeout=300)
+    err = own_stderr(r.stderr)
+    assert "Traceback" not in r.stderr.decode()
+    if r.exit_code == 0:
+        assert r.stdout == reference(model_dir, TEXT, ONE, chosen_precision(r.stderr))
+        # a worker that started may still die of the limit later: SentencePiece's batch calls
+        # start a thread pool per call and abort the process when refused ("terminate called
+        # without an active exception"); the pool then finishes with fewer workers, as after
+        # an OOM kill, with its warning
+        assert not [x for x in err if x.startswith("error:")], err
+    else:
+        assert [x for x in err if x.startswith("error: ")] == err[-1:] and r.stdout == b"", err

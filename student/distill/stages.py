@@ -117,7 +117,7 @@ class Run:
         if self.rank != 0:
             return
         path = os.path.join(self.dir, name)
-        durable.atomic_write(path, lambda tmp: os.symlink(os.path.relpath(target, self.dir), tmp))
+        durable.write_link(path, os.path.relpath(target, self.dir))
 
 
 def _show(path: str) -> str:

@@ -23,4 +23,8 @@ case "$task" in
   latency|throughput) ;;
   *) echo "$usage (got task '$task')" >&2; exit 2 ;;
 esac
+# numpy's OpenBLAS would start a thread per core in every process, unused by the
+# decoder (torch has its own), each counted by a process limit (docker --pids-limit).
+export OPENBLAS_NUM_THREADS=1
+# exec: Python becomes the process `docker stop` signals (PID 1); serve.py handles SIGTERM
 exec python3 -m submission.container.serve --hardware "$hardware" --task "$task" --model "${MODEL_DIR:-/model}"

@@ -63,6 +63,8 @@ def hardware_settings(hardware: str, model_dir: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from decoder import lifecycle
+    closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="auto", choices=["auto", "GPU", "CPU-1", "CPU-ALL"])
     ap.add_argument("--task", default="throughput", choices=["latency", "throughput"])
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("-q", "--quiet", action="store_true",
                     help="no stderr line saying the precision, threads and ISA that run")
     a = ap.parse_args(argv)
+    error = lifecycle.closed_error(closed, stdin=True, stdout=True)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
 
     from decoder.textio import line_cap, read_lines  # the CLI's reader: same lines, same bytes
     from decoder.modeldir import ModelDirError
@@ -85,7 +91,13 @@ def main(argv=None) -> int:
         print(describe(tr, s["precision"]), file=sys.stderr, flush=True)
 
     with tr:
-        _serve(tr, a.task, read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions)))
+        try:
+            _serve(tr, a.task, read_lines(sys.stdin.buffer, max_bytes=line_cap(tr.cfg.arch.max_positions)))
+        except RuntimeError as e:  # `docker run --pids-limit` too low even for one process
+            if not lifecycle.thread_refused(e):
+                raise
+            print(lifecycle.thread_refused(e), file=sys.stderr, flush=True)
+            return 1
     return 0
 
 
@@ -104,5 +116,9 @@ def _serve(tr, task: str, lines) -> None:
 
 
 if __name__ == "__main__":
+    # at once: as PID 1 (run.sh execs this) Python has no default action for SIGTERM,
+    # and `docker stop` would wait its full timeout (decoder/lifecycle.py)
+    from decoder.lifecycle import stop_on_signals
+    stop_on_signals()
     from decoder.cliargs import run
     sys.exit(run(main))
