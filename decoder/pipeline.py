@@ -12,6 +12,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
+import torch
+
 from .modeldir import CONFIG, ModelConfig, ModelDirError, moses_options
 from .textio import line_cap
 
@@ -43,7 +45,9 @@ class Text:
     def __init__(self, cfg: ModelConfig, spm_path: str, max_source_tokens: int):
         import sentencepiece as spm
         self.cfg = cfg
-        self.sp = spm.SentencePieceProcessor(model_file=spm_path)
+        # as many threads as torch's pool, not SentencePiece's default of one per core per call: a
+        # 1-thread worker starts none, and under a process limit a refused thread aborted the process
+        self.sp = spm.SentencePieceProcessor(model_file=spm_path, num_threads=torch.get_num_threads())
         self.normalise = make_normaliser(cfg)
         self.max_source_tokens = max_source_tokens
         # what textio.read_lines caps the CLI's lines at, for lines handed over in memory

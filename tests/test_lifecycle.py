@@ -357,3 +357,25 @@ def test_pool_whose_own_thread_is_refused_translates_in_process_never_hangs(mode
         pytest.fail("the pool hung")
     assert r.returncode == 0 and r.stdout == b"0\n", r.stderr.decode()[-2000:]
     assert b"warning: translation worker processes could not start" in r.stderr
+
+
+def test_sentencepiece_starts_no_more_threads_than_torchs_pool(monkeypatch):
+    """SentencePiece's batch calls default to a thread per core each: a 1-thread worker
+    under a process limit aborted when one was refused. Text gives it torch's count."""
+    import sentencepiece as spm
+    import torch
+
+    from decoder.modeldir import load
+    from decoder.pipeline import Text
+    made = []
+    real = spm.SentencePieceProcessor
+    monkeypatch.setattr(spm, "SentencePieceProcessor", lambda **kw: made.append(kw) or real(**kw))
+    cfg, _, spm_path = load(os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "model"))
+    made.clear()  # the loader may open the model to check it
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Text(cfg, spm_path, cfg.arch.max_positions)
+    finally:
+        torch.set_num_threads(before)
+    assert [kw.get("num_threads") for kw in made] == [1]
