@@ -24,6 +24,7 @@ mkstemp's 0600 or mkdtemp's 0700): a model dir is meant to be shared.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -151,29 +152,29 @@ def atomic_write(path: str, write: Callable[[str], object]) -> None:
     if in_place:
         write(target)
         return
-    tmp = tmp_name(target)
-    _unfinished.add(tmp)
-    try:
+    with temporary(target) as tmp:
         write(tmp)
         publish(tmp, target)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
-    finally:
-        _unfinished.discard(tmp)
 
 
 def write_link(path: str, target: str) -> None:
     """`path` becomes a symlink to `target`, replacing what was there (a link too:
     the link itself, not what it points to)."""
-    tmp = tmp_name(path)
-    _unfinished.add(tmp)
-    try:
+    with temporary(path) as tmp:
         if os.path.lexists(tmp):
             os.remove(tmp)
         os.symlink(target, tmp)
         publish(tmp, path)
+
+
+@contextlib.contextmanager
+def temporary(path: str):
+    """The temporary name beside `path`, removed if the block fails (a signal
+    handler removes the ones still unfinished: `_unfinished`)."""
+    tmp = tmp_name(path)
+    _unfinished.add(tmp)
+    try:
+        yield tmp
     except BaseException:
         if os.path.lexists(tmp):
             os.remove(tmp)
