@@ -166,3 +166,19 @@ def test_averaging_two_checkpoints_gives_mean_weights(tmp_path):
     out = average([str(tmp_path / "ckpt-0.pt"), str(tmp_path / "ckpt-1.pt")], str(tmp_path / "avg.pt"))
     avg = torch.load(out, weights_only=True)["model"]
     assert all(torch.all(v == 2.0) for v in avg.values())
+
+
+def test_ranks_wait_for_rank_0s_corpus_preparation_past_the_30_minute_default(monkeypatch):
+    """Under torchrun rank 0 prepares the corpus while the others wait at a barrier:
+    the process group's timeout must outlast a WMT-sized preparation."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from student.train import trainer
+    joined = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(kw))
+    assert trainer.init_distributed()[0] is True
+    assert joined and joined[0]["timeout"] >= datetime.timedelta(hours=2)

@@ -10,7 +10,6 @@ is DDP and each rank translates its own shards.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import json
 import os
@@ -40,6 +39,7 @@ from student.model import preset
 from student.shortlist import add_to_model_dir
 from student.train import TrainConfig, train
 from student.train import sizing
+from student.train.trainer import DIST_TIMEOUT
 from student.train.average import candidates, choose, dev_bleu, materialise
 from student.train.init import InitError, compatible
 
@@ -169,8 +169,7 @@ def teacher_choice(teacher_preset: str, teacher_set: dict, device: str) -> tuple
 def _dist_setup() -> tuple[int, int]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # distillation ranks finish their shards at different times: a long barrier timeout
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(hours=12))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=DIST_TIMEOUT)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if dist.is_available() and dist.is_initialized():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import hashlib
 import json
 import math
@@ -241,11 +242,16 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
+DIST_TIMEOUT = datetime.timedelta(hours=12)
+
+
 def init_distributed() -> tuple[bool, torch.device]:
     """(DDP or not, this rank's device); joins the process group when torchrun launched us."""
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if ddp and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # rank 0 prepares the corpus while the others wait at a barrier (load_corpus): a WMT-sized
+        # preparation outlasts the 30-minute default, as distillation's ranks do (distill/pipeline.py)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=DIST_TIMEOUT)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
