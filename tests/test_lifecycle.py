@@ -272,50 +272,37 @@ def batches_and_reference(model_dir):
     return batches, [one.translate_ids(b) for b in batches]
 
 
-def test_pool_whose_workers_cannot_start_a_thread_translates_in_process_with_one_warning(model_dir, capfd):
+def pool_falls_back(model_dir, how: str, capfd) -> list[str]:
+    """A 2-worker pool whose workers fail `how` translates every batch as one process
+    would and keeps no worker; returns its stderr lines."""
     from decoder.workers import WorkerPool
     batches, ref = batches_and_reference(model_dir)
     capfd.readouterr()
-    pool = WorkerPool(InWorkers(model_dir, "thread"), 2)
+    pool = WorkerPool(InWorkers(model_dir, how), 2)
     try:
         assert [pool.submit(b).result() for b in batches] == ref
         assert pool.n == 0 and pool.pids() == []
     finally:
         pool.close()
-    err = capfd.readouterr().err.splitlines()
+    return capfd.readouterr().err.splitlines()
+
+
+def test_pool_whose_workers_cannot_start_a_thread_translates_in_process_with_one_warning(model_dir, capfd):
+    err = pool_falls_back(model_dir, "thread", capfd)
     assert err == ["warning: translation worker processes could not start (RuntimeError: can't start new "
                    "thread); translating in this process"], err
 
 
 def test_pool_whose_workers_die_while_starting_finishes_in_process(model_dir, capfd):
-    from decoder.workers import WorkerPool
-    batches, ref = batches_and_reference(model_dir)
-    capfd.readouterr()
-    pool = WorkerPool(InWorkers(model_dir, "exit"), 2)
-    try:
-        assert [pool.submit(b).result() for b in batches] == ref
-        assert pool.n == 0
-    finally:
-        pool.close()
-    err = capfd.readouterr().err.splitlines()
+    err = pool_falls_back(model_dir, "exit", capfd)
     assert err and all(x.startswith("warning: ") for x in err) and len(err) <= 2, err
 
 
 def test_pool_that_cannot_spawn_a_process_translates_in_process_with_one_warning(model_dir, capfd, monkeypatch):
-    from decoder.workers import WorkerPool
-
     def refuse(self):
         raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))  # fork under a process limit
     monkeypatch.setattr(mp.get_context("spawn").Process, "start", refuse)
-    batches, ref = batches_and_reference(model_dir)
-    capfd.readouterr()
-    pool = WorkerPool(InWorkers(model_dir, "thread"), 2)
-    try:
-        assert [pool.submit(b).result() for b in batches] == ref
-        assert pool.n == 0
-    finally:
-        pool.close()
-    err = capfd.readouterr().err.splitlines()
+    err = pool_falls_back(model_dir, "thread", capfd)
     assert len(err) == 1 and err[0].startswith("warning: translation worker processes could not start"), err
 
 
