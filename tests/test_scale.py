@@ -167,6 +167,17 @@ def test_encoded_corpus_is_memory_mapped_and_holds_what_encoding_in_memory_gives
     assert len(enc.meta["shards"]) == 6 and enc[side].tokens[0].dtype == np.uint16
 
 
+def test_training_input_holds_twelve_bytes_a_pair_whatever_the_corpus(toy_encoded, tmp_path):
+    # the trainer's only arrays that grow with the corpus: the lengths and the epoch's order
+    p, src, tgt = toy_encoded
+    enc = encode(p, src, tgt, str(tmp_path / "enc"))
+    lens = enc.lengths()
+    batches = make_batches(*lens, 3072, 512, seed=1, epoch=0)
+    assert sum(x.nbytes for x in lens) + batches.order.nbytes == 12 * len(enc)
+    assert all(isinstance(x, np.ndarray) and not isinstance(x, np.memmap) for x in lens)
+    assert batches[0].dtype == np.int64  # what collate indexes with is unchanged
+
+
 def test_a_killed_encoding_redoes_only_its_missing_shards(toy_encoded, tmp_path):
     p, src, tgt = toy_encoded
     out = str(tmp_path / "enc")

@@ -73,13 +73,14 @@ def first_step(args) -> None:
     from student.train.trainer import Trainer, TrainConfig, load_corpus
     import torch
     cfg = TrainConfig(out_dir=args.out, src=args.src, tgt=args.tgt, max_steps=1, eval_every=0, save_every=0,
-                      test_at_end=False, preset=args.preset)
+                      test_at_end=False, preset=args.preset, vocab_size=args.vocab_size)
     os.makedirs(cfg.out_dir, exist_ok=True)
     t0 = time.time()
     corpus = load_corpus(cfg, False)
     t1 = time.time()
     trainer = Trainer(cfg, corpus, torch.device("cpu"), False)
     from student.train.batching import make_batches, shard
+    cfg = trainer.cfg  # with the batch sizes decided for this device
     batches = shard(make_batches(*trainer.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0), 0, 1)
     t2 = time.time()
     ntok, loss, _ = trainer.step(batches[0:1])
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tgt", required=True)
     ap.add_argument("--work", help="data dir and run dir go here (required)")
     ap.add_argument("--preset", default="teacher-tiny")
+    ap.add_argument("--vocab-size", type=int, default=8000, help="joint SentencePiece vocabulary size")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -108,10 +110,11 @@ def main(argv=None) -> int:
     log = os.path.join(a.work, "bench.log")
     data = os.path.join(a.work, "data")
     os.environ["KIT_DATA_DIR"] = data
-    prep = measure(env_py + ["-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt, "--data-dir", data],
-                   log)
+    vocab = ["--vocab-size", str(a.vocab_size)]
+    prep = measure(env_py + ["-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt, "--data-dir", data,
+                             *vocab], log)
     train = measure(env_py + ["-m", "student.data.bench", "--child", "--src", a.src, "--tgt", a.tgt,
-                              "--out", os.path.join(a.work, "run"), "--preset", a.preset], log)
+                              "--out", os.path.join(a.work, "run"), "--preset", a.preset, *vocab], log)
     steps = json.loads(train.pop("stdout").splitlines()[-1])
     prep.pop("stdout")
     print(json.dumps({"prepare": prep, "encode_and_first_step": {**train, **steps},

@@ -71,10 +71,14 @@ class Indexed:
         return self.meta["pairs"]
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(source, target) lengths in tokens, eos included: (N,) int32 each."""
-        sides = [np.concatenate([np.diff(o) for o in self.sides[s].offsets] or [np.zeros(0)]).astype(np.int32)
-                 for s in ("src", "tgt")]
-        return sides[0], sides[1]
+        """(source, target) lengths in tokens, eos included: (N,) int32 each.
+
+        Read from the offset files a shard at a time, not through their maps: touching every
+        page of the maps would keep the whole index (16 bytes a pair) resident."""
+        n = len(self.meta["shards"])
+        per = [np.diff(np.load(_name(self.path, "idx", i)), axis=0).astype(np.int32) for i in range(n)]  # (n_i, 2)
+        both = np.concatenate(per) if per else np.zeros((0, 2), np.int32)  # (N, 2)
+        return np.ascontiguousarray(both[:, 0]), np.ascontiguousarray(both[:, 1])
 
 
 def encode(src: str, tgt: str, spm_model: str, langs: tuple[str, str], normaliser: dict, out: str,

@@ -14,11 +14,13 @@ import torch
 def make_batches(src_lens, tgt_lens, max_tokens: int, max_sentences: int, seed: int, epoch: int,
                  shuffle: bool = True) -> "Batches":
     """The epoch's batches (index arrays); each batch's padded size max(len) * n stays under max_tokens.
-    Built from the lengths alone, as arrays: for N pairs, 8N bytes of order and a few bytes a batch."""
+    Built from the lengths alone, as arrays: for N pairs, 4N bytes of order and a few bytes a batch."""
     rng = np.random.default_rng([seed, epoch])
     lens = np.maximum(np.asarray(src_lens), np.asarray(tgt_lens))
     # ascending lengths, random tie-break so equal-length sentences mix differently each epoch
     order = np.lexsort((rng.random(len(lens)) if shuffle else np.arange(len(lens)), lens))
+    if len(order) < 2 ** 31:  # half the bytes of the one array that lives as long as the epoch
+        order = order.astype(np.int32)
     bounds = pack_ascending(lens[order], max_tokens, max_sentences)
     n = len(bounds) - 1
     return Batches(order, bounds, rng.permutation(n) if shuffle else np.arange(n))
@@ -30,13 +32,13 @@ def pack_ascending(lens: np.ndarray, max_tokens: int, max_sentences: int) -> np.
     Ascending, the newest item is the longest, so a batch [i, k) can take item k while
     lens[k] * (k - i + 1) <= max_tokens and k - i < max_sentences: both grow with k, so
     each cut is a binary search, not a step per item."""
-    lens = np.asarray(lens, dtype=np.int64)
+    lens = np.asarray(lens)  # int32 (a copy in int64 would be 8 bytes a pair); products in Python ints
     n, bounds, i = len(lens), [0], 0
     while i < n:
         lo, hi = i + 1, min(n, i + max_sentences)  # items i+1 .. hi-1 may join
         while lo < hi:  # first k in [i+1, hi) that does not fit, else hi
             mid = (lo + hi) // 2
-            if lens[mid] * (mid - i + 1) > max_tokens:
+            if int(lens[mid]) * (mid - i + 1) > max_tokens:
                 hi = mid
             else:
                 lo = mid + 1
