@@ -117,6 +117,15 @@ def test_bad_arguments_are_refused_in_python_before_the_kernel(case, words):
         fused.int8_linear_topk(a["x"], lin.wq_t, lin.w_scale, None, a["packed"], a["scores"], a["K"], a["n"])
 
 
+@vnni
+def test_op_passes_opcheck():
+    g = torch.Generator().manual_seed(2)
+    lin = layer(130, 40, g, bias=True)
+    args = (torch.randn(8, 40, generator=g), lin.packed, lin.w_scale, lin.b, 130, torch.zeros(8), 4, 8)
+    torch.library.opcheck(torch.ops.decoder_ops.int8_linear_topk, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
 def test_the_plan_leaves_it_off_with_ngram_blocking_and_without_the_cpp_ops():
     on = Kernels(cpu=True, cuda=False)
     want = ops.int8_gemm_available()  # it needs the packed product, which needs VNNI

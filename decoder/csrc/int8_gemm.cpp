@@ -247,8 +247,8 @@ at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
 }
 
 // For fused epilogues (project_topk.cpp): one panel's columns of the product for M rows.
-void shift_rows(const int8_t* xq, uint8_t* u, int64_t M, int64_t K) {
-  ::shift_rows(reinterpret_cast<const uint8_t*>(xq), u, M, K, round_up(K, 4));
+void shift_activations(const int8_t* xq, uint8_t* u, int64_t M, int64_t K) {
+  shift_rows(reinterpret_cast<const uint8_t*>(xq), u, M, K, round_up(K, 4));
 }
 
 int64_t padded_k(int64_t K) { return round_up(K, 4); }

@@ -179,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_topk(const at::Tensor& x, const a
   if (R == 0) return {values, indices};
   auto [xq, xs] = decoder_gemm::quantize_rows(x);  // (R, d) int8, (R,): int8_linear's own quantisation
   std::unique_ptr<uint8_t[]> u(new uint8_t[R * Kp]);
-  decoder_gemm::shift_rows(xq.data_ptr<int8_t>(), u.get(), R, d);
+  decoder_gemm::shift_activations(xq.data_ptr<int8_t>(), u.get(), R, d);
   const int64_t nr = std::min(n, N), panels = (N + kPanel - 1) / kPanel;
   std::vector<float> m(R, kNegInf), s(R, 0.f), tv(R * nr);
   std::vector<int64_t> ti(R * nr), count(R, 0);
