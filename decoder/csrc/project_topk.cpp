@@ -8,11 +8,11 @@
 //
 // The reference is the logits written whole, then log-softmax + top-k (decoder/fused.py
 // int8_linear_topk_reference). Here each thread takes a block of rows and walks the
-// output columns one panel of 64 at a time: the panel's int32 tile (block rows x 64,
-// in L1) is rescaled exactly as int8_linear's epilogue rescales it (the same float
-// logits), and each row keeps
-//   - a running max m and sum s of e^(logit - m): online log-sum-exp, s scaled by
-//     e^(m_old - m_new) when a panel raises the max;
+// output columns 128 at a time (two of int8_gemm's 64-column panels): that chunk's int32
+// product (block rows x 128, in L1/L2) is rescaled exactly as int8_linear's epilogue
+// rescales it (the same float logits), and each row keeps
+//   - a running max m and 16 partial sums s of e^(logit - m): online log-sum-exp, s
+//     scaled by e^(m_old - m_new) when a chunk raises the max;
 //   - its n best raw logits, by logit descending, then column ascending.
 // The (rows x N) int32 and float logits are never written. At the end a candidate is
 // (logit - (m + log s)) + score, rounded as log_softmax_topk rounds it, and each sentence
@@ -25,6 +25,12 @@
 // the two-pass sum of log_softmax_topk (the shift moves by an ulp or so), so near ties
 // between rows may go the other way than on the plain path. Rows with NaN logits have
 // NaN candidates, which sort last.
+//
+// It does not pay against the plain path (switch off; decoder/optimisations.py says by
+// how much): in column order a row's values come in no order, so each row's list takes a
+// few dozen entries (k ln(N/k)) and most 16-value blocks need a look, where the plain
+// log_softmax_topk, knowing each row's shift first, keeps one list per sentence whose
+// bar skips most columns of the beams behind the best.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,42 +53,96 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPanel = decoder_gemm::kPanelCols;
 constexpr int64_t kTileRows = 6;     // int8_gemm.cpp's micro-tile rows: threads split the rows in whole tiles
-constexpr int64_t kBlockRows = 96;   // rows a walk over the panels: their tile (24 KB of int32) stays in L1
+constexpr int64_t kBlockRows = 96;   // rows a walk over the columns (as int8_gemm's tasks: the weights stream
+                                     // past once per block)
+constexpr int64_t kChunk = 2 * kPanel;  // columns an epilogue pass: per-row costs (a max across lanes, the
+                                        // best-list check) once per 128 values; 48 KB of int32 (four
+                                        // panels a pass, 96 KB, were 1.1x slower)
+constexpr int64_t kLanes = 16;       // each row's sum of exps kept in 16 partial sums, added up once at the end
 
 // Each row's running state, indexed by row; a row's best list is tv/ti[row * nr, +count).
 struct Rows {
-  float *m, *s, *tv;
+  float *m, *s, *tv;  // s: kLanes partial sums a row
   int64_t *ti, *count;
   int64_t nr;  // the most candidates a row keeps: n, or N if fewer
 };
 
 // v[0, nc) at columns c0.. into a best list of at most nr (descending; an equal value
-// later in the row never enters, so the lower column stays ahead); NaNs never enter
+// later in the row never enters, so the lower column stays ahead); NaNs never enter.
+// Once the list is full, a block of 16 whose (vectorised) max does not beat the last
+// entry is skipped: in column order a row's values come in no order, so a full list
+// still takes a few dozen entries a row, and most blocks have none.
+constexpr int64_t kScanBlock = 16;
+
+CLONE_INLINE float block_max16(const float* v) {  // a constant trip count: one vector's reduction
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < kScanBlock; ++j) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+CLONE_INLINE float block_max(const float* v, int64_t n) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+// x into the sorted best list tv/ti of k < nr or, full, in place of its last; the caller
+// knows it belongs there. Without branches on the data: a branch on where a value goes
+// mispredicts at nearly every entry (the entries come in no order), and each row takes a
+// few dozen.
+CLONE_INLINE void insert(float x, int64_t col, float* tv, int64_t* ti, int64_t k, int64_t nr) {
+  int64_t p = 0;
+  for (int64_t i = 0; i < k; ++i) p += tv[i] >= x;  // equal values already in stay ahead
+  for (int64_t i = nr - 1; i > 0; --i) {  // every slot, selects: a fixed trip count
+    const bool down = i > p;
+    tv[i] = down ? tv[i - 1] : tv[i];
+    ti[i] = down ? ti[i - 1] : ti[i];
+  }
+  tv[p] = x;
+  ti[p] = col;
+}
+
 CLONE_INLINE void keep_best(const float* v, int64_t nc, int64_t c0, float* tv, int64_t* ti, int64_t* count,
                             int64_t nr) {
-  for (int64_t j = 0; j < nc; ++j) {
-    const float x = v[j];
-    if (*count == nr ? !(x > tv[nr - 1]) : x != x) continue;
-    int64_t i = *count < nr ? (*count)++ : nr - 1;
-    for (; i > 0 && tv[i - 1] < x; --i) {
-      tv[i] = tv[i - 1];
-      ti[i] = ti[i - 1];
+  int64_t k = *count, start = 0;
+  for (; k < nr && start < nc; ++start) {  // the list's first values: each enters
+    if (v[start] != v[start]) continue;
+    insert(v[start], c0 + start, tv, ti, k, nr);
+    ++k;
+  }
+  *count = k;
+  if (k < nr) return;
+  int64_t idx[kScanBlock];
+  for (int64_t j0 = start; j0 < nc; j0 += kScanBlock) {
+    const int64_t j1 = std::min(nc, j0 + kScanBlock);
+    float bar = tv[nr - 1];
+    if (!((j1 - j0 == kScanBlock ? block_max16(v + j0) : block_max(v + j0, j1 - j0)) > bar)) continue;
+    int64_t n = 0;  // the block's values above the bar, gathered without a branch
+    for (int64_t j = j0; j < j1; ++j) {
+      idx[n] = j;
+      n += v[j] > bar;
     }
-    tv[i] = x;
-    ti[i] = c0 + j;
+    for (int64_t e = 0; e < n; ++e) {
+      const float x = v[idx[e]];
+      if (!(x > tv[nr - 1])) continue;  // an earlier one of the block raised the bar past it
+      insert(x, c0 + idx[e], tv, ti, nr, nr);
+    }
   }
 }
 
-// One panel's tile c (mb rows x nc columns, row stride kPanel) of rows r0.. at columns
-// c0..: rescaled as int8_linear.cpp's dequant_row (acc * xs * ws [+ b], the same bits),
-// folded into each row's max and sum, and its values that can enter into the row's list.
+// One chunk of the product c (mb rows x nc columns, row stride kChunk) of rows r0.. at
+// columns c0..: rescaled as int8_linear.cpp's dequant_row (acc * xs * ws [+ b], the same
+// bits), folded into each row's max and partial sums, and the values that can enter into
+// the row's best list.
 MULTIVERSION
-void panel_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_t r0, const float* xs,
+void chunk_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_t r0, const float* xs,
                     const float* ws, const float* b, const Rows& st) {
-  float v[kPanel];
+  float v[kChunk];
   for (int64_t r = 0; r < mb; ++r) {
     const int64_t row = r0 + r;
-    const int32_t* acc = c + r * kPanel;
+    const int32_t* acc = c + r * kChunk;
     const float x = xs[row];
     if (b) {
       for (int64_t j = 0; j < nc; ++j) v[j] = static_cast<float>(acc[j]) * x * ws[j] + b[j];
@@ -92,20 +152,25 @@ void panel_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_
     float cm = kNegInf;
 #pragma omp simd reduction(max : cm)
     for (int64_t j = 0; j < nc; ++j) cm = v[j] > cm ? v[j] : cm;
-    float &m = st.m[row], &s = st.s[row];
-    if (cm > m) {  // a new max: the sum so far rescaled to it (e^-inf = 0 on the first panel)
-      s *= exp_nonpos(m - cm);
+    float& m = st.m[row];
+    float sum[kLanes];
+    std::copy(st.s + row * kLanes, st.s + (row + 1) * kLanes, sum);
+    if (cm > m) {  // a new max: the sums so far rescaled to it (e^-inf = 0 on the first chunk)
+      const float f = exp_nonpos(m - cm);
+      for (int64_t l = 0; l < kLanes; ++l) sum[l] *= f;
       m = cm;
     }
     if (m != kNegInf) {  // else every logit so far is -inf and adds nothing
       const float mm = m;
-      float add = 0.f;
-#pragma omp simd reduction(+ : add)
-      for (int64_t j = 0; j < nc; ++j) add += exp_nonpos(v[j] - mm);
-      s += add;
+      int64_t j0 = 0;
+      for (; j0 + kLanes <= nc; j0 += kLanes)
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) sum[l] += exp_nonpos(v[j0 + l] - mm);
+      for (int64_t l = 0; j0 + l < nc; ++l) sum[l] += exp_nonpos(v[j0 + l] - mm);
     }
+    std::copy(sum, sum + kLanes, st.s + row * kLanes);
     float* tv = st.tv + row * st.nr;
-    if (st.count[row] < st.nr || cm > tv[st.nr - 1])  // most panels of most rows: none can enter
+    if (st.count[row] < st.nr || cm > tv[st.nr - 1])  // most chunks of most rows: none can enter
       keep_best(v, nc, c0, tv, st.ti + row * st.nr, st.count + row, st.nr);
   }
 }
@@ -135,7 +200,9 @@ void merge_sentences(const Rows& st, const float* sp, int64_t S, int64_t K, int6
       cands.clear();
       for (int64_t k = 0; k < K; ++k) {
         const int64_t row = s * K + k;
-        const float shift = st.m[row] + std::log(st.s[row]), add = sp[row];
+        float sum = 0.f;
+        for (int64_t l = 0; l < kLanes; ++l) sum += st.s[row * kLanes + l];
+        const float shift = st.m[row] + std::log(sum), add = sp[row];
         for (int64_t i = 0; i < st.count[row]; ++i) {
           const float l = st.tv[row * st.nr + i];
           cands.push_back({(l - shift) + add, k, l, st.ti[row * st.nr + i]});
@@ -180,8 +247,8 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_topk(const at::Tensor& x, const a
   auto [xq, xs] = decoder_gemm::quantize_rows(x);  // (R, d) int8, (R,): int8_linear's own quantisation
   std::unique_ptr<uint8_t[]> u(new uint8_t[R * Kp]);
   decoder_gemm::shift_activations(xq.data_ptr<int8_t>(), u.get(), R, d);
-  const int64_t nr = std::min(n, N), panels = (N + kPanel - 1) / kPanel;
-  std::vector<float> m(R, kNegInf), s(R, 0.f), tv(R * nr);
+  const int64_t nr = std::min(n, N);
+  std::vector<float> m(R, kNegInf), s(R * kLanes, 0.f), tv(R * nr);
   std::vector<int64_t> ti(R * nr), count(R, 0);
   const Rows st{m.data(), s.data(), tv.data(), ti.data(), count.data(), nr};
   const float *xsp = xs.data_ptr<float>(), *ws = w_scale.data_ptr<float>();
@@ -190,14 +257,15 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_topk(const at::Tensor& x, const a
   // each thread a run of whole tiles; per block of rows every panel once, so the weights
   // stream past once per block, as int8_gemm's tasks read them
   at::parallel_for(0, (R + kTileRows - 1) / kTileRows, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<int32_t> c(kBlockRows * kPanel);
+    std::vector<int32_t> c(kBlockRows * kChunk);
     const int64_t end = std::min(R, hi * kTileRows);
     for (int64_t r0 = lo * kTileRows; r0 < end; r0 += kBlockRows) {
       const int64_t mb = std::min(kBlockRows, end - r0);
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t c0 = p * kPanel, nc = std::min(kPanel, N - c0);
-        decoder_gemm::panel_product(u.get() + r0 * Kp, mb, d, pk, N, p, c.data(), kPanel);
-        panel_epilogue(c.data(), mb, nc, c0, r0, xsp, ws + c0, bp ? bp + c0 : nullptr, st);
+      for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+        const int64_t nc = std::min(kChunk, N - c0);
+        for (int64_t p = c0 / kPanel; p * kPanel < c0 + nc; ++p)
+          decoder_gemm::panel_product(u.get() + r0 * Kp, mb, d, pk, N, p, c.data() + (p * kPanel - c0), kChunk);
+        chunk_epilogue(c.data(), mb, nc, c0, r0, xsp, ws + c0, bp ? bp + c0 : nullptr, st);
       }
     }
   });
