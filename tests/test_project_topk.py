@@ -138,6 +138,23 @@ def test_the_plan_leaves_it_off_with_ngram_blocking_and_without_the_cpp_ops():
 
 @vnni
 @pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")), reason="trained fixture is absent")
+def test_only_the_packed_int8_output_layer_has_the_fused_path():
+    int8 = Translator(MODEL, precision="int8", beam=4, fused_project_topk=True).model
+    d = int8.d
+    assert int8.topk_projection(None, 40) is not None
+    assert int8.topk_projection(None, 4) is None  # the gemv kernel's few rows: the plain path
+    assert int8.topk_projection(None, int8.out_proj.PACKED_ROWS + 1) is None  # _int_mm above the packed rows
+    assert int8.topk_projection(int8.output_rows(torch.arange(0, 2000, 3), 40), 40) is not None  # a shortlist
+    fp32 = Translator(MODEL, precision="fp32", beam=4, fused_project_topk=True).model
+    assert fp32.topk_projection(None, 40) is None
+    y = torch.randn(40, d, generator=torch.Generator().manual_seed(0))
+    v, i = int8.topk_projection(None, 40)(y, torch.zeros(40), 4, 8)
+    want = fused.log_softmax_topk_reference(int8.project(y), torch.zeros(40), 4, 8)
+    assert torch.equal(i, want.indices)
+
+
+@vnni
+@pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")), reason="trained fixture is absent")
 def test_int8_beam4_with_the_fused_projection_topk_on_the_trained_model(monkeypatch):
     calls, op = [], fused.int8_linear_topk
     monkeypatch.setattr(fused, "int8_linear_topk", lambda *a: calls.append(1) or op(*a))
