@@ -268,10 +268,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "product 128 columns at a time while they are in cache and keeps per row a running max and sum of "
                  "exps and its 2k best logits; each sentence gets its 2k best log-prob + score, the int32 and float "
                  "logits never written. Steps that force </s>, fbgemm, fp32 and the gemv kernel's few rows take the "
-                 "plain path. Off: it does not pay (one thread, AVX-512 EPYC: 0.91x at int8 beam 4 on the trained "
-                 "fixture, the same tokens; 0.88-0.95x at a 160-row step over 4,000 columns, 1.14x over 8,000), "
-                 "because each beam row keeps its own 2k best where the plain path's sentence-wide bar skips most "
-                 "of the other beams' columns"),
+                 "plain path. Off: level with the plain path, not ahead (AVX-512 EPYC, one thread: 1.00x at a 160-row "
+                 "step over 4,000 columns at d 256, 1.24x over 8,000, 0.81x over 2,000 at d 128; int8 beam 4 on the "
+                 "trained fixture 0.92x, the same tokens), because each beam row keeps its own 2k best where the "
+                 "plain path's sentence-wide bar skips most of the other beams' columns"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step", "beam",
                  needs=lambda o: o.fused_attention and o.cache,

@@ -26,8 +26,8 @@
 // between rows may go the other way than on the plain path. Rows with NaN logits have
 // NaN candidates, which sort last.
 //
-// It does not pay against the plain path (switch off; decoder/optimisations.py says by
-// how much): in column order a row's values come in no order, so each row's list takes a
+// It is level with the plain path, not ahead (switch off; decoder/optimisations.py says
+// by how much): in column order a row's values come in no order, so each row's list takes a
 // few dozen entries (k ln(N/k)) and most 16-value blocks need a look, where the plain
 // log_softmax_topk, knowing each row's shift first, keeps one list per sentence whose
 // bar skips most columns of the beams behind the best.
@@ -48,7 +48,19 @@
 #include "gemm.h"
 #include "multiversion.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TOPK_X86 1
+#endif
+
 namespace {
+
+// The op runs only where int8_gemm's VNNI product does (AVX-512): its epilogue is AVX-512 code.
+#ifdef TOPK_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#else
+#define AVX512
+#endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPanel = decoder_gemm::kPanelCols;
@@ -67,27 +79,6 @@ struct Rows {
   int64_t nr;  // the most candidates a row keeps: n, or N if fewer
 };
 
-// v[0, nc) at columns c0.. into a best list of at most nr (descending; an equal value
-// later in the row never enters, so the lower column stays ahead); NaNs never enter.
-// Once the list is full, a block of 16 whose (vectorised) max does not beat the last
-// entry is skipped: in column order a row's values come in no order, so a full list
-// still takes a few dozen entries a row, and most blocks have none.
-constexpr int64_t kScanBlock = 16;
-
-CLONE_INLINE float block_max16(const float* v) {  // a constant trip count: one vector's reduction
-  float m = kNegInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < kScanBlock; ++j) m = v[j] > m ? v[j] : m;
-  return m;
-}
-
-CLONE_INLINE float block_max(const float* v, int64_t n) {
-  float m = kNegInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = v[j] > m ? v[j] : m;
-  return m;
-}
-
 // x into the sorted best list tv/ti of k < nr or, full, in place of its last; the caller
 // knows it belongs there. Without branches on the data: a branch on where a value goes
 // mispredicts at nearly every entry (the entries come in no order), and each row takes a
@@ -104,8 +95,13 @@ CLONE_INLINE void insert(float x, int64_t col, float* tv, int64_t* ti, int64_t k
   ti[p] = col;
 }
 
-CLONE_INLINE void keep_best(const float* v, int64_t nc, int64_t c0, float* tv, int64_t* ti, int64_t* count,
-                            int64_t nr) {
+// v[0, nc) at columns c0.. into a best list of at most nr (descending; an equal value
+// later in the row never enters, so the lower column stays ahead); NaNs never enter.
+// Once the list is full, one compare per 16 values finds those above its last entry:
+// in column order a row's values come in no order, so a full list still takes a few
+// dozen entries a row, each from a different block.
+AVX512 inline void keep_best(const float* v, int64_t nc, int64_t c0, float* tv, int64_t* ti, int64_t* count,
+                             int64_t nr) {
   int64_t k = *count, start = 0;
   for (; k < nr && start < nc; ++start) {  // the list's first values: each enters
     if (v[start] != v[start]) continue;
@@ -114,30 +110,31 @@ CLONE_INLINE void keep_best(const float* v, int64_t nc, int64_t c0, float* tv, i
   }
   *count = k;
   if (k < nr) return;
-  int64_t idx[kScanBlock];
-  for (int64_t j0 = start; j0 < nc; j0 += kScanBlock) {
-    const int64_t j1 = std::min(nc, j0 + kScanBlock);
-    float bar = tv[nr - 1];
-    if (!((j1 - j0 == kScanBlock ? block_max16(v + j0) : block_max(v + j0, j1 - j0)) > bar)) continue;
-    int64_t n = 0;  // the block's values above the bar, gathered without a branch
-    for (int64_t j = j0; j < j1; ++j) {
-      idx[n] = j;
-      n += v[j] > bar;
-    }
-    for (int64_t e = 0; e < n; ++e) {
-      const float x = v[idx[e]];
-      if (!(x > tv[nr - 1])) continue;  // an earlier one of the block raised the bar past it
-      insert(x, c0 + idx[e], tv, ti, nr, nr);
+#ifdef TOPK_X86
+  for (int64_t j0 = start; j0 < nc; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, nc - j0);
+    const __mmask16 lanes = static_cast<__mmask16>(m == 16 ? 0xFFFFu : (1u << m) - 1u);
+    __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, v + j0),
+                                            _mm512_set1_ps(tv[nr - 1]), _CMP_GT_OQ);
+    while (hit) {
+      const int l = __builtin_ctz(hit);
+      hit = static_cast<__mmask16>(hit & (hit - 1));
+      const float x = v[j0 + l];
+      if (x > tv[nr - 1])  // an earlier one of the block may have raised the bar past it
+        insert(x, c0 + j0 + l, tv, ti, nr, nr);
     }
   }
+#else  // never run (no VNNI product), but the library builds everywhere
+  for (int64_t j = start; j < nc; ++j)
+    if (v[j] > tv[nr - 1]) insert(v[j], c0 + j, tv, ti, nr, nr);
+#endif
 }
 
 // One chunk of the product c (mb rows x nc columns, row stride kChunk) of rows r0.. at
 // columns c0..: rescaled as int8_linear.cpp's dequant_row (acc * xs * ws [+ b], the same
 // bits), folded into each row's max and partial sums, and the values that can enter into
 // the row's best list.
-MULTIVERSION
-void chunk_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_t r0, const float* xs,
+AVX512 void chunk_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_t r0, const float* xs,
                     const float* ws, const float* b, const Rows& st) {
   float v[kChunk];
   for (int64_t r = 0; r < mb; ++r) {
