@@ -353,6 +353,22 @@ class DecoderState:
             y = self.cache.run(tokens, t)  # (rows, d)
             return self.m.project_argmax(y, self.out) if best else self.m.project(y, self.out)
 
+    @property
+    def columns(self) -> int:
+        """C: the columns of the step's logits (the vocabulary, or the shortlist's candidates)."""
+        return (self.m.out_proj if self.out is None else self.out).out_features
+
+    def step_topk(self, tokens, t: int, scores, K: int, n: int):
+        """tokens (rows,) at position t -> the n best (values, indices in [0, K*C)) per sentence of
+        K rows of log_softmax(logits) + scores (rows,), the logits never written
+        (Model.topk_projection); None, nothing run, where the output layer has no such path at
+        this many rows: then `step`."""
+        top = self.m.topk_projection(self.out, tokens.shape[0])
+        if top is None:
+            return None
+        with self.phase("decode steps"):
+            return top(self.cache.run(tokens, t), scores, K, n)
+
     def reorder(self, rows):
         self.cache.reorder(rows)
 

@@ -260,6 +260,18 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the log-probabilities are never written: 1.03x at int8 beam 4 on the KD student, no line "
                  "changed of 1,003; they round differently from ATen's, so near ties may flip (one line in 300 "
                  "in fp32 on an AVX-512 EPYC)"),
+    Optimisation("fused_project_topk", False, "fused output projection + log-softmax + top-k (C++)", "project_topk",
+                 True, False, "the projection's (rows x C) logits written, then the plan's log-softmax + top-k", "beam",
+                 needs=lambda o: not o.no_repeat_ngram and o.int8_packed_gemm and BY_NAME["int8_packed_gemm"].needs(o),
+                 detail="beam, an int8 output layer on the packed VNNI product (int8_packed_gemm; the shortlist's "
+                 "slice too), no n-gram blocking (it needs the whole row): decoder/csrc/project_topk.cpp takes the "
+                 "product 128 columns at a time while they are in cache and keeps per row a running max and sum of "
+                 "exps and its 2k best logits; each sentence gets its 2k best log-prob + score, the int32 and float "
+                 "logits never written. Steps that force </s>, fbgemm, fp32 and the gemv kernel's few rows take the "
+                 "plain path. Off: level with the plain path, not ahead (AVX-512 EPYC, one thread: 1.00x at a 160-row "
+                 "step over 4,000 columns at d 256, 1.24x over 8,000, 0.81x over 2,000 at d 128; int8 beam 4 on the "
+                 "trained fixture 0.92x, the same tokens), because each beam row keeps its own 2k best where the "
+                 "plain path's sentence-wide bar skips most of the other beams' columns"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step", "beam",
                  needs=lambda o: o.fused_attention and o.cache,
@@ -365,6 +377,7 @@ class Plan:
     argmax: Callable            # greedy: (rows, C) -> (rows,)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
+    project_topk: bool          # beam: the state takes the top n from the projection's tiles (DecoderState.step_topk)
     block: Callable             # n-gram blocking, in place
     cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
@@ -415,9 +428,10 @@ def loaded_kernels(device: str) -> Kernels:
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
 CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "kv_row_table", "kv_half",
-                      "one_row_layer", "one_row_step"})
+                      "one_row_layer", "one_row_step", "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
-SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step"})
+SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step",
+                              "fused_project_topk"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

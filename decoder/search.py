@@ -129,8 +129,9 @@ def greedy_one(state, limit: int, s: Search, vocab=None) -> list[int]:
 def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[int]]:
     """fairseq-style beam: log-softmax + top-2k over beam x vocab; a sentence is
     finished once `beam` hypotheses ended; best by score / len**length_penalty.
-    `plan.topk` (fused_topk, fused_log_softmax) replaces the add and the top-2k
-    (decoder/optimisations.py); steps that force </s> use the plain path.
+    `plan.topk` (fused_topk, fused_log_softmax) replaces the add and the top-2k, and
+    `plan.project_topk` (fused_project_topk) the output projection too (decoder/optimisations.py,
+    `scored_step`); steps that force </s> use the plain path.
 
     The per-sentence bookkeeping (limits, finished, done) lives in Python lists:
     a step's tensor ops are the ones on (sentences, 2K) picks, no host syncs but
@@ -150,13 +151,10 @@ def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
     shrink = p.early_stop and state.can_shrink
     eos_c = eos_column(vocab, eos_id)
     for t in range(max(lims)):
-        logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
-        nb, V = len(alive), logits.shape[-1]
-        if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
-            p.block(logits, hist, s.no_repeat_ngram, vocab)
-        n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
+        nb = len(alive)
         forced = min(lims) <= t + 1  # some sentence's last allowed step: only </s>
-        top_s, top_i = beam_top(p, logits, scores, limits, K, n_top, t, eos_c if forced else None)
+        top_s, top_i, V = scored_step(state, s, tokens, t, scores, limits, hist, K, eos_c if forced else None, vocab)
+        n_top = top_s.shape[1]
         src_beam, col = top_i // V, top_i % V
         is_eos = col == eos_c  # the shortlist maps columns to ids in ascending order: only eos_c is </s>
         ends = is_eos[:, :K] & (top_s[:, :K] > NEG_INF)
@@ -200,6 +198,26 @@ def advance(top_s, col, src_beam, ranks, first, hist, vocab, K: int):
     if vocab is not None:
         tokens = vocab.index_select(0, tokens)
     return top_s.gather(1, sel), rows, tokens, torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+
+
+def scored_step(state, s: Search, tokens, t: int, scores, limits, hist, K: int, forced_col: int | None, vocab):
+    """Step t of the beam: the n_top best (score, index in [0, K*V)) per sentence (nb, n_top) and V.
+    With `plan.project_topk` the state takes them from the output product's tiles, the logits
+    never written (DecoderState.step_topk), unless </s> is forced this step (`forced_col`) or
+    its output layer has no such path; the plan never holds it with n-gram blocking, which
+    needs the whole row. Else the logits (nb*K, V) are written, blocked and `beam_top` picks."""
+    p = s.plan
+    if p.project_topk and forced_col is None:
+        V = state.columns
+        top = state.step_topk(tokens, t, scores.view(-1), K, min(2 * K, K * V))
+        if top is not None:
+            return (*top, V)
+    logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
+    V = logits.shape[-1]
+    if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
+        p.block(logits, hist, s.no_repeat_ngram, vocab)
+    n_top = min(2 * K, K * V)  # a tiny shortlist can have fewer than 2K columns in all
+    return (*beam_top(p, logits, scores, limits, K, n_top, t, forced_col), V)
 
 
 def beam_top(p: Plan, logits, scores, limits, K: int, n_top: int, t: int, forced_col: int | None):
@@ -334,12 +352,9 @@ def beam_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
     shrink = p.early_stop and state.can_shrink
     eos_c = eos_column(vocab, s.eos_id)
     for t in range(T):
-        logits = state.step(tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
-        nb, V = len(lims), logits.shape[-1]
-        if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
-            p.block(logits, hist, s.no_repeat_ngram, vocab)
-        n_top = min(2 * K, K * V)
-        top_s, top_i = beam_top(p, logits, scores, limits, K, n_top, t, eos_c if min(lims) <= t + 1 else None)
+        nb, forced = len(lims), min(lims) <= t + 1
+        top_s, top_i, V = scored_step(state, s, tokens, t, scores, limits, hist, K, eos_c if forced else None, vocab)
+        n_top = top_s.shape[1]
         src_beam, col = top_i // V, top_i % V
         is_eos = col == eos_c
         # a sentence past its limit (limits <= t) was done before this step: it keeps nothing

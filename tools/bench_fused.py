@@ -1,6 +1,6 @@
-"""python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K]
+"""python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K] [--precision P]
 
-The fused kernels and the lexical shortlist against the plain fp32 decoder, each
+The fused kernels and the lexical shortlist against the plain decoder (fp32, or --precision), each
 switch alone: all configurations of a group are built first, then timed in
 turns, pass after pass, and the fastest pass counts, so drifting load on a
 shared machine hits every configuration alike. Prints a markdown table
@@ -47,6 +47,8 @@ def main(argv=None):
     cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)
+    p.add_argument("--precision", choices=("fp32", "int8", "bf16"), default="fp32",
+                   help="of every row: int8 measures the kernels of the int8 output layer (fused_project_topk)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     src, ref = read_test_set(a)
@@ -54,7 +56,7 @@ def main(argv=None):
     shortlist = os.path.exists(os.path.join(a.model, "shortlist.safetensors"))
     table = []
     for configs in rows():
-        trs = {k: Translator(a.model, precision="fp32", **{**PLAIN, **kw}) for k, kw in configs.items()
+        trs = {k: Translator(a.model, precision=a.precision, **{**PLAIN, **kw}) for k, kw in configs.items()
                if shortlist or not kw.get("shortlist")}
         for tr in trs.values():
             tr.translate(src[:8])  # warm-up
@@ -69,7 +71,8 @@ def main(argv=None):
                  for k in trs]
     m = cpu_info()
     print(f"Machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; torch {torch.__version__}, "
-          f"{a.threads} threads. {len(src)} lines ({words} words), fastest of {a.passes} interleaved passes.\n")
+          f"{a.threads} threads, {a.precision}. {len(src)} lines ({words} words), fastest of {a.passes} interleaved "
+          f"passes.\n")
     print("| configuration | words/s | x plain | BLEU | same output as plain |\n|---|---:|---:|---:|---|")
     for k, w, x, b, same in table:
         print(f"| {k} | {w:,.0f} | {x:.3f} | {b:.2f} | {'yes' if same else 'no'} |")

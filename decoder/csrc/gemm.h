@@ -4,11 +4,27 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 
 namespace decoder_gemm {
 
 // xq (M, K) int8 times the weights `packed` (int8_gemm_pack of an (N, K) int8 matrix):
 // (M, N) int32, exactly torch._int_mm(xq, wq.t())
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N);
+
+// The product one panel at a time, for an epilogue that reads each panel's int32 tile while it
+// is in L1 (project_topk.cpp). kPanelCols output columns a panel; shift_activations writes the
+// rows as the tiles read them (u = q + 128, row stride padded_k(K)); panel_product writes
+// c (M, min(64, N - 64 p)) int32 with row stride ldc: columns [64 p, 64 p + 64) of int_mm's
+// result. Only where vnni().
+constexpr int64_t kPanelCols = 64;
+bool vnni();
+int64_t padded_k(int64_t K);
+void shift_activations(const int8_t* xq, uint8_t* u, int64_t M, int64_t K);
+void panel_product(const uint8_t* u, int64_t M, int64_t K, const int8_t* packed, int64_t N, int64_t p, int32_t* c,
+                   int64_t ldc);
+
+// decoder/csrc/int8_linear.cpp's row quantisation: x (..., K) float -> (q (M, K) int8, scales (M,))
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x);
 
 }  // namespace decoder_gemm

@@ -157,6 +157,10 @@ at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, 
 
 }  // namespace
 
+namespace decoder_gemm {
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) { return ::quantize_rows(x); }
+}  // namespace decoder_gemm
+
 TORCH_LIBRARY(decoder_ops, m) {
   // packed: wq_t's columns in int8_gemm_pack's layout (int8_gemm.cpp), or None for _int_mm
   m.def("int8_linear(Tensor x, Tensor wq_t, Tensor w_scale, Tensor? bias, bool relu, Tensor? packed=None) -> Tensor");
