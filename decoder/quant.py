@@ -9,8 +9,12 @@ AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm` path
 up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
 projection's >= 64 rows, without VNNI 13-30x slower than fp32).
 decoder/optimisations.py picks per machine: `fbgemm_int8` (on) takes fbgemm,
-and `int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
-(`int_mm_vnni`). Either way calls of at most 4 rows run our gemv kernel
+`int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
+(`int_mm_vnni`), and `int8_wide_gemm` (off: 0.93x fbgemm decoding) takes
+`Int8Linear` where it does not, with our exact AVX2 product on weights
+widened to int16 (`wide=True`): the same integers as `_int_mm`, so an AVX2
+CPU decodes the VNNI path's tokens.
+Either way calls of at most 4 rows run our gemv kernel
 (`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
 dominate. The measurements behind the choices are in docs/bench/decoder.md
 ("int8 on every x86 CPU", "VNNI", "Batch 1").
@@ -478,9 +482,7 @@ def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-
     fp32 rather than flipping from run to run. At the students' shapes the gap
     is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
     the timing decides nothing worth an output change: fp32."""
-    # as by default: _int_mm where it runs VNNI, our AVX2 product where it runs, else fbgemm
-    p = p or Probe(kernel="int_mm" if int_mm_vnni() or not fbgemm_available()
-                   else "wide" if wide_gemm_available() else "fbgemm")
+    p = p or Probe(kernel="int_mm" if int_mm_vnni() or not fbgemm_available() else "fbgemm")  # as by default
     t8, t32 = probe(p)
     return t32 > floor_s and t8 < margin * t32
 

@@ -97,13 +97,13 @@ def test_shortlist_slice_is_a_row_gather_of_the_widened_weights_and_equals_those
 def test_switch_takes_the_wide_product_only_where_int_mm_has_no_vnni(monkeypatch, tmp_path):
     d = make_model_dir(tmp_path / "model", seed=1)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # as the AVX2-capped bench: _int_mm without VNNI
-    on = Translator(d, precision="int8")
+    on = Translator(d, precision="int8", int8_wide_gemm=True)
     assert on.plan.int8_kernel == "wide" and on.model.out_proj.packed.dtype == torch.int16
-    off = Translator(d, precision="int8", int8_wide_gemm=False)
+    off = Translator(d, precision="int8")  # off by default: fbgemm was faster (docs/bench/decoder.md)
     assert off.plan.int8_kernel == "fbgemm" and isinstance(off.model.out_proj, FbgemmLinear)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.setattr("decoder.quant._cpu_has_vnni", lambda: True)  # a VNNI CPU: _int_mm (and packed) stay
-    assert Translator(d, precision="int8").plan.int8_kernel == "int_mm"
+    assert Translator(d, precision="int8", int8_wide_gemm=True).plan.int8_kernel == "int_mm"
 
 
 @trained
@@ -114,7 +114,7 @@ def test_tokens_on_trained_model_are_the_same_with_the_wide_product_as_with_int_
     and the encoder's batches included) against `_int_mm`'s integers: token for token."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     src = open(SRC).read().splitlines()[:60]
-    on = Translator(TRAINED, precision="int8", beam=beam)
+    on = Translator(TRAINED, precision="int8", beam=beam, int8_wide_gemm=True)
     assert on.plan.int8_kernel == "wide" and on.model.out_proj.packed.dtype == torch.int16
     off = Translator(TRAINED, precision="int8", beam=beam, fbgemm_int8=False, int8_wide_gemm=False,
                      int8_packed_gemm=False)
