@@ -51,8 +51,8 @@ TOKENS = "tests/test_int8_wide.py::test_tokens_on_trained_model_are_the_same_wit
 def test_fused_ops_match_their_references_with_the_kernels_capped(cap):
     if cap == "avx2" and cpu_best() == "default":
         pytest.skip("no AVX2 here")
-    tests = UNDER_CAP + ([f"{TOKENS}[1]"] if cap == "avx2" else [])
-    r = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", SELECT + (" or tokens" if cap == "avx2" else "")],
+    tests, select = (UNDER_CAP + [f"{TOKENS}[1]"], f"{SELECT} or tokens") if cap == "avx2" else (UNDER_CAP, SELECT)
+    r = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", select],
             **{ops.ISA_CAP: cap, "ATEN_CPU_CAPABILITY": cap})
     tail = r.stdout.strip().splitlines()[-1:]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

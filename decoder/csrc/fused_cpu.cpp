@@ -75,14 +75,12 @@ MULTIVERSION(void, residual_norm_row,
   for (int64_t i = 0; i < n; ++i) y[i] = (r[i] - mean) * rstd * g[i] + beta[i];
 }
 
-MULTIVERSION(void, bias_relu_row, (const float* x, const float* b, float* y, int64_t n),
-             (x, b, y, n)) {
+MULTIVERSION(void, bias_relu_row, (const float* x, const float* b, float* y, int64_t n), (x, b, y, n)) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) { const float v = x[i] + b[i]; y[i] = v > 0.f ? v : 0.f; }
 }
 
-MULTIVERSION(float, row_max, (const float* x, int64_t n),
-             (x, n)) {
+MULTIVERSION(float, row_max, (const float* x, int64_t n), (x, n)) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
@@ -115,8 +113,7 @@ inline float exp_nonpos(float x) {
   return x != x ? x : (x < -87.f ? 0.f : p * scale);
 }
 
-MULTIVERSION(float, row_sum_exp, (const float* x, int64_t n, float m),
-             (x, n, m)) {
+MULTIVERSION(float, row_sum_exp, (const float* x, int64_t n, float m), (x, n, m)) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += exp_nonpos(x[i] - m);
@@ -627,8 +624,7 @@ struct CrossArgs {
 // Scratch: the scaled queries (round_up(Q, kQB), D) and the scores (kQB, Sp).
 int64_t cross_scratch(int64_t Q, int64_t D, int64_t Sp) { return round_up(Q, kQB) * D + kQB * Sp; }
 
-MULTIVERSION(void, cross_attend_heads, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf),
-             (a, lo, hi, buf)) {
+MULTIVERSION(void, cross_attend_heads, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf), (a, lo, hi, buf)) {
   const int64_t H = a.H, Q = a.Q, D = a.D, d = H * D;
   float *Qs = buf, *P = Qs + round_up(Q, kQB) * D;
   for (int64_t bh = lo; bh < hi; ++bh) {
@@ -932,8 +928,7 @@ void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const s
 // First index of the row's maximum, a NaN counting as larger than any number
 // (torch.argmax's rule). One vectorised pass for the max, then a scan that stops
 // at its first occurrence.
-MULTIVERSION(int64_t, row_argmax, (const float* x, int64_t n, float* best),
-             (x, n, best)) {
+MULTIVERSION(int64_t, row_argmax, (const float* x, int64_t n, float* best), (x, n, best)) {
   float m = -std::numeric_limits<float>::infinity();
   int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)

@@ -198,8 +198,7 @@ const Tile kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, til
 }  // namespace
 
 namespace {
-MULTIVERSION(void, shift_rows, (const uint8_t* x, uint8_t* u, int64_t M, int64_t K, int64_t Kp),
-             (x, u, M, K, Kp)) {
+MULTIVERSION(void, shift_rows, (const uint8_t* x, uint8_t* u, int64_t M, int64_t K, int64_t Kp), (x, u, M, K, Kp)) {
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t k = 0; k < K; ++k) u[r * Kp + k] = x[r * K + k] ^ 0x80u;
     for (int64_t k = K; k < Kp; ++k) u[r * Kp + k] = 0x80u;
@@ -251,8 +250,7 @@ MULTIVERSION(void, wide_plain, (const Wide& a, int64_t j0, int64_t j1), (a, j0, 
 }
 
 // (M, K) int8 -> (M, Kp) int16, zero-padded
-MULTIVERSION(void, widen_rows, (const int8_t* q, int16_t* x, int64_t M, int64_t K, int64_t Kp),
-             (q, x, M, K, Kp)) {
+MULTIVERSION(void, widen_rows, (const int8_t* q, int16_t* x, int64_t M, int64_t K, int64_t Kp), (q, x, M, K, Kp)) {
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t k = 0; k < K; ++k) x[r * Kp + k] = q[r * K + k];
     for (int64_t k = K; k < Kp; ++k) x[r * Kp + k] = 0;

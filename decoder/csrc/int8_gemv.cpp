@@ -41,8 +41,7 @@ constexpr int64_t kPad = 64;   // `in` padded to one zmm of int8 (zero weights t
 constexpr int64_t kBlock = 4;  // output rows a block: their four sums reduce together
 
 // q = round(x / s), s = amax / 127, into a zero-padded row; returns s
-MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n, int64_t np),
-             (x, q, n, np)) {
+MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n, int64_t np), (x, q, n, np)) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
@@ -65,8 +64,7 @@ struct Args {
   int64_t M, Kp, Np;
 };
 
-MULTIVERSION(void, dot_plain, (const Args& a, int64_t j0, int64_t j1),
-             (a, j0, j1)) {
+MULTIVERSION(void, dot_plain, (const Args& a, int64_t j0, int64_t j1), (a, j0, j1)) {
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t r = 0; r < a.M; ++r) {
       const int8_t* q = a.q + r * a.Kp;

@@ -22,8 +22,7 @@
 
 namespace {
 
-MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n),
-             (x, q, n)) {
+MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n), (x, q, n)) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
