@@ -60,21 +60,52 @@ def available() -> bool:
 def status() -> dict:
     """Whether the CPU ops and the CUDA kernels are loaded, and if not why, in a few
     words: {"cpu": bool, "cuda": bool, "cpu_why": str, "cuda_why": str} ("" when
+    loaded), and "cpu_isa": the ISA the CPU kernels run (`kernel_isa`; "" when not
     loaded). Builds them first if need be, and runs the CUDA kernels' self-check."""
     available()
     if _state.get("cuda"):
         from . import fused  # the check that decides whether CUDA tensors take the kernels
         fused._cuda_kernels()
-    return {"cpu": _state["ok"], "cuda": bool(_state.get("cuda")),
-            "cpu_why": _state.get("cpu_why", ""), "cuda_why": _state.get("cuda_why", "")}
+    return {"cpu": _state["ok"], "cuda": bool(_state.get("cuda")), "cpu_why": _state.get("cpu_why", ""),
+            "cuda_why": _state.get("cuda_why", ""), "cpu_isa": kernel_isa() if _state["ok"] else ""}
 
 
 def describe() -> str:
     """status() as the decoder's settings line and `make setup` print it:
-    'fused ops: cpu yes, cuda no (no GPU)'."""
+    'fused ops: cpu yes (avx512 kernels), cuda no (no GPU)', the cap named where one is set."""
     s = status()
     say = {k: "yes" if s[k] else f"no ({s[k + '_why']})" for k in ("cpu", "cuda")}
+    if s["cpu"]:
+        cap = os.environ.get(ISA_CAP, "")
+        say["cpu"] += f" ({s['cpu_isa']} kernels{f', {ISA_CAP}={cap}' if cap else ''})"
     return f"fused ops: cpu {say['cpu']}, cuda {say['cuda']}"
+
+
+# The ISA cap of our own kernels: the widest variant every MULTIVERSION kernel (and the
+# hand-written int8 and F16C ones) may run, read once by the library (csrc/multiversion.h),
+# so an AVX2-capped benchmark runs our code on AVX2 too. Values: the levels, narrowest first.
+ISA_CAP = "DECODER_MAX_CPU_ISA"
+ISA_LEVELS = ("default", "avx2", "avx512")
+
+
+def kernel_isa() -> str:
+    """The variant our CPU kernels run here: "avx512", "avx2" or "default" (baseline x86-64,
+    also on a CPU that is not x86): this CPU's widest under DECODER_MAX_CPU_ISA."""
+    if "isa" not in _state:
+        _state["isa"] = torch.ops.decoder_ops.kernel_isa()
+    return _state["isa"]
+
+
+def check_isa_cap(env=os.environ) -> str | None:
+    """A warning line for a DECODER_MAX_CPU_ISA the library does not know (it then caps
+    nothing), or None. A warning, not an error: the variable is read by every process
+    that loads the ops (tests, the bench, the container), where a typo should cost the
+    cap, never the decode."""
+    value = env.get(ISA_CAP, "")
+    if not value or value.lower() in ISA_LEVELS:
+        return None
+    return (f"warning: {ISA_CAP}={value!r} is not one of {', '.join(ISA_LEVELS)}; "
+            "the fused C++ ops run this CPU's widest ISA")
 
 
 def _reason(e: Exception) -> str:
@@ -103,6 +134,9 @@ def _build() -> bool:
         return False
 
     _register_fakes()
+    if warning := check_isa_cap():
+        print(warning, file=sys.stderr, flush=True)
+    kernel_isa()  # the library reads its cap now, once
     if torch.cuda.is_available():
         _state["cuda"] = _build_cuda()
     else:
@@ -183,6 +217,10 @@ def _register_fakes() -> None:
     def _(xq, packed, n):
         return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
 
+    @torch.library.register_fake("decoder_ops::int8_gemm_widen")
+    def _(wq):
+        return wq.new_empty(wide_shape(*wq.shape), dtype=torch.int16)
+
     @torch.library.register_fake("decoder_ops::int8_gemv")
     def _(x, wq, w_scale, w_shift, bias, relu, isa):
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
@@ -257,7 +295,7 @@ def _register_fakes() -> None:
 def build_library(build_dir: str | None = None) -> str:
     """Compile (or find cached) decoder/csrc and load it; returns the .so path.
 
-    No -march: the kernels pick their ISA at run time (target_clones), so a
+    No -march: the kernels pick their ISA at run time (csrc/multiversion.h), so a
     library built here runs on any x86-64 that runs torch."""
     from torch.utils.cpp_extension import load
     build_dir = build_dir or default_build_dir()
@@ -295,7 +333,8 @@ def _check_int8_linear(op: str, x, wq_t) -> None:
 
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
-    """packed: wq_t's columns as `int8_gemm_pack` lays them out (our VNNI product), or None (`_int_mm`)."""
+    """packed: wq_t's columns as `int8_gemm_pack` (our VNNI product) or `int8_gemm_widen` (AVX2) lays
+    them out, or None (`_int_mm`)."""
     require(x.dtype == torch.float32, "int8_linear: x must be float32")
     _check_int8_linear("int8_linear", x, wq_t)
     return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu, packed)
@@ -328,9 +367,15 @@ def int8_gemm_pack(wq, idx=None):
 
 
 def int8_gemm(xq, packed, n: int):
-    """xq (M, K) int8 times the packed (n, K) weights: (M, n) int32, exactly `torch._int_mm(xq, wq.t())`."""
+    """xq (M, K) int8 times the packed (n, K) weights: (M, n) int32, exactly `torch._int_mm(xq, wq.t())`.
+    packed: `int8_gemm_pack`'s layout (int8, VNNI) or `int8_gemm_widen`'s (int16, AVX2)."""
     require(xq.dtype == torch.int8 and xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)")
     K = xq.shape[1]
+    if packed.dtype == torch.int16:
+        require(packed.dim() == 2 and tuple(packed.shape) == wide_shape(n, K) and packed.is_contiguous(),
+                lambda: f"int8_gemm: int16 weights of shape {tuple(packed.shape)} are not int8_gemm_widen's layout "
+                        f"of {n} outputs x {K} features {wide_shape(n, K)}")
+        return torch.ops.decoder_ops.int8_gemm(xq, packed, n)
     require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == gemm_packed_numel(n, K),
             lambda: f"int8_gemm: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "
                     f"{n} outputs x {K} features")
@@ -340,6 +385,26 @@ def int8_gemm(xq, packed, n: int):
 def int8_gemm_available() -> bool:
     """Whether this CPU runs `int8_gemm` (AVX-512 VNNI)."""
     return available() and torch.ops.decoder_ops.int8_gemm_available()
+
+
+def int8_gemm_widen(wq):
+    """wq (out, in) int8 widened for `int8_gemm`'s AVX2 product: (out, in) padded (`wide_shape`) int16."""
+    require(wq.dtype == torch.int8 and wq.dim() == 2, "int8_gemm_widen: wq must be int8 (out, in)")
+    return torch.ops.decoder_ops.int8_gemm_widen(wq)
+
+
+def int8_gemm_wide_available() -> bool:
+    """Whether `int8_gemm` on widened weights runs its AVX2 kernel here (AVX2, not capped below it);
+    elsewhere it runs its plain loop (the same integers, slowly)."""
+    return available() and torch.ops.decoder_ops.int8_gemm_wide_available()
+
+
+WIDE_COLS, WIDE_K = 4, 16  # int8_gemm_widen's layout: outputs padded to 4, features to 16 (kWideCols, kWideK)
+
+
+def wide_shape(n: int, k: int) -> tuple[int, int]:
+    """The shape of int8_gemm_widen's layout of n outputs x k features."""
+    return -(-n // WIDE_COLS) * WIDE_COLS, -(-k // WIDE_K) * WIDE_K
 
 
 def gemm_packed_numel(n: int, k: int) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .quant import Int8Linear, fbgemm_available, int_mm_vnni
+from .quant import Int8Linear, fbgemm_available, int_mm_vnni, wide_gemm_available
 
 
 # -- the plain pieces and their optimised replacements ------------------------------------------
@@ -207,6 +207,17 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "shortlist's slice: per batch) for `vpdpbusd`, 6 rows x 64 columns a tile, the same integers as "
                  "`_int_mm`; calls of up to 256 rows (`Int8Linear.PACKED_ROWS`: every decode step, not the encoder's "
                  "batches): 1.1-1.9x `_int_mm` at 8-40 rows, 1.03x at 160 on an AVX-512 VNNI EPYC"),
+    Optimisation("int8_wide_gemm", False, "exact int16 int8 product where no VNNI (C++, AVX2)", "int8_kernel",
+                 "wide", "fbgemm", "fbgemm's linear (7-bit activations without VNNI, the shortlist's slice prepacked "
+                 "per batch)", "int8", row={"fbgemm_int8": True, "fused_ops": True},
+                 needs=lambda o: o.fused_ops and not int_mm_vnni() and wide_gemm_available(),
+                 detail="where `_int_mm` has no VNNI (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2) and our kernels run "
+                 "AVX2, every `Int8Linear` call above the gemv rows runs decoder/csrc/int8_gemm.cpp on the weights "
+                 "widened to int16 at load time (`vpmaddwd`, 2 rows x 4 columns a tile): exactly `_int_mm`'s "
+                 "integers, so the VNNI path's output on AVX2; the shortlist's slice a row gather (54x faster than "
+                 "fbgemm's repack). Off: 0.72-0.84x fbgemm's speed at 64-160 rows (fbgemm's AVX2 step sums two "
+                 "`vpmaddubsw` in saturating int16, more multiply-adds an instruction than any exact step), 0.93x "
+                 "decoding the fixture, AVX2-capped EPYC (docs/bench/decoder.md)"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
@@ -365,7 +376,7 @@ class Plan:
     pipeline: bool
     retain_memory: bool
     int8_fused: bool
-    int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
+    int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)
     int8_packed_gemm: bool      # Int8Linear: our packed VNNI product in place of _int_mm (int8_gemm.cpp)
     int8_gemv_rows: int         # int8 calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))

@@ -127,7 +127,8 @@ def test_isa_passes_run_native_here_and_the_capped_family_in_a_child():
     assert bench.isa_passes("native,avx2", ["avx2", "fma"], env) == [("avx2", None)]  # AVX2-only CPU: one pass
     assert bench.isa_passes("avx2", AVX512, bench.CAPPED["avx2"]) == [("avx2", None)]  # the capped child itself
     assert bench.CAPPED["avx2"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                    "CT2_FORCE_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+                                    "CT2_FORCE_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+                                    "DECODER_MAX_CPU_ISA": "avx2"}  # our own kernels too
     with pytest.raises(ValueError, match="no AVX-512"):
         bench.isa_passes("avx512", ["avx2"], env)
 
@@ -193,8 +194,11 @@ def test_summary_has_one_object_per_isa_with_our_best_over_ct2_best(shortlisted,
     assert [s["isa"] for s in summary] == ["avx512", "avx2"]
     for s, fam in zip(summary, ("avx512", "avx2")):
         assert set(s) == {"isa", "cpu", "date", "model", "model_shape", "throughput_vs_ct2_best", "batch1_vs_ct2",
-                          "beam4_vs_ct2"}
+                          "beam4_vs_ct2", "our_kernels_isa"}
         rows = json.load(open(f"{out}-{fam}.json"))["rows"]
+        # the ISA our own kernels ran, per row of ours (the capped child here shares this process's library)
+        assert s["our_kernels_isa"] == bench.our_kernels_isa()
+        assert {r["our_kernels_isa"] for r in rows if r["engine"] == "ours"} == {s["our_kernels_isa"]}
         for g, key in bench.SUMMARY_RATIOS.items():
             # the ratio of the group's head-to-head rows, which rerun each engine's best row
             h2h = {r["engine"]: r["src_words_per_s"] for r in rows if r["group"] == g and r.get("h2h")}

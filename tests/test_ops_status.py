@@ -45,8 +45,11 @@ def head() -> str:
 
 @pytest.mark.skipif(not ops.available() or torch.cuda.is_available(), reason="needs the CPU ops built, no GPU")
 def test_settings_line_says_the_cpu_ops_are_loaded():
-    assert ops.status() == {"cpu": True, "cuda": False, "cpu_why": "", "cuda_why": "no GPU"}
-    assert settings_line() == head() + "; fused ops: cpu yes, cuda no (no GPU)"
+    assert ops.status() == {"cpu": True, "cuda": False, "cpu_why": "", "cuda_why": "no GPU",
+                            "cpu_isa": ops.kernel_isa()}
+    assert ops.kernel_isa() in ops.ISA_LEVELS
+    cap = f", DECODER_MAX_CPU_ISA={os.environ[ops.ISA_CAP]}" if os.environ.get(ops.ISA_CAP) else ""
+    assert settings_line() == head() + f"; fused ops: cpu yes ({ops.kernel_isa()} kernels{cap}), cuda no (no GPU)"
 
 
 def test_settings_line_says_why_a_failed_build_left_the_ops_out(fresh, monkeypatch):
@@ -70,14 +73,16 @@ def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "12.1")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
-    assert ops.available() and ops.describe() == "fused ops: cpu yes, cuda no (no nvcc (CUDA_HOME))"
+    monkeypatch.delenv(ops.ISA_CAP, raising=False)
+    yes = f"cpu yes ({ops.kernel_isa()} kernels)"
+    assert ops.available() and ops.describe() == f"fused ops: {yes}, cuda no (no nvcc (CUDA_HOME))"
 
     def nvcc_fails(*a, **k):
         raise RuntimeError("Error building extension 'decoder_ops_cuda'\nfused_cuda.cu(12): error: identifier x")
     monkeypatch.setattr(ops, "_state", {})
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
     monkeypatch.setattr(ops, "build_cuda_library", nvcc_fails)
-    assert ops.describe() == "fused ops: cpu yes, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
+    assert ops.describe() == f"fused ops: {yes}, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
 
 
 def test_make_setup_ends_by_printing_the_same_status_line():

@@ -27,6 +27,7 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True},
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
+         "int8_wide_gemm": {"fused_ops": True},
          "kv_half": {"kv_row_table": True, "fused_attention": True, "cache": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
@@ -35,8 +36,10 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
 
 
 def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
-    monkeypatch.setattr(opt, "int_mm_vnni", lambda: True)  # a VNNI CPU, whatever this one is
+    monkeypatch.setattr(opt, "wide_gemm_available", lambda: True)
     for o in opt.OPTIMISATIONS:
+        # a VNNI CPU, whatever this one is; an AVX2 one for the product made for it
+        monkeypatch.setattr(opt, "int_mm_vnni", lambda: o.name != "int8_wide_gemm")
         off = {**opt.all_off(), **NEEDS.get(o.name, {})}
         # each on the device it has kernels for, with every kernel loaded
         where = dict(device="cuda" if o.bench == "cuda" else "cpu", kernels=opt.Kernels(cpu=True, cuda=True))
@@ -55,6 +58,11 @@ def test_a_switch_whose_needs_fail_keeps_the_reference(monkeypatch):
     for vnni, kernel in ((True, "int_mm"), (False, "fbgemm")):  # int8_vnni_int_mm needs a VNNI _int_mm
         monkeypatch.setattr(opt, "int_mm_vnni", lambda: vnni)
         assert opt.resolve(opt.Switches(), no_repeat_ngram=0).int8_kernel == kernel
+    # int8_wide_gemm (off by default) needs no VNNI _int_mm and our AVX2 kernel
+    for vnni, wide, kernel in ((True, True, "int_mm"), (False, True, "wide"), (False, False, "fbgemm")):
+        monkeypatch.setattr(opt, "int_mm_vnni", lambda: vnni)
+        monkeypatch.setattr(opt, "wide_gemm_available", lambda: wide)
+        assert opt.resolve(opt.Switches(int8_wide_gemm=True), no_repeat_ngram=0).int8_kernel == kernel
 
 
 def test_switches_default_to_the_registry_and_refuse_unknown_names():

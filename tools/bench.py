@@ -15,7 +15,8 @@ after the other each meet whatever else the machine is doing then), and the grou
 ratio is taken from those two rows. Writes <prefix>.md and .json per ISA family, and
 summary.json (one object per ISA family: our best words/s over CT2's best, per group).
 `--isa avx2` on an AVX-512 machine re-runs every engine in a child process with the ISA
-capped (CAPPED).
+capped (CAPPED), our own C++ kernels included (DECODER_MAX_CPU_ISA; each of our rows records
+the ISA they ran, `our_kernels_isa`).
 A model dir with a lexical shortlist (python -m student.shortlist) adds the
 "+ lexical shortlist" rows beside the same rows without it, and CT2 rows with use_vmap.
 """
@@ -37,7 +38,7 @@ from datetime import datetime, timezone
 import torch
 from safetensors import safe_open
 
-from decoder import cliargs, modeldir, textio
+from decoder import cliargs, modeldir, ops, textio
 from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
@@ -210,12 +211,17 @@ def slow_here(kw: dict, flags: list[str]) -> bool:
     return False
 
 
-# the AVX2-capped pass: set before torch, oneDNN and CTranslate2 load, so only in a fresh process
-# fbgemm (torch's quantized int8 ops) dispatches on its own cpuinfo: FBGEMM_ENABLE_INSTRUCTIONS caps it
+# the AVX2-capped pass: set before torch, oneDNN, CTranslate2 and our C++ ops load, so only in a fresh
+# process; fbgemm (torch's quantized int8 ops) dispatches on its own cpuinfo: FBGEMM_ENABLE_INSTRUCTIONS caps
+# it; our own kernels (decoder/csrc) read DECODER_MAX_CPU_ISA (decoder/ops.py ISA_CAP)
 CAPPED = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2",
-                   "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}}
-NOT_CAPPED = ("not capped: decoder/csrc's target_clones kernels pick their code from CPUID themselves, so they "
-              "keep AVX-512 on an AVX-512 CPU")
+                   "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", ops.ISA_CAP: "avx2"}}
+
+
+def our_kernels_isa() -> str:
+    """The ISA our C++ kernels run in this process (and its workers): ops.kernel_isa(), or
+    "none" where the ops are not loaded (every op then runs its PyTorch reference)."""
+    return ops.kernel_isa() if ops.available() else "none"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -299,7 +305,7 @@ def summary_entry(result: dict) -> dict:
     r, m = group_ratios(result["rows"]), result["machine"]
     return {"isa": m["isa"], "cpu": m["cpu"], "date": m["date"], "model": result["model"],
             "model_shape": (result.get("model_facts") or {}).get("shape"),
-            **{SUMMARY_RATIOS[g]: r[g] for g in GROUPS}}
+            "our_kernels_isa": m.get("our_kernels_isa"), **{SUMMARY_RATIOS[g]: r[g] for g in GROUPS}}
 
 
 def shown_path(path: str) -> str:
@@ -343,7 +349,7 @@ def main(argv=None):
             results.append(run_pass(a, out))
             continue
         print(f"ISA pass {fam}: every engine in a child process with "
-              f"{' '.join(f'{k}={v}' for k, v in env.items())}; {NOT_CAPPED}", file=sys.stderr, flush=True)
+              f"{' '.join(f'{k}={v}' for k, v in env.items())}", file=sys.stderr, flush=True)
         child = argv + ["--isa", fam, "--out", out, "--summary", "none"]
         rc = subprocess.run([sys.executable, "-m", "tools.bench", *child], cwd=ROOT,
                             env={**os.environ, **env}).returncode
@@ -372,9 +378,7 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     machine.update(isa=fam, date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    torch=torch.__version__, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    threads=a.threads, ct2_isa=isa, isa_env=capped, python=platform.python_version(),
-                   load_avg_at_start=os.getloadavg()[0], timing_passes=a.passes)
-    if fam == "avx2" and "avx512f" in machine["flags"]:
-        machine["not_capped"] = NOT_CAPPED
+                   load_avg_at_start=os.getloadavg()[0], timing_passes=a.passes, our_kernels_isa=our_kernels_isa())
     try:
         import ctranslate2
         machine["ctranslate2"] = ctranslate2.__version__
@@ -391,6 +395,7 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     skip = set(filter(None, a.skip.split(",")))
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])}; ISA pass {fam}"
           f"{' (' + ' '.join(f'{k}={v}' for k, v in capped.items()) + ')' if capped else ''}; "
+          f"our C++ kernels {machine['our_kernels_isa']}; "
           f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {a.threads} threads, "
           f"CT2 ISA {isa}", file=sys.stderr)
     print(f"input: {src_path} ({len(src)} lines x {a.repeat})", file=sys.stderr)
@@ -417,7 +422,8 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         hyps, secs = run_ours(a.model, sub, threads, a.passes, batch1=batch1, max_tokens=a.max_tokens, **kw)
         record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) and not batch1 else ""),
                hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
-               threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")))
+               threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")),
+               our_kernels_isa=machine["our_kernels_isa"])
         settings[id(rows[-1])] = (threads, batch1, {**kw, "max_tokens": a.max_tokens})
 
     def head_to_head(g, ct2_dir):
@@ -429,7 +435,7 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         sub = b1 if spec[1] else lines
         (oh, osec), (ch, csec) = run_head_to_head(a.model, ct2_dir, sub, spec, CT2Run(**c["ct2"]), a.passes)
         record(f"head to head: {o['config']}", oh, osec, sub, "ours", g, h2h=True,
-               **{k: o[k] for k in ("precision", "beam", "threads", "workers", "shortlist")})
+               **{k: o[k] for k in ("precision", "beam", "threads", "workers", "shortlist", "our_kernels_isa")})
         record(f"head to head: {c['config']}", ch, csec, sub, "ct2", g, h2h=True, precision=c["precision"],
                beam=c["beam"], ct2=c["ct2"])
 
@@ -599,14 +605,14 @@ def to_markdown(rows, machine, src_path, n, repeat, model, ratios) -> str:
              f"{ratio_list(group_ratios(rows, False))}." if any(r.get("h2h") for r in rows) else "")
     cols = [("config", "configuration"), ("group", "group"), ("src_words_per_s", "src words/s"),
             ("out_words_per_s", "output words/s"), ("bleu", "BLEU"), ("chrf", "chrF"), ("x_naive", "x naive"),
-            ("x_ct2_best", "x CT2 best of group")]
+            ("x_ct2_best", "x CT2 best of group"), ("our_kernels_isa", "our kernels' ISA")]
     env = " ".join(f"{k}={v}" for k, v in machine.get("isa_env", {}).items())
     out = [f"Machine: {machine['cpu']}, {machine['cores']} cores, flags: {' '.join(machine['flags'])}; "
            f"ISA pass {machine['isa']}{' (' + env + ')' if env else ''}; "
+           f"our C++ kernels {machine.get('our_kernels_isa', '-')}; "
            f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {machine['threads']} threads; "
            f"CTranslate2 {machine.get('ctranslate2', '-')} with CT2_FORCE_CPU_ISA={machine['ct2_isa']}; "
-           f"load average {machine['load_avg_at_start']:.1f} at start, {machine['load_avg_at_end']:.1f} at end."
-           + (f" {machine['not_capped'][0].upper()}{machine['not_capped'][1:]}." if "not_capped" in machine else ""),
+           f"load average {machine['load_avg_at_start']:.1f} at start, {machine['load_avg_at_end']:.1f} at end.",
            f"Model: `{model}`. Input: `{src_path}` ({n} lines x {repeat}).", "",
            f"Our best / CTranslate2's best, source words/s: {ratio_list(ratios)}." + apart, "",
            "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]

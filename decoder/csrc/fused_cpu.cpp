@@ -55,9 +55,10 @@ namespace {
 
 // r = x + h (+ b), then mean and variance of r in two passes (as ATen's
 // layer_norm: no E[x^2]-E[x]^2 cancellation); y = (r - mean) * rstd * g + beta.
-MULTIVERSION
-void residual_norm_row(const float* x, const float* h, const float* b, const float* g, const float* beta,
-                       float* r, float* y, int64_t n, float eps) {
+MULTIVERSION(void, residual_norm_row,
+             (const float* x, const float* h, const float* b, const float* g, const float* beta, float* r,
+              float* y, int64_t n, float eps),
+             (x, h, b, g, beta, r, y, n, eps)) {
   float sum = 0.f;
   if (b) {
 #pragma omp simd reduction(+ : sum)
@@ -75,22 +76,19 @@ void residual_norm_row(const float* x, const float* h, const float* b, const flo
   for (int64_t i = 0; i < n; ++i) y[i] = (r[i] - mean) * rstd * g[i] + beta[i];
 }
 
-MULTIVERSION
-void bias_relu_row(const float* x, const float* b, float* y, int64_t n) {
+MULTIVERSION(void, bias_relu_row, (const float* x, const float* b, float* y, int64_t n), (x, b, y, n)) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) { const float v = x[i] + b[i]; y[i] = v > 0.f ? v : 0.f; }
 }
 
-MULTIVERSION
-float row_max(const float* x, int64_t n) {
+MULTIVERSION(float, row_max, (const float* x, int64_t n), (x, n)) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
 
-MULTIVERSION
-float row_sum_exp(const float* x, int64_t n, float m) {
+MULTIVERSION(float, row_sum_exp, (const float* x, int64_t n, float m), (x, n, m)) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += exp_nonpos(x[i] - m);
@@ -266,10 +264,8 @@ F16C_TARGET inline void axpy(float a, const uint16_t* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * _cvtsh_ss(x[i]);
 }
 
-bool has_f16c() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
+bool has_f16c() {  // x86-64-v3 has AVX2, FMA and F16C; DECODER_MAX_CPU_ISA=default caps it off
+  return decoder_isa::level() >= 1;
 }
 #else
 bool has_f16c() { return false; }
@@ -319,8 +315,8 @@ inline __attribute__((always_inline)) void attend_heads_of(const AttendArgs& a, 
   }
 }
 
-MULTIVERSION
-void attend_heads(const AttendArgs& a, int64_t lo, int64_t hi, float* p) { attend_heads_of<float>(a, lo, hi, p); }
+MULTIVERSION(void, attend_heads, (const AttendArgs& a, int64_t lo, int64_t hi, float* p),
+             (a, lo, hi, p)) { attend_heads_of<float>(a, lo, hi, p); }
 
 #if defined(__x86_64__)
 F16C_TARGET void attend_heads_f16(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
@@ -504,8 +500,9 @@ CLONE_INLINE void attend_queries(const float* Q, int64_t D, const float* Kt, int
   }
 }
 
-MULTIVERSION
-void encoder_attend_heads(const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys) {
+MULTIVERSION(void, encoder_attend_heads,
+             (const EncAttnArgs& a, int64_t lo, int64_t hi, float* buf, int64_t* keys),
+             (a, lo, hi, buf, keys)) {
   const int64_t H = a.H, S = a.S, D = a.D, d = H * D, row = 3 * d;
   const EncScratch z(S, D);
   float *Q = buf, *Kt = Q + z.Sq * D, *V = Kt + D * z.Sp, *P = V + S * z.Dp;
@@ -602,8 +599,7 @@ struct CrossArgs {
 // Scratch: the scaled queries (round_up(Q, kQB), D) and the scores (kQB, Sp).
 int64_t cross_scratch(int64_t Q, int64_t D, int64_t Sp) { return round_up(Q, kQB) * D + kQB * Sp; }
 
-MULTIVERSION
-void cross_attend_heads(const CrossArgs& a, int64_t lo, int64_t hi, float* buf) {
+MULTIVERSION(void, cross_attend_heads, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf), (a, lo, hi, buf)) {
   const int64_t H = a.H, Q = a.Q, D = a.D, d = H * D;
   float *Qs = buf, *P = Qs + round_up(Q, kQB) * D;
   for (int64_t bh = lo; bh < hi; ++bh) {
@@ -907,8 +903,7 @@ void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const s
 // First index of the row's maximum, a NaN counting as larger than any number
 // (torch.argmax's rule). One vectorised pass for the max, then a scan that stops
 // at its first occurrence.
-MULTIVERSION
-int64_t row_argmax(const float* x, int64_t n, float* best) {
+MULTIVERSION(int64_t, row_argmax, (const float* x, int64_t n, float* best), (x, n, best)) {
   float m = -std::numeric_limits<float>::infinity();
   int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)

@@ -16,8 +16,8 @@
 // So every path gives the same integers and, through one float epilogue, the
 // same output bits: decoder/quant.py `GemvLinear.reference` is that math in
 // tensor ops. The SIMD paths are picked at run time from the CPU and the `isa`
-// cap (0 plain, 1 AVX2, 2 VNNI: ATEN_CPU_CAPABILITY caps it from Python), so
-// one build runs on any x86-64 and each path can be tested on one machine.
+// cap (0 plain, 1 AVX2, 2 VNNI: ATEN_CPU_CAPABILITY caps it from Python) under
+// DECODER_MAX_CPU_ISA (multiversion.h), so one build runs on any x86-64 and each path can be tested on one machine.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,8 +41,7 @@ constexpr int64_t kPad = 64;   // `in` padded to one zmm of int8 (zero weights t
 constexpr int64_t kBlock = 4;  // output rows a block: their four sums reduce together
 
 // q = round(x / s), s = amax / 127, into a zero-padded row; returns s
-MULTIVERSION
-float quantize_row(const float* x, int8_t* q, int64_t n, int64_t np) {
+MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n, int64_t np), (x, q, n, np)) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
@@ -65,8 +64,7 @@ struct Args {
   int64_t M, Kp, Np;
 };
 
-MULTIVERSION
-void dot_plain(const Args& a, int64_t j0, int64_t j1) {
+MULTIVERSION(void, dot_plain, (const Args& a, int64_t j0, int64_t j1), (a, j0, j1)) {
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t r = 0; r < a.M; ++r) {
       const int8_t* q = a.q + r * a.Kp;
@@ -145,10 +143,9 @@ void dot_avx2(const Args& a, int64_t j0, int64_t j1) {
 int cpu_isa() {
   static const int isa = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vnni"))
-      return 2;
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
+    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vnni") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    return std::min(cpu, decoder_isa::level());  // DECODER_MAX_CPU_ISA caps this path too
   }();
   return isa;
 }

@@ -7,8 +7,8 @@
 // relu. `int8_linear_quantized` ends in the next layer's quantisation instead
 // (fc1 -> fc2: the float hidden never written) and `int8_linear_prequantized`
 // starts from it. The Python reference is decoder/quant.py:Int8Linear.reference; the
-// inner loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and baseline x86 and the loader
-// picks one at run time (GCC target_clones), so one build runs on any x86.
+// inner loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and baseline x86 and one is
+// picked at run time (multiversion.h, capped by DECODER_MAX_CPU_ISA), so one build runs on any x86.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,8 +22,7 @@
 
 namespace {
 
-MULTIVERSION
-float quantize_row(const float* x, int8_t* q, int64_t n) {
+MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n), (x, q, n)) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
@@ -37,9 +36,9 @@ float quantize_row(const float* x, int8_t* q, int64_t n) {
   return amax * (1.f / 127.f);
 }
 
-MULTIVERSION
-void dequant_row(const int32_t* acc, float* y, int64_t n, float xs, const float* ws, const float* b,
-                 bool relu) {
+MULTIVERSION(void, dequant_row,
+             (const int32_t* acc, float* y, int64_t n, float xs, const float* ws, const float* b, bool relu),
+             (acc, y, n, xs, ws, b, relu)) {
   if (b) {
     for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(acc[j]) * xs * ws[j] + b[j];
   } else {
