@@ -257,7 +257,7 @@ def test_rank_comparison_reports_each_difference(tmp_path):
 def test_bench_two_torchrun_ranks_encode_and_step_as_one_process(tmp_path, synth4000, monkeypatch):
     from student.data import bench
     src, tgt = head(synth4000, 400, str(tmp_path / "corpus"))
-    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))  # main's prepare phase, skipped: the first child prepares
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))  # no prepare phase: the first child prepares
     a = bench.parse_args(["--src", src, "--tgt", tgt, "--work", str(tmp_path), "--vocab-size", "400",
                           "--max-tokens", "600", "--shard-pairs", "150", "--ranks", "2", "--steps", "2"])
     r = bench.ranks_phase(a, str(tmp_path / "bench.log"))  # 3 shards: rank 0 encodes 0 and 2, rank 1 shard 1

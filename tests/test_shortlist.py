@@ -324,7 +324,8 @@ def old_build(src, tgt, V, *, k=100, n_frequent=100, identity=True, exclude=(), 
         r = t_len[bs]
         pos = torch.repeat_interleave(t_off[bs] - (torch.cumsum(r, 0) - r), r) + torch.arange(int(r.sum()))
         key = torch.repeat_interleave(bt, r) * V + t_tok[pos]
-        counts = torch.zeros((hi - lo) * V, dtype=torch.int32).index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        counts = torch.zeros((hi - lo) * V, dtype=torch.int32)
+        counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
         dice = counts.view(hi - lo, V).float().mul_(2)
         dice.div_((df_s[lo:hi, None].float() + df_t[None, :].float()).clamp_min_(1))
         if identity:

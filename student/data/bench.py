@@ -116,7 +116,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", help="data dir and run dirs go here (required)")
     ap.add_argument("--preset", default="teacher-tiny")
     ap.add_argument("--vocab-size", type=positive_int, default=8000, help="SentencePiece vocabulary (prepare's)")
-    ap.add_argument("--max-tokens", type=positive_int, help="tokens a batch; unset, the trainer's choice for the machine")
+    ap.add_argument("--max-tokens", type=positive_int,
+                    help="tokens a batch; unset, the trainer's choice for the machine")
     ap.add_argument("--ranks", type=positive_int, default=1,
                     help="also run encoding and --steps training steps under torchrun with this many gloo "
                          "processes, against one process taking the same steps (1 = no)")

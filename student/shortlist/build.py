@@ -124,7 +124,8 @@ def _model(model_dir: str):
         raise modeldir.ModelDirError(f"{spath}: missing file")
     n = spm.SentencePieceProcessor(model_file=spath).get_piece_size()
     if n != cfg.arch.vocab_size:
-        raise modeldir.ModelDirError(f"{spath}: vocabulary has {n} pieces, {modeldir.CONFIG} says {cfg.arch.vocab_size}")
+        raise modeldir.ModelDirError(f"{spath}: vocabulary has {n} pieces, "
+                                     f"{modeldir.CONFIG} says {cfg.arch.vocab_size}")
     return cfg, spath
 
 
