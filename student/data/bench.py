@@ -82,15 +82,10 @@ def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
             "stdout": out.decode().strip()}
 
 
-def train_config(a):
-    from student.train.trainer import TrainConfig
-    return TrainConfig(out_dir=a.out, src=a.src, tgt=a.tgt, max_steps=1, eval_every=0, save_every=0,
-                       test_at_end=False, preset=a.preset, vocab_size=a.vocab_size, max_tokens=a.max_tokens)
-
-
 def first_step(a) -> None:
     """The child of the train phase: the encoded corpus (built or reused), then one step."""
     from student.train.trainer import Trainer, load_corpus
+    from student.data.ranks import train_config
     from student.train.batching import make_batches, shard
     import torch
     cfg = train_config(a)

@@ -82,9 +82,15 @@ def compare(one: dict, many: dict) -> dict:
             "replicas_equal": len({params_digest(g) for g in got}) == 1}
 
 
+def train_config(a):
+    """The TrainConfig of a bench child (its argparse namespace)."""
+    from student.train.trainer import TrainConfig
+    return TrainConfig(out_dir=a.out, src=a.src, tgt=a.tgt, max_steps=1, eval_every=0, save_every=0,
+                       test_at_end=False, preset=a.preset, vocab_size=a.vocab_size, max_tokens=a.max_tokens)
+
+
 def _setup(a, ddp: bool):
     """(trainer, corpus, encode seconds) of a child, its corpus encoded or reused under a.out."""
-    from student.data.bench import train_config
     from student.train.trainer import Trainer, init_distributed, load_corpus
     device = init_distributed()[1] if ddp else torch.device("cpu")
     cfg = train_config(a)
