@@ -229,3 +229,50 @@ def test_distillation_reads_its_source_file_a_shard_at_a_time_as_it_would_the_li
     counts = {}
     assert list(iter_clean_distilled(zip(src, hyp), counts)) == list(zip(*clean_distilled(src, hyp)[:2]))
     assert counts == clean_distilled(src, hyp)[2]
+
+
+# -- the benchmark's two torchrun ranks against one process (student.data.bench --ranks) --------------
+
+def fake_child(d, params, losses, shards="s", world=1):
+    """What a bench child reports, with its parameter dump(s) in d."""
+    import torch
+    os.makedirs(d, exist_ok=True)
+    for r in range(world):
+        torch.save(params, os.path.join(d, f"rank{r}.pt"))
+    return {"dump": str(d), "world": world, "losses": losses, "prepared": "p", "shards_sha256": shards}
+
+
+def test_rank_comparison_reports_each_difference(tmp_path):
+    import torch
+    from student.data.ranks import compare, shards_digest
+    w = {"a": torch.arange(6.0).view(2, 3), "b": torch.zeros(0)}
+    one = fake_child(tmp_path / "one", w, [[1.5, 2.5]])
+    same = compare(one, fake_child(tmp_path / "two", w, [[1.5, 2.5]], world=2))
+    assert all(same[k] for k in ("same_prepared_dir", "shards_identical", "losses_equal", "params_equal",
+                                 "replicas_equal")) and same["max_abs_param_diff"] == same["max_loss_diff"] == 0
+    moved = {"a": w["a"] + torch.tensor([0, 0, 0, 0, 0, 1e-6]).view(2, 3), "b": w["b"]}
+    other = compare(one, fake_child(tmp_path / "three", moved, [[1.5, 2.25]], shards="t"))
+    assert not any(other[k] for k in ("shards_identical", "losses_equal", "params_equal"))
+    assert other["max_loss_diff"] == 0.25 and 0 < other["max_abs_param_diff"] < 2e-6
+    torch.save(moved, tmp_path / "two" / "rank1.pt")  # the replicas drifted apart
+    assert not compare(one, {**one, "dump": str(tmp_path / "two"), "world": 2})["replicas_equal"]
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    for name in ("src-00000.npy", "idx-00000.npy"):
+        np.save(enc / name, np.arange(5, dtype=np.uint16))
+    digest = shards_digest(str(enc))
+    np.save(enc / "src-00000.npy", np.array([0, 1, 2, 3, 5], dtype=np.uint16))
+    assert shards_digest(str(enc)) != digest
+
+
+def test_bench_two_torchrun_ranks_encode_and_step_as_one_process(tmp_path, synth4000, monkeypatch):
+    from student.data import bench
+    src, tgt = head(synth4000, 400, str(tmp_path / "corpus"))
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))  # no prepare phase: the first child prepares
+    a = bench.parse_args(["--src", src, "--tgt", tgt, "--work", str(tmp_path), "--vocab-size", "400",
+                          "--max-tokens", "600", "--shard-pairs", "150", "--ranks", "2", "--steps", "2"])
+    r = bench.ranks_phase(a, str(tmp_path / "bench.log"))  # 3 shards: rank 0 encodes 0 and 2, rank 1 shard 1
+    assert r["shards_identical"] and r["same_prepared_dir"] and r["replicas_equal"], r
+    assert r["losses_equal"] and r["params_equal"] and r["max_abs_param_diff"] == 0, r
+    assert len(r["one_process"]["losses"]) == 2 and all(len(x) == 2 for x in r["2_ranks"]["losses"])
+    assert r["2_ranks"]["pairs"] == r["one_process"]["pairs"] == 360  # 5% each held out for dev and test

@@ -1,8 +1,12 @@
 """Lexical shortlist: the builder's pairs, the file's validation, and decoding over it."""
+import importlib
+import itertools
 import json
 import os
 import shutil
+import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +15,11 @@ from decoder import Translator, modeldir, ops
 from decoder.modeldir import ModelDirError
 from decoder.shortlist import Shortlist
 from fixture_model import make_model_dir, synthetic_corpus
-from student.shortlist import add_to_model_dir, build
+from student.data import read_lines
+from student.shortlist import add_to_model_dir, build, cooc, encode_corpus
+from tools.synth_corpus import generate
+
+build_mod = importlib.import_module("student.shortlist.build")  # the package's `build` is the function
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +287,115 @@ def test_add_to_model_dir_names_the_file_of_a_line_count_mismatch(base_dir, tmp_
     (tmp_path / "a.es").write_text("uno\n")
     with pytest.raises(DataError, match=r"a\.es: 1 lines, but .*a\.en has 2"):
         add_to_model_dir(base_dir, str(tmp_path / "a.en"), str(tmp_path / "a.es"))
+
+
+# -- the builder streams: same lists, memory flat in the corpus -----------------------------------
+
+def old_build(src, tgt, V, *, k=100, n_frequent=100, identity=True, exclude=(), block_mb=128):
+    """student.shortlist.build before it streamed (every sentence in memory at once): the reference."""
+    def flat(seqs):
+        lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+        tok = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(len(seqs)), lens), tok
+
+    def distinct(sent, tok):
+        keep = ~torch.isin(tok, ex)
+        key = torch.unique(sent[keep] * V + tok[keep])
+        return key // V, key % V
+    ex = torch.tensor(sorted(set(exclude)), dtype=torch.long)
+    (s_sent, s_all), (t_sent, t_all) = flat(src), flat(tgt)
+    s_sent, s_tok = distinct(s_sent, s_all)
+    t_sent, t_tok = distinct(t_sent, t_all)
+    df_s, df_t = torch.bincount(s_tok, minlength=V), torch.bincount(t_tok, minlength=V)
+    t_len = torch.bincount(t_sent, minlength=len(tgt))
+    t_off = torch.cumsum(t_len, 0) - t_len
+    occ = torch.bincount(t_all, minlength=V)
+    occ[ex] = 0
+    order = torch.sort(-occ, stable=True).indices
+    frequent = order[:n_frequent][occ[order[:n_frequent]] > 0]
+    special = torch.zeros(V, dtype=torch.bool)
+    special[ex] = True
+    rows = max(1, min(V, block_mb * 2 ** 20 // (4 * V)))
+    lengths, ids = [], []
+    for lo in range(0, V, rows):
+        hi = min(V, lo + rows)
+        m = (s_tok >= lo) & (s_tok < hi)
+        bs, bt = s_sent[m], s_tok[m] - lo
+        r = t_len[bs]
+        pos = torch.repeat_interleave(t_off[bs] - (torch.cumsum(r, 0) - r), r) + torch.arange(int(r.sum()))
+        key = torch.repeat_interleave(bt, r) * V + t_tok[pos]
+        counts = torch.zeros((hi - lo) * V, dtype=torch.int32)
+        counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        dice = counts.view(hi - lo, V).float().mul_(2)
+        dice.div_((df_s[lo:hi, None].float() + df_t[None, :].float()).clamp_min_(1))
+        if identity:
+            i = torch.arange(hi - lo)
+            dice[i, i + lo] = torch.where(special[lo:hi], dice[i, i + lo], 2.0)
+        dice[special[lo:hi]] = 0
+        val, idx = dice.topk(min(k, V), dim=1)
+        lengths.append((val > 0).sum(1))
+        ids.append(idx[val > 0])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.cat(lengths), 0)])
+    return offsets, torch.cat(ids).long(), frequent.long()
+
+
+def same_lists(got, want):
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_streamed_builder_gives_the_lists_of_the_in_memory_builder(monkeypatch):
+    # chunks, row blocks and index_add_ ranges all small, so the corpus crosses each many times
+    monkeypatch.setattr(build_mod, "CHUNK", 37)
+    monkeypatch.setattr(cooc, "MAX_PAIRS", 50)
+    rng = np.random.default_rng(0)
+    V = 2000  # block_mb=1: 131 rows a block, 16 blocks
+
+    def sentences(n):  # Zipfian ids, empty sentences and special ids included
+        return [np.minimum(rng.zipf(1.3, int(rng.integers(0, 25))) - 1, V - 1).tolist() for _ in range(n)]
+    src, tgt = sentences(700), sentences(700)
+    for opts in (dict(k=5, n_frequent=10), dict(k=50, n_frequent=0, identity=False), dict(k=1, n_frequent=3)):
+        want = old_build(src, tgt, V, exclude=(0, 1, 2, 3), block_mb=1, **opts)
+        same_lists(build(src, tgt, V, exclude=(0, 1, 2, 3), block_mb=1, **opts), want)
+    same_lists(build(src[:5], tgt[:5], V, exclude=()), old_build(src[:5], tgt[:5], V))  # one chunk, no specials
+    same_lists(build([], [], 50, k=3), old_build([], [], 50, k=3))
+
+
+def test_builder_rejects_ids_outside_the_vocabulary():
+    with pytest.raises(ValueError, match=r"target token ids outside \[0, 10\)"):
+        build([[4]], [[10]], 10)
+
+
+def test_shortlist_of_files_is_the_in_memory_builders_on_the_same_lines(base_dir, tmp_path, toy_files, monkeypatch):
+    monkeypatch.setattr(build_mod, "CHUNK", 97)
+    monkeypatch.setattr(build_mod, "SUB", 30)
+    src, tgt = (str(toy_files / f) for f in ("train.en", "train.es"))
+    for max_lines in (0, 250):
+        d = str(tmp_path / f"model{max_lines}")
+        shutil.copytree(base_dir, d)
+        info = add_to_model_dir(d, src, tgt, k=20, n_frequent=10, max_lines=max_lines)
+        lines = [read_lines(f)[0][:max_lines or None] for f in (src, tgt)]
+        cfg, s_ids, t_ids = encode_corpus(d, *lines)
+        want = old_build(s_ids, t_ids, cfg.arch.vocab_size, k=20, n_frequent=10,
+                         exclude=(cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id))
+        same_lists(modeldir.read_shortlist(d, modeldir.read_config(d)), want)
+        assert info["lines"] == (max_lines or 600)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".shortlist-")]  # its temp dir is gone
+
+
+def test_shortlist_peak_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(build_mod, "CHUNK", 100)  # 2,000 pairs: 20 chunks
+    torch.set_num_threads(1)
+    d = make_model_dir(tmp_path / "model", seed=1, normaliser={})  # no Moses pass: the test takes seconds
+    src, tgt = generate(2000, str(tmp_path / "synth"), "en", "de", seed=2, verbose=False)
+    peaks = {}
+    for n in (200, 500, 2000):  # 200: first-use costs land outside the measure
+        tracemalloc.start()
+        info = add_to_model_dir(d, src, tgt, k=20, n_frequent=10, max_lines=n)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert info["lines"] == n
+    # measured: 1.0x (1.70 MB both); 4.0x (6.5 -> 26.1 MB) with the corpus read and encoded whole, as before
+    assert peaks[2000] < 1.3 * peaks[500], peaks
 
 
 def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():

@@ -7,6 +7,16 @@ with wall time and peak memory of each phase (a benchmark, not a test).
 Each phase runs in its own process tree; peak RSS is sampled every 0.2 s as the sum
 over the tree (the parent and its worker processes) and also read from
 getrusage(RUSAGE_CHILDREN) (the largest single process). Prints one JSON object.
+
+With --ranks R (2: the issue's target), two more phases on the same prepared corpus:
+R torchrun processes (gloo on CPU) encode the train split afresh and take --steps
+DDP steps, and one process (reusing the one-process encoding) takes the steps R ranks
+take (ranks.replica_steps): rank r's batches r, r + R, ... of the one-process batch
+list, each rank's loss normalised by its own tokens, the gradients averaged. Both on one
+thread a process (torchrun's default), so equal means bit-equal. The JSON's "ranks"
+says whether the encoded shards are byte-identical (sha256 of the shard files), the
+losses equal step by step and rank by rank, and the parameters after the steps equal
+(sha256 of the state dict; the largest difference), with the phase's wall and peak RSS.
 """
 from __future__ import annotations
 
@@ -14,10 +24,14 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import threading
 import time
+
+from decoder.cliargs import positive_int
+from student.data import indexed
 
 
 def tree_rss(pid: int) -> int:
@@ -43,12 +57,12 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def measure(cmd: list[str], log: str) -> dict:
+def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
     """Run cmd (stderr to log); wall seconds, peak tree RSS and peak single-process RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     peak, t0 = [0], time.time()
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, env=env)
         done = threading.Event()
 
         def sample():
@@ -68,20 +82,20 @@ def measure(cmd: list[str], log: str) -> dict:
             "stdout": out.decode().strip()}
 
 
-def first_step(args) -> None:
+def first_step(a) -> None:
     """The child of the train phase: the encoded corpus (built or reused), then one step."""
-    from student.train.trainer import Trainer, TrainConfig, load_corpus
+    from student.train.trainer import Trainer, load_corpus
+    from student.data.ranks import train_config
+    from student.train.batching import make_batches, shard
     import torch
-    cfg = TrainConfig(out_dir=args.out, src=args.src, tgt=args.tgt, max_steps=1, eval_every=0, save_every=0,
-                      test_at_end=False, preset=args.preset, vocab_size=args.vocab_size)
+    cfg = train_config(a)
     os.makedirs(cfg.out_dir, exist_ok=True)
     t0 = time.time()
     corpus = load_corpus(cfg, False)
     t1 = time.time()
     trainer = Trainer(cfg, corpus, torch.device("cpu"), False)
-    from student.train.batching import make_batches, shard
-    cfg = trainer.cfg  # with the batch sizes decided for this device
-    batches = shard(make_batches(*trainer.train_lens, cfg.max_tokens, cfg.max_sentences, cfg.seed, 0), 0, 1)
+    c = trainer.cfg  # the batch sizes resolved for this machine
+    batches = shard(make_batches(*trainer.train_lens, c.max_tokens, c.max_sentences, c.seed, 0), 0, 1)
     t2 = time.time()
     ntok, loss, _ = trainer.step(batches[0:1])
     t3 = time.time()
@@ -89,37 +103,82 @@ def first_step(args) -> None:
                       "pairs": len(corpus.train), "batches": len(batches), "loss": round(loss, 3)}))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--src", required=True)
     ap.add_argument("--tgt", required=True)
-    ap.add_argument("--work", help="data dir and run dir go here (required)")
+    ap.add_argument("--work", help="data dir and run dirs go here (required)")
     ap.add_argument("--preset", default="teacher-tiny")
-    ap.add_argument("--vocab-size", type=int, default=8000, help="joint SentencePiece vocabulary size")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab-size", type=positive_int, default=8000, help="SentencePiece vocabulary (prepare's)")
+    ap.add_argument("--max-tokens", type=positive_int,
+                    help="tokens a batch; unset, the trainer's choice for the machine")
+    ap.add_argument("--ranks", type=positive_int, default=1,
+                    help="also run encoding and --steps training steps under torchrun with this many gloo "
+                         "processes, against one process taking the same steps (1 = no)")
+    ap.add_argument("--steps", type=positive_int, default=3, help="training steps compared under --ranks")
+    ap.add_argument("--shard-pairs", type=positive_int, default=indexed.SHARD,
+                    help="pairs a shard of the encoded corpus (ranks encode shards i %% R == r)")
+    ap.add_argument("--child", choices=("first", "replicas", "ddp"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--dump", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.child:
-        first_step(a)
-        return 0
-    if not a.work:
+    if not a.child and not a.work:
         ap.error("the following arguments are required: --work")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    for path in (a.src, a.tgt):
+        if not os.path.isfile(path):
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return 2
+    if a.child:
+        from student.data import ranks
+        indexed.SHARD = a.shard_pairs  # the children encode
+        {"first": first_step, "replicas": ranks.one_process, "ddp": ranks.ddp}[a.child](a)
+        return 0
     os.makedirs(a.work, exist_ok=True)
-    env_py = [sys.executable]
     log = os.path.join(a.work, "bench.log")
     data = os.path.join(a.work, "data")
     os.environ["KIT_DATA_DIR"] = data
-    vocab = ["--vocab-size", str(a.vocab_size)]
-    prep = measure(env_py + ["-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt, "--data-dir", data,
-                             *vocab], log)
-    train = measure(env_py + ["-m", "student.data.bench", "--child", "--src", a.src, "--tgt", a.tgt,
-                              "--out", os.path.join(a.work, "run"), "--preset", a.preset, *vocab], log)
+    prep = measure([sys.executable, "-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt,
+                    "--data-dir", data, "--vocab-size", str(a.vocab_size)], log)
+    train = measure(child(a, "first", os.path.join(a.work, "run")), log)
     steps = json.loads(train.pop("stdout").splitlines()[-1])
     prep.pop("stdout")
-    print(json.dumps({"prepare": prep, "encode_and_first_step": {**train, **steps},
-                      "cores": len(os.sched_getaffinity(0))}, indent=2))
+    out = {"prepare": prep, "encode_and_first_step": {**train, **steps}}
+    if a.ranks > 1:
+        out["ranks"] = ranks_phase(a, log)
+    print(json.dumps({**out, "cores": len(os.sched_getaffinity(0))}, indent=2))
     return 0
+
+
+def child(a, kind: str, out: str, dump: str | None = None) -> list[str]:
+    """The command line of a child phase of this benchmark."""
+    cmd = ["-m", "student.data.bench", "--child", kind, "--src", a.src, "--tgt", a.tgt, "--out", out,
+           "--preset", a.preset, "--vocab-size", str(a.vocab_size), "--ranks", str(a.ranks), "--steps", str(a.steps),
+           "--shard-pairs", str(a.shard_pairs)]
+    cmd += ["--max-tokens", str(a.max_tokens)] if a.max_tokens else []
+    cmd += ["--dump", dump] if dump else []
+    if kind == "ddp":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks),
+                *cmd]
+    return [sys.executable, *cmd]
+
+
+def ranks_phase(a, log: str) -> dict:
+    """--ranks R processes against one: the same shards, losses and parameters (module docstring)."""
+    from student.data import ranks
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's default for each of several ranks
+    one = measure(child(a, "replicas", os.path.join(a.work, "run"), os.path.join(a.work, "params-1")), log, env)
+    run = os.path.join(a.work, f"run-ranks{a.ranks}")
+    shutil.rmtree(run, ignore_errors=True)  # encoded afresh by the ranks, not reused
+    many = measure(child(a, "ddp", run, os.path.join(a.work, f"params-{a.ranks}")), log, env)
+    ref, got = (json.loads(x.pop("stdout").splitlines()[-1]) for x in (one, many))
+    return {"world": a.ranks, "steps": a.steps, **ranks.compare(ref, got), "one_process": {**one, **ref},
+            f"{a.ranks}_ranks": {**many, **got}}
 
 
 if __name__ == "__main__":

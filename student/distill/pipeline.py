@@ -522,7 +522,8 @@ class Pipeline:
         opts = {"k": self.cfg.shortlist_k, "frequent": self.cfg.shortlist_frequent}
 
         def build(d):
-            return add_to_model_dir(model_dir, train_src, train_tgt, k=opts["k"], n_frequent=opts["frequent"])
+            return add_to_model_dir(model_dir, train_src, train_tgt, k=opts["k"], n_frequent=opts["frequent"],
+                                    verbose=self.verbose)
 
         self.runner.stage(stage, opts, upstream, _no_work, build)
         # the file lives in the student's model dir, which every shortlist key shares:

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         info = add_to_model_dir(a.model, a.src, a.tgt, k=a.k, n_frequent=a.frequent, identity=a.identity,
-                                max_lines=a.max_lines)
+                                max_lines=a.max_lines, verbose=True)
     except (ModelDirError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

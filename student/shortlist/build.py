@@ -19,28 +19,39 @@ With `identity` each source token also lists itself (first): the vocabulary
 is joint, and names, numbers and byte pieces are copied through even when the
 training data never showed them.
 
-Counting is exact: pairs are generated sentence by sentence and added into a
-dense (rows, V) int32 block of source rows at a time, so memory stays near
-3 x `block_mb` whatever the vocabulary size (32k x 32k would be 4 GB at once).
-Time grows with the number of (source, target) token pairs per sentence; for
-corpora of millions of lines, `max_lines` of them give the same lists for all
-but rare tokens.
+Counting is exact and streamed (cooc.py): the corpus is read a chunk of CHUNK
+pairs at a time, encoded over the cores, and its distinct ids per sentence go
+to a temp dir beside the model dir; the (V, V) counts are then built a dense
+(rows, V) int32 block of source rows at a time. Memory stays near 3 x `block_mb`
+plus a few chunks in flight, whatever the corpus' or the vocabulary's size (32k x 32k would be
+4 GB at once); disk holds about 6 bytes a distinct token. Time grows with the
+number of (source, target) token pairs per sentence; for corpora of millions of
+lines, `max_lines` of them give the same lists for all but rare tokens.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import time
+import zlib
 from typing import NamedTuple
 
 import numpy as np
 import sentencepiece as spm
 import torch
+from tqdm import tqdm
 
-from decoder import modeldir
-from student.data import DataError, normalise, read_lines
+from decoder import modeldir, textio
+from student.data import DataError, normalise
+from student.data.corpus import Lines
+from student.data.parallel import imap_ordered, workers
+from student.shortlist import cooc
 
-MAX_PAIRS = 1 << 24  # (source, target) pairs per index_add_: ~400 MB of temporaries
+CHUNK = 50_000         # pairs a chunk of the first pass (a worker's task)
+SUB = 5_000            # lines normalised and encoded at a time inside a chunk
+POOL_BYTES = 16 << 20  # smaller corpora count in-process: starting workers would cost more
+BLOCK_MB = 128
 
 
 class Lexicon(NamedTuple):
@@ -50,33 +61,8 @@ class Lexicon(NamedTuple):
     frequent: torch.Tensor  # (N,) int64, most frequent first
 
 
-def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sentence index (n,), token id (n,)) of every token."""
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    tok = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
-    return torch.repeat_interleave(torch.arange(len(seqs)), torch.from_numpy(lens)), torch.from_numpy(tok)
-
-
-def _distinct(sent, tok, V: int, exclude) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct tokens of each sentence, sorted by sentence: co-occurrence counts sentences, not tokens."""
-    keep = ~torch.isin(tok, exclude)
-    key = torch.unique(sent[keep] * V + tok[keep])  # (m,) sorted
-    return key // V, key % V
-
-
-def _chunks(reps: torch.Tensor, max_pairs: int):
-    """(a, b) ranges of source entries whose target repeats sum to about max_pairs."""
-    c = torch.cumsum(reps, 0)
-    a = 0
-    while a < reps.numel():
-        base = int(c[a - 1]) if a else 0
-        b = max(a + 1, int(torch.searchsorted(c, base + max_pairs, right=True)))
-        yield a, b
-        a = b
-
-
 def build(src: list[list[int]], tgt: list[list[int]], vocab_size: int, *, k: int = 100,
-          n_frequent: int = 100, identity: bool = True, exclude=(), block_mb: int = 128) -> Lexicon:
+          n_frequent: int = 100, identity: bool = True, exclude=(), block_mb: int = BLOCK_MB) -> Lexicon:
     """The shortlist of token-id sentence pairs (module docstring); `exclude` (special
     ids) never enter a list, and their own lists stay empty.
 
@@ -86,45 +72,36 @@ def build(src: list[list[int]], tgt: list[list[int]], vocab_size: int, *, k: int
     reference tokens inside each sentence's own candidates rises from 89% to 93%."""
     if len(src) != len(tgt):
         raise ValueError(f"{len(src)} source sentences but {len(tgt)} target sentences")
+    _check(k, n_frequent)
+    with tempfile.TemporaryDirectory(prefix="shortlist-") as tmp:
+        p = cooc.plan(vocab_size, exclude, block_mb, tmp)
+        tasks = ((i, (src[a:a + CHUNK], tgt[a:a + CHUNK]), p) for i, a in enumerate(range(0, len(src), CHUNK)))
+        counted = cooc.totals(map(cooc.count_ids, tasks), vocab_size)
+        return _lexicon(counted, p, k, n_frequent, identity)
+
+
+def _check(k: int, n_frequent: int) -> None:
     if k < 1 or n_frequent < 0:
         raise ValueError(f"k must be >= 1 and n_frequent >= 0 (got k={k}, n_frequent={n_frequent})")
-    V = vocab_size
-    ex = torch.tensor(sorted(set(exclude)), dtype=torch.long)
-    s_sent, s_all = _flat(src)
-    t_sent, t_all = _flat(tgt)
-    for name, tok in (("source", s_all), ("target", t_all)):
-        if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= V):
-            raise ValueError(f"{name} token ids outside [0, {V})")
-    s_sent, s_tok = _distinct(s_sent, s_all, V, ex)  # (ms,) each
-    t_sent, t_tok = _distinct(t_sent, t_all, V, ex)  # (mt,) each
-    df_s = torch.bincount(s_tok, minlength=V)  # (V,) sentences holding each source token
-    df_t = torch.bincount(t_tok, minlength=V)  # (V,) sentences holding each target token
-    t_len = torch.bincount(t_sent, minlength=len(tgt))  # (n,) distinct targets per sentence
-    t_off = torch.cumsum(t_len, 0) - t_len  # (n,) where a sentence's targets start in t_tok
 
-    occ = torch.bincount(t_all, minlength=V)  # (V,) occurrences, for the frequent list
+
+def _lexicon(counted: tuple[int, np.ndarray], p: cooc.Plan, k: int, n_frequent: int, identity: bool,
+             verbose: bool = False) -> Lexicon:
+    """The lists from the first pass' (chunks, totals), a row block at a time."""
+    n_chunks, totals = counted
+    V = p.vocab
+    df_s, df_t, occ = torch.from_numpy(totals)  # (V,) each: sentences holding s, t; occurrences of t
+    ex = torch.from_numpy(p.exclude)
     occ[ex] = 0
     order = torch.sort(-occ, stable=True).indices  # most frequent first, ties by id
     frequent = order[:n_frequent][occ[order[:n_frequent]] > 0]
-
     special = torch.zeros(V, dtype=torch.bool)
     special[ex] = True
-    rows = max(1, min(V, block_mb * 2 ** 20 // (4 * V)))
     lengths, ids = [], []
-    for lo in range(0, V, rows):
-        hi = min(V, lo + rows)
-        m = (s_tok >= lo) & (s_tok < hi)
-        bs, bt = s_sent[m], s_tok[m] - lo  # (mb,) source entries of this block
-        reps = t_len[bs]  # (mb,) each pairs with all its sentence's targets
-        counts = torch.zeros((hi - lo) * V, dtype=torch.int32)
-        for a, b in _chunks(reps, MAX_PAIRS):
-            r = reps[a:b]
-            first = torch.cumsum(r, 0) - r
-            pos = torch.repeat_interleave(t_off[bs[a:b]] - first, r) + torch.arange(int(r.sum()))  # (p,)
-            key = torch.repeat_interleave(bt[a:b], r) * V + t_tok[pos]  # (p,) row * V + target
-            counts.index_add_(0, key, torch.ones(key.numel(), dtype=torch.int32))
-        dice = counts.view(hi - lo, V).float().mul_(2)  # (R, V)
-        del counts
+    for b in tqdm(range(p.n_blocks), desc="shortlist: lists", unit="block", delay=1, disable=not verbose):
+        lo = b * p.rows
+        dice = cooc.block_counts(b, n_chunks, p).float().mul_(2)  # (R, V)
+        hi = lo + dice.shape[0]
         dice.div_((df_s[lo:hi, None].float() + df_t[None, :].float()).clamp_min_(1))
         if identity:  # above any Dice (<= 1): the token itself comes first
             r = torch.arange(hi - lo)
@@ -139,40 +116,100 @@ def build(src: list[list[int]], tgt: list[list[int]], vocab_size: int, *, k: int
     return Lexicon(offsets, torch.cat(ids).long(), frequent.long())
 
 
-def encode_corpus(model_dir: str, src_lines: list[str], tgt_lines: list[str]):
-    """(config, source ids, target ids) as training saw them: the model dir's
-    normaliser per side, then its SentencePiece model (no </s>)."""
+def _model(model_dir: str):
+    """(config, SentencePiece model path) of a model dir, checked against each other."""
     cfg = modeldir.read_config(model_dir)
     spath = os.path.join(model_dir, modeldir.SPM)
     if not os.path.isfile(spath):
         raise modeldir.ModelDirError(f"{spath}: missing file")
-    sp = spm.SentencePieceProcessor(model_file=spath)
-    if sp.get_piece_size() != cfg.arch.vocab_size:
-        raise modeldir.ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
+    n = spm.SentencePieceProcessor(model_file=spath).get_piece_size()
+    if n != cfg.arch.vocab_size:
+        raise modeldir.ModelDirError(f"{spath}: vocabulary has {n} pieces, "
                                      f"{modeldir.CONFIG} says {cfg.arch.vocab_size}")
-    n = cfg.normaliser
-    if n:
-        src_lines = [normalise(s, n.get("src_lang", cfg.src_lang), n) for s in src_lines]
-        tgt_lines = [normalise(s, n.get("tgt_lang", cfg.tgt_lang), n) for s in tgt_lines]
-    return cfg, sp.encode(src_lines), sp.encode(tgt_lines)
+    return cfg, spath
+
+
+def _langs(cfg) -> tuple[str, str]:
+    n = cfg.normaliser or {}
+    return n.get("src_lang", cfg.src_lang), n.get("tgt_lang", cfg.tgt_lang)
+
+
+def encode_corpus(model_dir: str, src_lines: list[str], tgt_lines: list[str]):
+    """(config, source ids, target ids) as training saw them: the model dir's
+    normaliser per side, then its SentencePiece model (no </s>)."""
+    cfg, spath = _model(model_dir)
+    _setup(spath, _langs(cfg), cfg.normaliser)
+    return cfg, _encode(src_lines, 0), _encode(tgt_lines, 1)
+
+
+_WORKER: dict = {}
+
+
+def _setup(spath: str, langs: tuple[str, str], normaliser: dict | None) -> None:
+    _WORKER.update(sp=spm.SentencePieceProcessor(model_file=spath), langs=langs, norm=normaliser)
+
+
+def _encode(lines: list[str], side: int) -> list[list[int]]:
+    w = _WORKER
+    if w["norm"]:
+        lines = [normalise(s, w["langs"][side], w["norm"]) for s in lines]
+    return w["sp"].encode(lines)
+
+
+def _encode_count(task) -> np.ndarray:
+    """cooc.count_chunk of a task (i, (source, target) line pairs, plan), encoded SUB lines at a time."""
+    i, pairs, p = task
+    sides = []
+    for side in (0, 1):
+        parts = [cooc.flat(_encode([x[side] for x in pairs[j:j + SUB]], side)) for j in range(0, len(pairs), SUB)]
+        sides.append(tuple(np.concatenate(a) for a in zip(*parts)))
+    return cooc.count_chunk(i, sides[0], sides[1], p)
 
 
 def add_to_model_dir(model_dir: str, src_path: str, tgt_path: str, *, k: int = 100, n_frequent: int = 100,
-                     identity: bool = True, max_lines: int = 0) -> dict:
-    """Build the shortlist of a parallel corpus (plain or .gz files) into a model dir
-    (shortlist.safetensors, listed in config.json); returns a summary."""
+                     identity: bool = True, max_lines: int = 0, verbose: bool = False) -> dict:
+    """Build the shortlist of a parallel corpus (plain or .gz files, streamed) into a model dir
+    (shortlist.safetensors, listed in config.json); returns a summary. The first pass' files
+    go to a temp dir beside the model dir."""
     t0 = time.time()
-    src, tgt = read_lines(src_path)[0], read_lines(tgt_path)[0]
-    if len(src) != len(tgt):
-        raise DataError(f"{tgt_path}: {len(tgt)} lines, but {src_path} has {len(src)}")
-    if max_lines:
-        src, tgt = src[:max_lines], tgt[:max_lines]
-    cfg, s_ids, t_ids = encode_corpus(model_dir, src, tgt)
-    lex = build(s_ids, t_ids, cfg.arch.vocab_size, k=k, n_frequent=n_frequent, identity=identity,
-                exclude=(cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id))
-    meta = {"score": "dice", "k": k, "frequent": n_frequent, "identity": identity, "lines": len(src),
+    _check(k, n_frequent)
+    n_src, n_tgt = _line_count(src_path), _line_count(tgt_path)
+    if n_src != n_tgt:
+        raise DataError(f"{tgt_path}: {n_tgt} lines, but {src_path} has {n_src}")
+    n = min(n_src, max_lines) if max_lines else n_src
+    cfg, spath = _model(model_dir)
+    with tempfile.TemporaryDirectory(prefix=".shortlist-", dir=os.path.dirname(os.path.abspath(model_dir))) as tmp:
+        p = cooc.plan(cfg.arch.vocab_size, (cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id), BLOCK_MB, tmp)
+        counted = _count_files(src_path, tgt_path, n, (spath, _langs(cfg), cfg.normaliser), p, verbose)
+        lex = _lexicon(counted, p, k, n_frequent, identity, verbose)
+    meta = {"score": "dice", "k": k, "frequent": n_frequent, "identity": identity, "lines": n,
             "src": os.path.basename(src_path), "tgt": os.path.basename(tgt_path)}
     path = modeldir.write_shortlist(model_dir, *lex, metadata=meta)
     listed = (lex.offsets[1:] > lex.offsets[:-1]).sum()
     return {"path": path, **meta, "pairs": lex.ids.numel(), "source_tokens_with_list": int(listed),
             "seconds": round(time.time() - t0, 1)}
+
+
+def _line_count(path: str) -> int:
+    """Lines as student.data reads them, counted in bounded memory; one DataError for a bad file."""
+    lines = Lines(path)  # a missing file fails here
+    try:
+        return textio.count_lines(path)
+    except (OSError, EOFError, zlib.error):
+        for _ in lines:  # names the failure as every reader of the corpus does
+            pass
+        raise
+
+
+def _count_files(src_path: str, tgt_path: str, n: int, setup: tuple, p: cooc.Plan, verbose: bool):
+    """The first pass over the first n pairs of two line-aligned files: (chunks, totals)."""
+    pairs = itertools.islice(zip(Lines(src_path), Lines(tgt_path)), n)
+    with tqdm(total=n, desc="shortlist: counting", unit="pair", unit_scale=True, delay=1,
+              disable=not verbose) as bar:
+        def tasks():
+            for i in range(-(-n // CHUNK)):
+                chunk = list(itertools.islice(pairs, CHUNK))
+                bar.update(len(chunk))
+                yield i, chunk, p
+        n_workers = workers() if os.path.getsize(src_path) > POOL_BYTES else 1
+        return cooc.totals(imap_ordered(_encode_count, tasks(), n_workers, _setup, setup), p.vocab)

@@ -433,11 +433,18 @@ class Trainer:
 
     def step(self, group: list) -> tuple[int, float, float]:
         """One optimizer step over the micro-batches in `group`; (target tokens, loss, lr)."""
-        a, cfg, opt, scaler = self.model.args, self.cfg, self.opt, self.scaler
+        lr = self.schedule.get_last_lr()[0]
+        ntok, loss = self.backward(group)
+        self.update()
+        return ntok, loss, lr
+
+    def backward(self, group: list) -> tuple[int, float]:
+        """The gradients of `group` (under DDP, all-reduced at its last micro-batch), the loss
+        normalised by the group's target tokens; (target tokens, loss)."""
+        a, cfg, scaler = self.model.args, self.cfg, self.scaler
         src_ids, tgt_ids = self.corpus.train["src"], self.corpus.train["tgt"]
         micro = [collate(src_ids, tgt_ids, idx, a.pad_id, a.decoder_start_id, a.eos_id) for idx in group]
         ntok = sum(int((to != a.pad_id).sum()) for _, _, to in micro)
-        lr = self.schedule.get_last_lr()[0]
         loss_total = 0.0
         for k, batch in enumerate(micro):
             s, ti, to = (t.to(self.device) for t in batch)
@@ -449,6 +456,11 @@ class Trainer:
                 loss = loss / ntok
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_total += loss.item()
+        return ntok, loss_total
+
+    def update(self) -> None:
+        """The optimizer and schedule step on the gradients backward() left."""
+        cfg, opt, scaler = self.cfg, self.opt, self.scaler
         if scaler:
             scaler.unscale_(opt)
         if cfg.clip_norm:
@@ -460,7 +472,6 @@ class Trainer:
             opt.step()
         self.schedule.step()
         opt.zero_grad(set_to_none=True)
-        return ntok, loss_total, lr
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
