@@ -434,7 +434,8 @@ class Plan:
 
     def summary(self, precision: str = "fp32") -> str:
         """The plan in one clause of the settings line: loop, state, graphs, host
-        reads, and the switches of this device and loop that differ from their defaults."""
+        reads, the switches of this device and loop that differ from their defaults,
+        and which of the fused ops it calls run kernels (`ops_summary`)."""
         relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
                     "int8" if precision == "int8" else "", self.device}
         diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
