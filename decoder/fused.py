@@ -1,16 +1,22 @@
 """Fused decode-step ops: the C++ kernels (decoder/csrc/fused_cpu.cpp) beside
 their plain PyTorch definitions.
 
-Each public function runs the kernel when the library for the tensor's
-device is built (decoder/ops.py: C++ for CPU, csrc/fused_cuda.cu for CUDA
-where nvcc is found) and the reference otherwise; the tests check one against
-the other. Which of them the decoder
-uses is a switch each (decoder/optimisations.py), so the benchmarks measure
-every fusion alone.
+Each op has its reference, its kernel's entry (`*_kernel`: the argument checks
+in Python, then the op; `*_cuda` where CUDA's kernel differs) and a public
+function that runs the entry when the library for the tensor's device is built
+(decoder/ops.py: C++ for CPU, csrc/fused_cuda.cu for CUDA where nvcc is found)
+and the reference otherwise; the tests check one against the other. The decoder
+asks that once: its plan (decoder/optimisations.py) holds the `Ops` that `bound`
+chose for its device, dtype and loaded kernels, and whether it uses each fusion
+is a switch, so the benchmarks measure every fusion alone.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +121,8 @@ require = ops.require  # argument checks before a kernel runs (decoder/ops.py sa
 
 
 def _kernel(t: torch.Tensor) -> bool:
+    """Whether the library for t's device is loaded: the public wrappers below ask per
+    call; the decoder asked once, in `bound`, when its plan was resolved."""
     if t.device.type == "cpu":
         return ops.available()
     return t.device.type == "cuda" and _cuda_kernels()
@@ -139,59 +147,94 @@ def _cuda_kernels() -> bool:
     return ok
 
 
-def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):
-    if _kernel(x):
-        n = x.shape[-1]
-        require(h.shape == x.shape and gamma.numel() == n and beta.numel() == n and (bias is None or bias.numel() == n),
-                lambda: f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias "
-                        f"{n} elements")
-        return torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
-    return add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps)
+# -- the kernels' entries: the argument checks in Python, then the op (bad input must not rely
+#    on a C++ exception crossing into Python); which entry runs is decided once, in `bound` --
+
+def add_bias_residual_layernorm_kernel(x, h, bias, gamma, beta, eps: float):
+    n = x.shape[-1]
+    require(h.shape == x.shape and gamma.numel() == n and beta.numel() == n and (bias is None or bias.numel() == n),
+            lambda: f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias "
+                    f"{n} elements")
+    return torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
 
 
-def add_bias_relu(x, bias):
-    if _kernel(x):
-        require(bias.numel() == x.shape[-1], lambda: f"add_bias_relu: bias must have {x.shape[-1]} elements")
-        return torch.ops.decoder_ops.add_bias_relu(x, bias)
-    return add_bias_relu_reference(x, bias)
+def add_bias_relu_kernel(x, bias):
+    require(bias.numel() == x.shape[-1], lambda: f"add_bias_relu: bias must have {x.shape[-1]} elements")
+    return torch.ops.decoder_ops.add_bias_relu(x, bias)
 
 
 CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <= 8); kMaxTop in fused_cuda.cu
 
 
-def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
+def _check_topk(logits, scores, K: int, n: int):
     require(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)")
     R, V = logits.shape
     require(K > 0 and R % K == 0, lambda: f"log_softmax_topk: {R} rows are not a multiple of K={K}")
     require(scores.numel() == R, lambda: f"log_softmax_topk: one score per row ({R}), got {scores.numel()}")
     require(0 < n <= K * V, lambda: f"log_softmax_topk: n must be in [1, K*V = {K * V}], got {n}")
-    if _kernel(logits) and not (logits.is_cuda and n > CUDA_MAX_TOP):
-        return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
+
+
+def log_softmax_topk_kernel(logits, scores, K: int, n: int, normalized: bool = False):
+    _check_topk(logits, scores, K, n)
+    return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
+
+
+def log_softmax_topk_cuda(logits, scores, K: int, n: int, normalized: bool = False):
+    _check_topk(logits, scores, K, n)
+    # n is an argument: a caller may ask any n; the decoder's is 2 x beam, so this branch
+    # is the same at every step of a plan (beams above 8 take the reference)
+    if n > CUDA_MAX_TOP:
+        return log_softmax_topk_reference(logits, scores, K, n, normalized)
+    return torch.ops.decoder_ops.log_softmax_topk(logits, scores, K, n, normalized)
+
+
+def _log_softmax_topk_checked(logits, scores, K: int, n: int, normalized: bool = False):
+    """The reference behind the kernel's checks: the same error for bad input either way."""
+    _check_topk(logits, scores, K, n)
     return log_softmax_topk_reference(logits, scores, K, n, normalized)
 
 
-def ngram_block_(logits, hist, n: int, vocab=None):
+def _check_ngram(logits, hist):
     require(logits.dim() == 2 and hist.dim() == 2 and hist.shape[0] == logits.shape[0],
             "ngram_block_: logits (R, C) and hist (R, T) must have the same rows")
-    if _kernel(logits) and logits.is_contiguous():
-        torch.ops.decoder_ops.ngram_block_(logits, hist, n, vocab)
-        return logits
+
+
+def ngram_block_kernel(logits, hist, n: int, vocab=None):
+    _check_ngram(logits, hist)
+    # the kernel writes rows of stride 1: the decoder's logits always are, a caller's view may not be
+    if not logits.is_contiguous():
+        return ngram_block_reference(logits, hist, n, vocab)
+    torch.ops.decoder_ops.ngram_block_(logits, hist, n, vocab)
+    return logits
+
+
+def _ngram_block_checked(logits, hist, n: int, vocab=None):
+    """The reference behind the kernel's checks."""
+    _check_ngram(logits, hist)
     return ngram_block_reference(logits, hist, n, vocab)
 
 
 CUDA_MAX_KEYS = 48 * 1024 // 4  # the CUDA kernel holds a row's T scores in 48 KB of shared memory
 
 
-def decode_attention(q, k, v, mask=None, rows=None):
-    if rows is not None:  # CPU only: the CUDA build has no row-table kernel
-        if _kernel(q) and q.device.type == "cpu" and mask is None:
-            _check_attention(q, k, v, mask, rows)
-            return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
+def decode_attention_kernel(q, k, v, mask=None, rows=None):
+    """The CPU kernels: rows (beam search's row table) without a mask, or the plain one."""
+    if rows is not None:
+        if mask is not None:  # no kernel reads a row table and a mask: the decoder never passes both
+            return decode_attention_reference(q, k, v, mask, rows)
+        _check_attention(q, k, v, mask, rows)
+        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
+    _check_attention(q, k, v, mask)
+    return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
+
+
+def decode_attention_cuda(q, k, v, mask=None, rows=None):
+    # the keys grow by one a step: past CUDA_MAX_KEYS (12k, beyond any output cap) the reference;
+    # the CUDA build has no row-table kernel (a CUDA plan never holds the row table)
+    if rows is not None or k.shape[2] > CUDA_MAX_KEYS:
         return decode_attention_reference(q, k, v, mask, rows)
-    if _kernel(q) and not (q.is_cuda and k.shape[2] > CUDA_MAX_KEYS):
-        _check_attention(q, k, v, mask)
-        return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
-    return decode_attention_reference(q, k, v, mask)
+    _check_attention(q, k, v, mask)
+    return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
 
 
 def _check_attention(q, k, v, mask, rows=None):
@@ -210,16 +253,14 @@ def _check_attention(q, k, v, mask, rows=None):
                 lambda: f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
 
 
-def encoder_attention(qkv, mask, heads: int):
-    # 1.2-4x SDPA at every shape on one thread, 1.7-4.2x on two (its (row, head) pairs
-    # split over torch's threads; docs/bench/decoder.md)
-    if _kernel(qkv) and qkv.device.type == "cpu":
-        require(qkv.dim() == 3 and heads > 0 and qkv.shape[2] % (3 * heads) == 0,
-                lambda: f"encoder_attention: qkv must be (B, S, 3 * {heads} heads * D), got {tuple(qkv.shape)}")
-        require(mask is None or (mask.numel() == qkv.shape[0] * qkv.shape[1] and mask.dtype == torch.bool),
-                "encoder_attention: mask must be bool (B, 1, 1, S)")
-        return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
-    return encoder_attention_reference(qkv, mask, heads)
+def encoder_attention_kernel(qkv, mask, heads: int):
+    # CPU only. 1.2-4x SDPA at every shape on one thread, 1.7-4.2x on two (its (row, head)
+    # pairs split over torch's threads; docs/bench/decoder.md)
+    require(qkv.dim() == 3 and heads > 0 and qkv.shape[2] % (3 * heads) == 0,
+            lambda: f"encoder_attention: qkv must be (B, S, 3 * {heads} heads * D), got {tuple(qkv.shape)}")
+    require(mask is None or (mask.numel() == qkv.shape[0] * qkv.shape[1] and mask.dtype == torch.bool),
+            "encoder_attention: mask must be bool (B, 1, 1, S)")
+    return torch.ops.decoder_ops.encoder_attention(qkv, mask, heads)
 
 
 def cross_attention_reference(q, k, v, mask=None):
@@ -228,63 +269,161 @@ def cross_attention_reference(q, k, v, mask=None):
     return merge(F.scaled_dot_product_attention(heads(q, k.shape[1]), k, v, attn_mask=mask))
 
 
+def cross_attention_kernel(q, kt, va, lens):
+    """q (B, Q, d) against one batch's arranged cross K/V (CrossAttention)."""
+    require(q.dim() == 3 and q.shape[0] == kt.shape[0] and q.shape[2] == kt.shape[1] * kt.shape[2],
+            lambda: f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), "
+                    f"got {tuple(q.shape)}")
+    return torch.ops.decoder_ops.cross_attention(q, kt, va, lens)
+
+
 class CrossAttention:
     """A batch's cross K/V arranged once for the C++ op (decoder_ops::cross_arrange: per
     sentence and head the attended keys transposed and padded to register blocks, a key
-    count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). Without the
-    kernel, the reference on the K/V as given."""
+    count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). `kernel`:
+    whether the C++ op runs (None: where it is loaded for k's device, CPU only), else the
+    reference on the K/V as given; decided here, once per batch, not per step."""
 
-    def __init__(self, k, v, mask=None):
-        self.kernel = _kernel(k) and k.device.type == "cpu"
+    def __init__(self, k, v, mask=None, kernel: bool | None = None):
+        self.kernel = _kernel(k) and k.device.type == "cpu" if kernel is None else kernel
         if self.kernel:
             require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
             require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
                     "cross_arrange: mask must be bool (B, 1, 1, S)")
         # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
         self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
+        self.attend = cross_attention_kernel if self.kernel else cross_attention_reference
 
     def __call__(self, q):
-        if self.kernel:
-            kt = self.kv[0]  # (B, h, hd, Sp)
-            require(q.dim() == 3 and q.shape[0] == kt.shape[0] and q.shape[2] == kt.shape[1] * kt.shape[2],
-                    lambda: f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), "
-                            f"got {tuple(q.shape)}")
-            return torch.ops.decoder_ops.cross_attention(q, *self.kv)
-        return cross_attention_reference(q, *self.kv)
+        return self.attend(q, *self.kv)
 
     def keep(self, sents):
         """Only the sentences `sents` stay: each sentence's arrangement is its own, so it carries over."""
         self.kv = tuple(t if t is None else t.index_select(0, sents) for t in self.kv)
 
 
-def qkv_to_cache_(kc, vc, qkv, t: int):
-    if _kernel(qkv):
-        require(kc.dim() == 4 and vc.shape == kc.shape, "qkv_to_cache_: caches must be (N, H, T, D)")
-        N, H, T, D = kc.shape
-        require(qkv.numel() == N * 3 * H * D, lambda: f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
-        require(0 <= t < T, lambda: f"qkv_to_cache_: position {t} outside the cache of {T}")
-        return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
-    return qkv_to_cache_reference(kc, vc, qkv, t)
+def cross_store_kernel(k, v, mask=None):
+    return CrossAttention(k, v, mask, kernel=True)
+
+
+def cross_store_reference(k, v, mask=None):
+    return CrossAttention(k, v, mask, kernel=False)
+
+
+def qkv_to_cache_kernel(kc, vc, qkv, t: int):
+    require(kc.dim() == 4 and vc.shape == kc.shape, "qkv_to_cache_: caches must be (N, H, T, D)")
+    N, H, T, D = kc.shape
+    require(qkv.numel() == N * 3 * H * D, lambda: f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
+    require(0 <= t < T, lambda: f"qkv_to_cache_: position {t} outside the cache of {T}")
+    return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels compare in fp32
 
 
+def argmax_rows_kernel(logits):
+    require(logits.dim() == 2 and logits.shape[1] > 0, "argmax_rows: logits must be (rows, C) with C > 0")
+    return torch.ops.decoder_ops.argmax_rows(logits)
+
+
+def linear_argmax_kernel(x, weight, bias=None, chunk: int = 1024):
+    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[0] > 0,
+            "linear_argmax: x (R, d) and weight (V, d) with V > 0")
+    require(bias is None or bias.numel() == weight.shape[0], "linear_argmax: bias must have V elements")
+    require(chunk > 0, "linear_argmax: chunk must be positive")
+    return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
+
+
+# -- the ops of one device, bound once ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ops:
+    """The fused ops of one device and dtype, each its kernel's entry or its PyTorch
+    reference, chosen once (`bound`): the decoder's plan (decoder/optimisations.py)
+    holds these, so its step never asks which of them runs."""
+    add_bias_residual_layernorm: Callable
+    add_bias_relu: Callable
+    log_softmax_topk: Callable
+    ngram_block_: Callable
+    decode_attention: Callable
+    encoder_attention: Callable
+    cross_store: Callable       # (k, v, mask) -> a batch's cross K/V store, store(q (B, Q, d)) -> (B, Q, d)
+    qkv_to_cache_: Callable
+    argmax_rows: Callable
+    linear_argmax: Callable
+
+    def is_kernel(self, name: str) -> bool:
+        """Whether op `name` runs a kernel here (CUDA's entries still take the reference
+        past a shape limit: CUDA_MAX_TOP, CUDA_MAX_KEYS)."""
+        return getattr(self, name) is not getattr(REFERENCE, name)
+
+
+REFERENCE = Ops(add_bias_residual_layernorm_reference, add_bias_relu_reference, _log_softmax_topk_checked,
+                _ngram_block_checked, decode_attention_reference, encoder_attention_reference, cross_store_reference,
+                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference)
+CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, add_bias_relu_kernel, log_softmax_topk_kernel,
+                  ngram_block_kernel, decode_attention_kernel, encoder_attention_kernel, cross_store_kernel,
+                  qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel)
+# csrc/fused_cuda.cu has no encoder attention, cross-attention store or row-table attention
+CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
+                                   decode_attention=decode_attention_cuda,
+                                   encoder_attention=encoder_attention_reference, cross_store=cross_store_reference)
+
+
+@functools.lru_cache(maxsize=None)
+def bound(device: str, dtype: torch.dtype, loaded: bool) -> Ops:
+    """The ops on `device` ("cpu" | "cuda") for tensors of `dtype`, where that device's
+    kernels are `loaded` (decoder/optimisations.py `Kernels`); the argmax kernels
+    compare in fp32, so other dtypes (float64) take torch's argmax."""
+    if not loaded or device not in ("cpu", "cuda"):
+        return REFERENCE
+    o = CPU_KERNELS if device == "cpu" else CUDA_KERNELS
+    if dtype not in _ARGMAX_DTYPES:
+        o = dataclasses.replace(o, argmax_rows=argmax_rows_reference, linear_argmax=linear_argmax_reference)
+    return o
+
+
+# -- per tensor: the library API (tools, tests); the decoder calls its plan's bound ops ----------
+
+def _ops(t: torch.Tensor) -> Ops:
+    return bound(t.device.type, t.dtype, _kernel(t))
+
+
+def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):
+    return _ops(x).add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
+
+
+def add_bias_relu(x, bias):
+    return _ops(x).add_bias_relu(x, bias)
+
+
+def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
+    return _ops(logits).log_softmax_topk(logits, scores, K, n, normalized)
+
+
+def ngram_block_(logits, hist, n: int, vocab=None):
+    return _ops(logits).ngram_block_(logits, hist, n, vocab)
+
+
+def decode_attention(q, k, v, mask=None, rows=None):
+    return _ops(q).decode_attention(q, k, v, mask, rows)
+
+
+def encoder_attention(qkv, mask, heads: int):
+    return _ops(qkv).encoder_attention(qkv, mask, heads)
+
+
+def qkv_to_cache_(kc, vc, qkv, t: int):
+    return _ops(qkv).qkv_to_cache_(kc, vc, qkv, t)
+
+
 def argmax_rows(logits):
-    if _kernel(logits) and logits.dtype in _ARGMAX_DTYPES:
-        require(logits.dim() == 2 and logits.shape[1] > 0, "argmax_rows: logits must be (rows, C) with C > 0")
-        return torch.ops.decoder_ops.argmax_rows(logits)
-    return argmax_rows_reference(logits)
+    return _ops(logits).argmax_rows(logits)
 
 
 def linear_argmax(x, weight, bias=None, chunk: int = 1024):
-    if _kernel(x) and x.dtype in _ARGMAX_DTYPES:
-        require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[0] > 0,
-                "linear_argmax: x (R, d) and weight (V, d) with V > 0")
-        require(bias is None or bias.numel() == weight.shape[0], "linear_argmax: bias must have V elements")
-        require(chunk > 0, "linear_argmax: chunk must be positive")
-        return torch.ops.decoder_ops.linear_argmax(x, weight, bias, chunk)
-    return linear_argmax_reference(x, weight, bias)
+    return _ops(x).linear_argmax(x, weight, bias, chunk)
+
 
 
 def self_check(device, call=None) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fused, modeldir
+from . import modeldir
 from .modeldir import sinusoidal_table
 from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Int8Linear, Linear, make_linear
@@ -174,13 +174,14 @@ class Model:
     def project_argmax(self, y, out=None, chunk: int = 1024, min_rows: int = 8):
         """(rows,) column of the largest logit of already normalised y (rows, d),
         the full logits never written: fp32/bf16 projections go `chunk`
-        vocabulary rows at a time (fused.linear_argmax). Below `min_rows` rows
+        vocabulary rows at a time (linear_argmax). Below `min_rows` rows
         (batch-1 latency) the chunks cost more than they save: one product, then
-        the C++ argmax (tools/bench_fused.py measures both)."""
-        lin = self.out_proj if out is None else out
+        the C++ argmax (tools/bench_fused.py measures both). Kernels or references:
+        the plan's ops, bound once."""
+        lin, ops = self.out_proj if out is None else out, self.plan.ops
         if isinstance(lin, Linear) and y.shape[0] >= min_rows:
-            return fused.linear_argmax(y, lin.w, lin.b, chunk)
-        return fused.argmax_rows(lin(y))
+            return ops.linear_argmax(y, lin.w, lin.b, chunk)
+        return ops.argmax_rows(lin(y))
 
     def topk_projection(self, out, rows: int):
         """Beam search without the logits written (switch fused_project_topk): a function

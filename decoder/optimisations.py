@@ -4,7 +4,10 @@
 plan holds the function (or layout choice) that the decode step calls, so the
 step never tests a switch by name (sockeye picks its top-k implementation in
 `__init__`; gpt-fast swaps `decode_one_token` once in `main`). The reference a
-switch replaces is the slot's value when the switch is off. The benchmarks
+switch replaces is the slot's value when the switch is off. A slot whose value
+calls fused ops (`Bound`) is bound there too, to the kernels' entries or the
+PyTorch references of the plan's device and precision (decoder/fused.py `Ops`),
+so the step never asks whether a kernel is loaded either. The benchmarks
 (tools/), the CLI's --help and decoder/README.md's table are generated from
 `OPTIMISATIONS`, so adding an optimisation is one entry here plus its kernel
 (decoder/fused.py, decoder/csrc) and its test.
@@ -12,7 +15,10 @@ switch replaces is the slot's value when the switch is off. The benchmarks
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -20,7 +26,35 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .quant import Int8Linear, fbgemm_available, int_mm_vnni, wide_gemm_available
+from .quant import DTYPES, Int8Linear, fbgemm_available, int_mm_vnni, wide_gemm_available
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A slot value that calls fused ops: `resolve` binds it once to the plan's
+    `fused.Ops` (each op its kernel's entry or its reference). `make(ops)` -> what the
+    step calls; `uses`: the names of the ops it calls (Plan.summary: kernel or reference)."""
+    make: Callable
+    uses: tuple
+
+    def bind(self, ops: fused.Ops) -> Callable:
+        return _bind(self, ops)
+
+
+@functools.lru_cache(maxsize=None)
+def _bind(b: Bound, ops: fused.Ops) -> Callable:
+    # one callable per (slot value, ops): two plans of one device compare equal
+    return b.make(ops)
+
+
+def op(name: str) -> Bound:
+    """The fused op `name` itself."""
+    return Bound(operator.attrgetter(name), (name,))
+
+
+def with_ops(fn, *uses: str) -> Bound:
+    """fn(ops, ...), the ops bound."""
+    return Bound(lambda ops: partial(fn, ops), uses)
 
 
 # -- the plain pieces and their optimised replacements ------------------------------------------
@@ -38,11 +72,11 @@ def bias_in_epilogue(lin) -> bool:
     return lin.b is not None and getattr(lin, "zero_b", None) is not None
 
 
-def add_norm_fused(x, lin, inp, norm):
+def add_norm_fused(ops, x, lin, inp, norm):
     if bias_in_epilogue(lin):
         # its whole output and a zero bias round as the plain path
-        return fused.add_bias_residual_layernorm(x, lin(inp), lin.zero_b, norm.w, norm.b, norm.eps)
-    return fused.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
+        return ops.add_bias_residual_layernorm(x, lin(inp), lin.zero_b, norm.w, norm.b, norm.eps)
+    return ops.add_bias_residual_layernorm(x, lin.mm(inp), lin.b, norm.w, norm.b, norm.eps)
 
 
 def hidden_plain(ffn, y):
@@ -50,9 +84,9 @@ def hidden_plain(ffn, y):
     return ffn.fc1(y, relu=True) if ffn.relu else F.gelu(ffn.fc1(y))
 
 
-def hidden_fused(ffn, y):
+def hidden_fused(ops, ffn, y):
     if ffn.relu and ffn.fc1.dense:
-        return fused.add_bias_relu(ffn.fc1.mm(y), ffn.fc1.b)
+        return ops.add_bias_relu(ffn.fc1.mm(y), ffn.fc1.b)
     return hidden_plain(ffn, y)
 
 
@@ -75,10 +109,10 @@ def encoder_attend_plain(attn, y, heads: int, mask):
     return fused.attention_heads(*attn.project_qkv(y), mask, heads)
 
 
-def encoder_attend_fused(attn, y, heads: int, mask):
+def encoder_attend_fused(ops, attn, y, heads: int, mask):
     if attn.qkv is None:  # the C++ op reads the one q|k|v product
         return encoder_attend_plain(attn, y, heads, mask)
-    return fused.encoder_attention(attn.qkv(y), mask, heads)
+    return ops.encoder_attention(attn.qkv(y), mask, heads)
 
 
 class CrossPlain:
@@ -97,10 +131,12 @@ class CrossPlain:
         self.mask = None if self.mask is None else self.mask.index_select(0, sents)
 
 
-def cross_fused(k, v, mask, attend):
-    kv = fused.CrossAttention(k, v, mask)
-    # no C++ op here (CUDA, no compiler): today's path, which keeps CUDA's decode_attention kernel
-    return kv if kv.kernel else CrossPlain(k, v, mask, attend)
+def cross_fused(ops):
+    """The batch's cross K/V in the C++ op's store; where the ops have none (CUDA, no
+    compiler) the plain store, which keeps CUDA's decode_attention kernel."""
+    if not ops.is_kernel("cross_store"):
+        return CrossPlain
+    return lambda k, v, mask, attend: ops.cross_store(k, v, mask)
 
 
 def write_kv_plain(attn, y, kc, vc, t: int):
@@ -112,10 +148,10 @@ def write_kv_plain(attn, y, kc, vc, t: int):
     return q
 
 
-def write_kv_fused(attn, y, kc, vc, t: int):
+def write_kv_fused(ops, attn, y, kc, vc, t: int):
     if attn.qkv is None:  # the C++ split needs the one q|k|v product
         return write_kv_plain(attn, y, kc, vc, t)
-    return fused.qkv_to_cache_(kc, vc, attn.qkv(y), t)
+    return ops.qkv_to_cache_(kc, vc, attn.qkv(y), t)
 
 
 def normalise_greedy(logits):
@@ -130,14 +166,14 @@ def argmax_torch(logits):
     return logits.argmax(-1)
 
 
-def topk_split(logits, scores, K: int, n: int):
+def topk_split(ops, logits, scores, K: int, n: int):
     """ATen's log-softmax, then one C++ pass for + score and the top n: the plain picks bit for bit."""
     lp = torch.log_softmax(logits.float(), -1)  # (rows, V)
-    return fused.log_softmax_topk(lp, scores, K, n, normalized=True)
+    return ops.log_softmax_topk(lp, scores, K, n, True)
 
 
-def topk_one_pass(logits, scores, K: int, n: int):
-    return fused.log_softmax_topk(logits, scores, K, n)
+def topk_one_pass(ops, logits, scores, K: int, n: int):
+    return ops.log_softmax_topk(logits, scores, K, n)
 
 
 # -- the registry --------------------------------------------------------------------------------
@@ -225,9 +261,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
                  "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
                  "(docs/bench/decoder.md); the layer linears, the output projection and the shortlist's slice"),
-    Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm", add_norm_fused,
+    Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm",
+                 with_ops(add_norm_fused, "add_bias_residual_layernorm"),
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
-    Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden", hidden_fused, hidden_plain,
+    Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden",
+                 with_ops(hidden_fused, "add_bias_relu"), hidden_plain,
                  "`hidden_plain`: addmm with bias, relu", "step",
                  detail="fp32/bf16 fc1 as a bias-free product, then one C++ pass (int8 has it in its epilogue)"),
     Optimisation("int8_quantized_hidden", True, "int8 fc1 quantises its output for fc2 (C++)", "hidden",
@@ -236,24 +274,27 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="`_int_mm` layers: each row of relu(fc1) is rescaled into a row buffer and quantised "
                  "there, so the (rows, ffn_dim) float hidden is never written nor read back; the same bits "
                  "(fused_relu, for fp32/bf16, takes the slot when on)"),
-    Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", fused.decode_attention,
+    Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
                  detail="the cached step's attention for its few queries, reading the cache slice in place"),
     Optimisation("fused_encoder_attention", True, "fused encoder self-attention (C++)", "encoder_attend",
-                 encoder_attend_fused, encoder_attend_plain,
+                 with_ops(encoder_attend_fused, "encoder_attention"), encoder_attend_plain,
                  "chunk, head views, `scaled_dot_product_attention`, merge copy", "step",
                  detail="the fused q|k|v product (B, S, 3d) to the merged heads (B, S, d) in one call, its loops "
                  "vectorised over keys and features for many queries, its (row, head) pairs split over the threads"),
     Optimisation("fused_cross_attention", True, "fused cross-attention on K/V arranged per batch (C++)",
-                 "cross_kv", cross_fused, CrossPlain,
+                 "cross_kv",
+                 Bound(cross_fused, ("cross_store",)), CrossPlain,
                  "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
                  detail="the cross K/V laid out once per batch (per sentence and head: K transposed, padded to "
                  "register blocks, the padding left out); each step a sentence's beams (greedy: its one query) "
                  "run the encoder op's register blocks, FMAs along keys and features with no horizontal sums"),
-    Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv", write_kv_fused,
+    Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv",
+                 with_ops(write_kv_fused, "qkv_to_cache_"),
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
                  detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
-    Optimisation("fused_argmax", False, "fused argmax (C++)", "argmax", fused.argmax_rows, argmax_torch,
+    Optimisation("fused_argmax", False, "fused argmax (C++)", "argmax", op("argmax_rows"),
+                 argmax_torch,
                  "`Tensor.argmax`", "greedy",
                  detail="where fused_project_argmax does not apply; torch.argmax's rule for ties and NaN"),
     Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
@@ -262,11 +303,13 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="greedy, fp32/bf16 output layer, no n-gram blocking: the projection 1024 vocabulary "
                  "rows at a time with a running best per row; the logits are never written (below 8 rows: one "
                  "product and the C++ argmax)"),
-    Optimisation("fused_topk", True, "fused add+top-k (C++)", "topk", topk_split, None,
+    Optimisation("fused_topk", True, "fused add+top-k (C++)", "topk",
+                 with_ops(topk_split, "log_softmax_topk"), None,
                  "log-softmax, add, `Tensor.topk`", "beam",
                  detail="after ATen's log-softmax one C++ pass adds the beam scores and finds the top 2k without "
                  "writing the sums: the plain path's picks bit for bit (steps forcing </s> take the plain path)"),
-    Optimisation("fused_log_softmax", True, "fused log-softmax+top-k (C++)", "topk", topk_one_pass, None,
+    Optimisation("fused_log_softmax", True, "fused log-softmax+top-k (C++)", "topk",
+                 with_ops(topk_one_pass, "log_softmax_topk"), None,
                  "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
                  detail="the log-probabilities are never written: 1.03x at int8 beam 4 on the KD student, no line "
                  "changed of 1,003; they round differently from ATen's, so near ties may flip (one line in 300 "
@@ -293,7 +336,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="with kv_row_table and an fp32 model: RowTableCache stores the self-attention keys and "
                  "values in fp16 (rounded as `Tensor.to`), the C++ cache write and attention convert with F16C: "
                  "half the bytes of the step's bandwidth-bound attention; a numeric change"),
-    Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", fused.ngram_block_,
+    Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
     Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
@@ -303,12 +346,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
                  "token and output as Python ints (no where/cat/any per step), the embedding one row looked up, "
                  "cross-attention without a padding mask (one sentence has none), the forced last </s> not run"),
-    Optimisation("one_row_attention", True, "one-row attention (C++)", "attend_one", fused.decode_attention,
+    Optimisation("one_row_attention", True, "one-row attention (C++)", "attend_one", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention` at one row", "batch1",
                  detail="with one_row: the C++ decode attention for the one query (its set-up is a third of "
                  "SDPA's at one row); fused_attention is the same kernel for batches"),
     Optimisation("one_row_cache", True, "one-row q/k/v split into the K/V cache (C++)", "write_kv_one",
-                 write_kv_fused, write_kv_plain, "`write_kv_plain` at one row", "batch1",
+                 with_ops(write_kv_fused, "qkv_to_cache_"), write_kv_plain, "`write_kv_plain` at one row", "batch1",
                  detail="with one_row: fused_cache's kernel for the one row (29 against 36 us with the fp32 "
                  "q|k|v product on an AVX-512 EPYC)"),
     Optimisation("one_row_layer", True, "one-row decoder layer in one C++ call", "one_row_layer", True, False,
@@ -405,6 +448,8 @@ class Plan:
     sync_every: int = 1         # the loop reads its finished rows to the host every this many steps
     kernels: bool = False       # the device's fused kernels are loaded (C++ on CPU; CUDA: built and self-checked)
     runs: frozenset = frozenset()  # the switches that resolved on
+    ops: fused.Ops = fused.REFERENCE  # the fused ops bound for the device and precision (Model.project_argmax)
+    bound: tuple = ()           # (slot, whether its fused ops run kernels) for each such slot this loop calls
 
     def state_for(self, sentences: int) -> str:
         """The decoder cache of a batch (decoder/cache.py CACHES): `state`, or the
@@ -413,7 +458,8 @@ class Plan:
 
     def summary(self, precision: str = "fp32") -> str:
         """The plan in one clause of the settings line: loop, state, graphs, host
-        reads, and the switches of this device and loop that differ from their defaults."""
+        reads, the switches of this device and loop that differ from their defaults,
+        and which of the fused ops it calls run kernels (`ops_summary`)."""
         relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
                     "int8" if precision == "int8" else "", self.device}
         diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
@@ -421,7 +467,15 @@ class Plan:
         reads = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
         return (f"{self.loop} loop, {self.state} state" + (", one-row state at 1 sentence" if self.one_row else "")
                 + f", CUDA graphs {'on' if self.cuda_graphs else 'off'}, host reads {reads}"
-                + (f"; {' '.join(diff)}" if diff else ""))
+                + (f"; {' '.join(diff)}" if diff else "") + self.ops_summary())
+
+    def ops_summary(self) -> str:
+        """'; kernels: add_norm, attend, ...; reference: ...': which of the slots this
+        loop calls that call fused ops run kernels, and which run the PyTorch reference."""
+        kernels = [slot for slot, kernel in self.bound if kernel]
+        reference = [slot for slot, kernel in self.bound if not kernel]
+        return (f"; kernels: {', '.join(kernels) or 'none'}"
+                + (f"; reference: {', '.join(reference)}" if reference else ""))
 
 
 @dataclass(frozen=True)
@@ -457,11 +511,13 @@ def _allowed(name: str, device: str, k: Kernels) -> bool:
 
 
 def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: int = 0,
-            kernels: Kernels | None = None, static_shapes: bool = False, sync_every: int | None = None) -> Plan:
+            kernels: Kernels | None = None, static_shapes: bool = False, sync_every: int | None = None,
+            precision: str = "fp32") -> Plan:
     """The Plan for `switches` (a Switches) on `device` ("cpu" | "cuda"), with
-    `kernels` loaded (None: what this process has), at `beam`: what the step
-    calls and which loop and state run, decided once. `no_repeat_ngram` decides,
-    with the other switches, each entry's `needs`.
+    `kernels` loaded (None: what this process has), at `beam` and `precision`: what
+    the step calls (the fused ops bound to their kernels or references) and which
+    loop and state run, decided once. `no_repeat_ngram` decides, with the other
+    switches, each entry's `needs`.
     `static_shapes`: the fixed-shape state without graphs on any device;
     `sync_every`: host reads every this many steps (None: the device's)."""
     device = "cuda" if device.startswith("cuda") else "cpu"
@@ -481,8 +537,44 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         elif loop == "beam" and slots["kv_row_table"]:
             slots["state"] = "row_table"
     slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
+    loaded = k.cuda if device == "cuda" else k.cpu
+    # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
+    ops = fused.bound(device, DTYPES[precision], loaded)
+    bound = bind(slots, ops, step_slots(slots, loop, no_repeat_ngram))
     return Plan(**slots, device=device, loop=loop, sync_every=sync_every or SYNC_EVERY[device],
-                kernels=k.cuda if device == "cuda" else k.cpu, runs=frozenset(runs))
+                kernels=loaded, runs=frozenset(runs), ops=ops, bound=bound)
+
+
+def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
+    """Every slot value that calls fused ops (`Bound`) bound to `ops`, in place; ->
+    (slot, whether its ops run kernels) for those of them that the step `calls`."""
+    bound = []
+    for slot, value in slots.items():
+        if isinstance(value, Bound):
+            slots[slot] = value.bind(ops)
+            uses = value.uses
+        elif slot == "argmax_in_step":  # Model.project_argmax: linear_argmax, or argmax_rows below its rows
+            uses = ("linear_argmax", "argmax_rows")
+        else:
+            continue
+        if slot in calls:
+            bound.append((slot, all(ops.is_kernel(name) for name in uses)))
+    return tuple(bound)
+
+
+def step_slots(slots: dict, loop: str, no_repeat_ngram: int) -> set:
+    """The slots that a decode with these resolved `slots` calls: the static state
+    attends with SDPA itself, the recompute state through the whole prefix."""
+    calls = {"add_norm", "hidden", "encoder_attend"}
+    if slots["state"] in ("incremental", "row_table"):
+        calls |= {"attend", "write_kv", "cross_kv"}
+    if slots["one_row"]:
+        calls |= {"attend_one", "write_kv_one"}
+    if loop == "beam":
+        calls.add("topk")
+    else:
+        calls.add("argmax_in_step" if slots["argmax_in_step"] else "argmax")
+    return calls | ({"block"} if no_repeat_ngram else set())
 
 
 def table_markdown() -> str:

@@ -130,7 +130,7 @@ class Translator:
         self.probe = self.probe_for(cfg) if precision == "auto" else None
         self.device, self.precision = resolve_device_precision(device, precision, self.probe)
         self.plan = resolve(o.switches, device=self.device, beam=o.beam, no_repeat_ngram=o.no_repeat_ngram,
-                            static_shapes=o.static_shapes, sync_every=o.sync_every)
+                            static_shapes=o.static_shapes, sync_every=o.sync_every, precision=self.precision)
         if self.plan.retain_memory:
             retain_freed_memory()
         self.cfg = cfg

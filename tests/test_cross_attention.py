@@ -7,7 +7,7 @@ import torch
 
 from decoder import Translator, fused, ops
 from decoder.cache import IncrementalCache
-from decoder.optimisations import CrossPlain, Switches, resolve
+from decoder.optimisations import CrossPlain, Kernels, Switches, cross_fused, resolve
 # the trained fixture and its 150 lines as tests/test_decoder_trained.py reads them (data: its fixture)
 from test_decoder_trained import MODEL, SRC, bleu, data, read  # noqa: F401
 from test_decoder_trained import pytestmark as trained
@@ -160,18 +160,20 @@ def test_switch_off_keeps_the_decode_attention_on_the_projected_kv():
     assert isinstance(on(k, v, right_padding([9, 4], 9), None), fused.CrossAttention)
 
 
-def test_switch_on_without_the_cpu_op_keeps_the_plan_attention(monkeypatch):
-    # CUDA tensors or no compiler: the cross K/V stay as projected and `attend` (CUDA's
+@pytest.mark.parametrize("device,kernels", [("cpu", Kernels(cpu=False, cuda=False)), ("cuda", Kernels(True, True))])
+def test_switch_on_without_the_cpu_op_keeps_the_plan_attention(device, kernels):
+    # CUDA or no compiler: the cross K/V stay as projected and `attend` (CUDA's
     # decode_attention kernel there) runs, not the SDPA reference
-    monkeypatch.setattr(fused, "_kernel", lambda t: False)
     g = torch.Generator().manual_seed(7)
     k, v = projected_kv(2, 4, 9, 16, g)
     seen = []
     attend = lambda *a: seen.append(1) or fused.decode_attention_reference(*a)  # noqa: E731
-    kv = resolve(Switches(fused_cross_attention=True), no_repeat_ngram=0).cross_kv(k, v, None, attend)
+    plan = resolve(Switches(fused_cross_attention=True), no_repeat_ngram=0, device=device, kernels=kernels)
+    kv = plan.cross_kv(k, v, None, attend)
     q = torch.randn(2, 3, 64, generator=g)
     torch.testing.assert_close(kv(q), fused.cross_attention_reference(q, k, v))
     assert isinstance(kv, CrossPlain) and seen
+    assert cross_fused(plan.ops) is CrossPlain  # bound to ops without the C++ store: the plain one
 
 
 # -- in the decoder ----------------------------------------------------------------------------

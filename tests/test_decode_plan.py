@@ -2,7 +2,8 @@
 after the device, the beam and the loaded kernels are known, into the loop, the
 state and the kernels the step calls; the batch sizes of each device
 (decoder/cliargs.py); and the device-style loops (decoder/search.py
-`greedy_device`, `beam_device`) whose host reads decoder/hostsync.py counts."""
+`greedy_device`, `beam_device`) whose host reads decoder/hostsync.py counts; the
+fused ops the plan binds once, kernels or references, so the step never asks."""
 import contextlib
 import math
 import os
@@ -10,7 +11,7 @@ import os
 import pytest
 import torch
 
-from decoder import hostsync
+from decoder import fused, hostsync, ops
 from decoder import optimisations as opt
 from decoder.cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_SENTENCES, MAX_TOKENS,
                              max_sentences_for, max_tokens_for)
@@ -31,7 +32,7 @@ def test_cpu_plan_runs_the_per_step_loops_and_the_cpu_kernels():
     assert (g.device, g.loop, g.state, g.one_row, g.cuda_graphs, g.sync_every, g.kernels) == \
         ("cpu", "greedy", "incremental", True, False, 1, True)
     assert g.state_for(1) == "one_row" and g.state_for(5) == "incremental"
-    assert g.encoder_attend is opt.encoder_attend_fused and g.cross_kv is opt.cross_fused
+    assert g.encoder_attend.func is opt.encoder_attend_fused and g.cross_kv is not CrossPlain
     b = resolve(Switches(), device="cpu", beam=4, kernels=BOTH)
     assert (b.loop, b.state, b.one_row, b.kv_row_table) == ("beam", "row_table", False, True)
     assert b.state_for(1) == "row_table"  # one sentence in a beam is not the one-row state
@@ -72,6 +73,98 @@ def test_plan_summary_says_the_loop_state_graphs_reads_and_what_differs():
     assert "greedy loop, static state" in cuda and "CUDA graphs on" in cuda and "every 8 steps" in cuda
     assert "fused_relu" in cuda.split(";")[1] and "no fused_encoder_attention" in cuda
     assert "\n" not in cuda and "kv_row_table" not in cuda  # a beam switch, not greedy's
+
+
+# -- the fused ops, bound once for the device, the precision and the kernels loaded ---------------
+
+NONE = Kernels(cpu=False, cuda=False)
+FUSED_ARGMAX = dict(fused_argmax=True, fused_project_argmax=False)  # the argmax slot, not the step's
+
+
+def bound_ops(p) -> set:
+    """The fused.Ops each slot that calls fused ops was bound to."""
+    return {p.add_norm.args[0], p.write_kv.args[0], p.write_kv_one.args[0], p.topk.args[0]}
+
+
+def test_plan_binds_the_references_where_the_kernels_are_absent():
+    for device, kernels in (("cpu", NONE), ("cuda", Kernels(cpu=True, cuda=False))):  # CUDA: its own kernels
+        p = resolve(Switches(**FUSED_ARGMAX), device=device, beam=1, kernels=kernels)
+        assert p.ops is fused.REFERENCE and bound_ops(p) == {fused.REFERENCE}
+        assert p.attend is p.attend_one is fused.decode_attention_reference
+        assert p.argmax is fused.argmax_rows_reference and p.ops.linear_argmax is fused.linear_argmax_reference
+        # the references keep the kernels' argument checks where the public wrappers had them
+        with pytest.raises(ops.OpArgumentError, match="same rows"):
+            p.block(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.long), 2)
+
+
+def test_plan_binds_the_references_where_the_cpp_ops_are_switched_off(monkeypatch):
+    monkeypatch.setattr(ops, "_state", {})  # as in a new process started with DECODER_NO_CPP_OPS=1
+    monkeypatch.setattr(fused, "_cuda", {})
+    monkeypatch.setenv("DECODER_NO_CPP_OPS", "1")
+    p = resolve(Switches())
+    assert not p.kernels and p.ops is fused.REFERENCE and p.attend is fused.decode_attention_reference
+    assert resolve(Switches(), device="cuda").ops is fused.REFERENCE
+
+
+def test_plan_binds_the_kernels_of_its_device_where_they_are_loaded():
+    cpu = resolve(Switches(**FUSED_ARGMAX), device="cpu", beam=4, kernels=BOTH)
+    assert cpu.ops is fused.CPU_KERNELS and bound_ops(cpu) == {fused.CPU_KERNELS}
+    assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.argmax is fused.argmax_rows_kernel
+    assert cpu.block is fused.ngram_block_kernel and cpu.encoder_attend.args[0] is fused.CPU_KERNELS
+    cuda = resolve(Switches(**FUSED_ARGMAX), device="cuda", beam=4, kernels=BOTH, precision="fp16")
+    assert cuda.ops is fused.CUDA_KERNELS and bound_ops(cuda) == {fused.CUDA_KERNELS}
+    assert cuda.attend is fused.decode_attention_cuda and cuda.argmax is fused.argmax_rows_kernel
+    # csrc/fused_cuda.cu has no encoder attention nor cross-attention store
+    assert not cuda.ops.is_kernel("encoder_attention") and not cuda.ops.is_kernel("cross_store")
+    assert cuda.ops.is_kernel("log_softmax_topk") and cuda.ops.log_softmax_topk is fused.log_softmax_topk_cuda
+    # plans of one device and precision compare equal: the same bound callables
+    assert resolve(Switches(), kernels=BOTH, precision="int8") == resolve(Switches(), kernels=BOTH)
+
+
+def test_argmax_kernels_are_bound_only_for_the_dtypes_they_compare_in():
+    assert fused.bound("cpu", torch.float64, True).argmax_rows is fused.argmax_rows_reference
+    assert fused.bound("cpu", torch.float64, True).decode_attention is fused.decode_attention_kernel
+    for precision in ("fp32", "bf16", "int8"):  # int8's activations are fp32
+        assert resolve(Switches(), kernels=BOTH, precision=precision).ops.is_kernel("argmax_rows")
+
+
+@trained
+@pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4), dict(beam=1, max_sentences=1),
+                                dict(beam=2, no_repeat_ngram=2), dict(beam=1, no_repeat_ngram=2, **FUSED_ARGMAX),
+                                dict(beam=1, precision="int8"), dict(beam=1, max_sentences=1, precision="int8")],
+                         ids=["greedy", "beam", "one-row", "beam-ngram", "greedy-ngram-argmax", "int8", "int8-one-row"])
+def test_the_step_never_asks_whether_a_kernel_is_loaded(lines, monkeypatch, kw):
+    """After the plan is resolved no call of the decode loop or step asks which kernel
+    runs: the availability checks raise, and the outputs are those of an unpatched run."""
+    from decoder import Translator
+    torch.set_num_threads(2)
+    tr = Translator(MODEL, **kw)
+    assert tr.plan.kernels == ops.available()
+    want = tr.translate(lines[:12])
+
+    def asked(*a):
+        raise AssertionError("the decode step asked whether a kernel is loaded")
+    for module, name in ((fused, "_kernel"), (fused, "_cuda_kernels"), (ops, "available"), (ops, "cuda_available")):
+        monkeypatch.setattr(module, name, asked)
+    assert tr.translate(lines[:12]) == want
+
+
+def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
+    cpu = resolve(Switches(), device="cpu", beam=1, kernels=BOTH).summary()
+    assert cpu.endswith("; kernels: add_norm, attend, encoder_attend, cross_kv, write_kv, argmax_in_step, "
+                        "attend_one, write_kv_one"), cpu
+    beam = resolve(Switches(), device="cpu", beam=4, no_repeat_ngram=3, kernels=BOTH).summary()
+    assert "; kernels: " in beam and {"topk", "block"} <= set(beam.split("; kernels: ")[1].split(", "))
+    assert "argmax" not in beam and "attend_one" not in beam  # greedy's and the one-row state's
+    bare = resolve(Switches(), device="cpu", kernels=NONE).summary()
+    assert bare.endswith("; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step, attend_one, "
+                         "write_kv_one"), bare
+    # CUDA: the static state attends with SDPA, so only the layer norms and the argmax are fused ops
+    cuda = resolve(Switches(), device="cuda", kernels=BOTH).summary("fp16")
+    assert cuda.endswith("; kernels: add_norm, argmax_in_step"), cuda
+    assert resolve(Switches(), device="cuda", kernels=Kernels(True, False)).summary("fp16").endswith(
+        "; kernels: none; reference: add_norm, argmax_in_step")
+    assert "; kernels: none" in resolve(Switches(**opt.all_off()), kernels=BOTH).summary()
 
 
 # -- batch sizes, per device ---------------------------------------------------------------------

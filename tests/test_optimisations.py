@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # what `resolve` decides from the device, the beam and the loaded kernels, not from one switch
-RESOLVED = {"device", "loop", "sync_every", "kernels", "runs"}
+RESOLVED = {"device", "loop", "sync_every", "kernels", "runs", "ops", "bound"}
 
 
 def test_every_plan_slot_is_filled_by_a_registry_entry():
@@ -46,8 +46,9 @@ def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
         base = opt.resolve(opt.Switches(**off), no_repeat_ngram=0, **where)
         plan = opt.resolve(opt.Switches(**{**off, o.name: True}), no_repeat_ngram=0, **where)
         changed = {f.name for f in dataclasses.fields(plan) if getattr(plan, f.name) != getattr(base, f.name)}
-        assert changed - {"runs"} == {o.slot}, o.name
-        assert getattr(plan, o.slot) is o.on and plan.runs - base.runs == {o.name}
+        assert changed - {"runs", "bound"} == {o.slot}, o.name
+        on = o.on.bind(plan.ops) if isinstance(o.on, opt.Bound) else o.on  # fused ops: bound to the device's
+        assert getattr(plan, o.slot) is on and plan.runs - base.runs == {o.name}
 
 
 def test_a_switch_whose_needs_fail_keeps_the_reference(monkeypatch):
