@@ -510,7 +510,7 @@ def int8_linear_topk(x, wq_t, w_scale, bias, packed, scores, K: int, n: int):
             lambda: f"int8_linear_topk: wq_t must be int8 ({x.shape[1]}, {N}), got {tuple(wq_t.shape)}")
     require(w_scale.dtype == torch.float32 and (bias is None or (bias.numel() == N and bias.dtype == torch.float32)),
             "int8_linear_topk: w_scale (N,) and bias (N,) must be float32")
-    if packed is None or not _kernel(x):
+    if packed is None:  # packed weights exist only where the ops library is loaded (int8_gemm_pack)
         return int8_linear_topk_reference(x, wq_t, w_scale, bias, scores, K, n)
     require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == ops.gemm_packed_numel(N, x.shape[1]),
             lambda: f"int8_linear_topk: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import modeldir
+from . import fused, modeldir
 from .modeldir import sinusoidal_table
 from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Int8Linear, Linear, make_linear
