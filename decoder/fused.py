@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .quant import gemv_isa_cap
 
 
 def add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps: float):
@@ -232,16 +233,23 @@ class CrossAttention:
     """A batch's cross K/V arranged once for the C++ op (decoder_ops::cross_arrange: per
     sentence and head the attended keys transposed and padded to register blocks, a key
     count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). Without the
-    kernel, the reference on the K/V as given."""
+    kernel, the reference on the K/V as given. `bf16`: the arranged K/V rounded to bf16
+    (switch cross_bf16), read by the kernel as they are; the reference of that is
+    `cross_attention_reference` on k, v rounded to bf16. `isa` caps the bf16 kernel's
+    build (2 AVX-512, 1 AVX2, 0 baseline; None: ATEN_CPU_CAPABILITY's cap, as int8_gemv's)."""
 
-    def __init__(self, k, v, mask=None):
+    def __init__(self, k, v, mask=None, bf16: bool = False, isa: int | None = None):
         self.kernel = _kernel(k) and k.device.type == "cpu"
+        require(isa in (None, 0, 1, 2), lambda: f"cross_attention: isa must be 0, 1 or 2, got {isa}")
+        self.isa = gemv_isa_cap() if isa is None else isa  # ATEN_CPU_CAPABILITY=avx2 caps ours with ATen's
         if self.kernel:
             require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
             require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
                     "cross_arrange: mask must be bool (B, 1, 1, S)")
         # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
         self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
+        if self.kernel and bf16:  # nearest even, as Tensor.to; once per batch
+            self.kv = (self.kv[0].bfloat16(), self.kv[1].bfloat16(), self.kv[2])
 
     def __call__(self, q):
         if self.kernel:
@@ -249,7 +257,7 @@ class CrossAttention:
             require(q.dim() == 3 and q.shape[0] == kt.shape[0] and q.shape[2] == kt.shape[1] * kt.shape[2],
                     lambda: f"cross_attention: q must be ({kt.shape[0]}, Q, {kt.shape[1] * kt.shape[2]}), "
                             f"got {tuple(q.shape)}")
-            return torch.ops.decoder_ops.cross_attention(q, *self.kv)
+            return torch.ops.decoder_ops.cross_attention(q, *self.kv, self.isa)
         return cross_attention_reference(q, *self.kv)
 
     def keep(self, sents):

@@ -219,7 +219,7 @@ def _register_fakes() -> None:
                 k.new_empty((B, H, S, pad(D)), dtype=torch.float32), k.new_empty((B,), dtype=torch.int64))
 
     @torch.library.register_fake("decoder_ops::cross_attention")
-    def _(q, kt, va, lens):
+    def _(q, kt, va, lens, isa=2):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("decoder_ops::qkv_to_cache_")
