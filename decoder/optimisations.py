@@ -429,7 +429,8 @@ def loaded_kernels(device: str) -> Kernels:
 CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "kv_row_table", "kv_half",
                       "one_row_layer", "one_row_step"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
-SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step"})
+SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
+                              "one_row_step"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

@@ -26,7 +26,8 @@ def test_every_plan_slot_is_filled_by_a_registry_entry():
 NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
          "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True},
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
-         "kv_half": {"kv_row_table": True, "fused_attention": True, "cache": True},
+         "kv_half": {"fused_attention": True, "cache": True},
+         "cross_bf16": {"fused_cross_attention": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
          "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
