@@ -45,6 +45,7 @@ _UNTIMED = contextlib.nullcontext()
 
 class IncrementalCache:
     can_shrink = True
+    half_kv = True  # switch kv_half may store the self-attention K/V in fp16 (the kernels convert)
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         self.m, self.plan, self.beam, self.mask = model, model.plan, beam, mask
@@ -55,7 +56,10 @@ class IncrementalCache:
         # their own way never pay for that), which hold them from then on
         self.cross = [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
         self.cross_kv = None
-        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, model.dtype, enc.device)
+        dtype = model.dtype
+        if self.half_kv and self.plan.kv_half and dtype == torch.float32:
+            dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
+        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, dtype, enc.device)
         self.t = 0
 
     @staticmethod
@@ -132,8 +136,6 @@ class RowTableCache(IncrementalCache):
         self.table[:, :t] = self.table[:, :t].index_select(0, rows)
 
     def new_kv(self, L: int, N: int, h: int, T: int, hd: int, dtype, device):
-        if self.plan.kv_half and dtype == torch.float32:
-            dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
         # stored position-major (L, 2, T, rows, h, hd): a step's keys and values are one
         # contiguous block (the write misses no more lines than it fills: qkv_to_cache_
         # 209 -> 124 us at ~180 rows), and a shrink's gather through the table is one
@@ -164,6 +166,7 @@ def identity_table(rows: int, T: int, device):
 
 class StaticCache(IncrementalCache):
     can_shrink = False  # the graph's shapes are fixed: finished rows stay
+    half_kv = False  # SDPA reads the cache: its dtype must be the queries'
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int, graphs: bool = True):
         super().__init__(model, enc, mask, beam, max_len)
@@ -232,6 +235,7 @@ class OneRowCache(IncrementalCache):
     `plan.attend_one` (one_row_attention) for the one query, and
     cross-attention takes no mask: one sentence has no padding. At batch 1 a step
     is bound by dispatch, so every op saved here is time saved."""
+    half_kv = False  # one_row_layer reads an fp32 cache (one row's cache is small anyway)
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         super().__init__(model, enc, mask, beam, max_len)

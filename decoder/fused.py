@@ -282,16 +282,23 @@ class CrossAttention:
     sentence and head the attended keys transposed and padded to register blocks, a key
     count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). `kernel`:
     whether the C++ op runs (None: where it is loaded for k's device, CPU only), else the
-    reference on the K/V as given; decided here, once per batch, not per step."""
+    reference on the K/V as given; decided here, once per batch, not per step. `bf16`
+    (switch cross_bf16): the arranged K/V rounded to bf16 (nearest even, as `Tensor.to`),
+    read by the kernel as they are, widened in registers at the library's ISA (capped by
+    DECODER_MAX_CPU_ISA like every kernel of ours); the reference rounds k, v alike."""
 
-    def __init__(self, k, v, mask=None, kernel: bool | None = None):
+    def __init__(self, k, v, mask=None, kernel: bool | None = None, bf16: bool = False):
         self.kernel = _kernel(k) and k.device.type == "cpu" if kernel is None else kernel
         if self.kernel:
             require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
             require(mask is None or (mask.numel() == k.shape[0] * k.shape[2] and mask.dtype == torch.bool),
                     "cross_arrange: mask must be bool (B, 1, 1, S)")
-        # kernel: kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,); else k, v (B, h, S, hd) and the mask
-        self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask) if self.kernel else (k, v, mask)
+            # kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,)
+            self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask)
+            if bf16:  # once per batch
+                self.kv = (self.kv[0].bfloat16(), self.kv[1].bfloat16(), self.kv[2])
+        else:  # k, v (B, h, S, hd) and the mask
+            self.kv = (k.bfloat16().to(k.dtype), v.bfloat16().to(v.dtype), mask) if bf16 else (k, v, mask)
         self.attend = cross_attention_kernel if self.kernel else cross_attention_reference
 
     def __call__(self, q):
@@ -302,12 +309,12 @@ class CrossAttention:
         self.kv = tuple(t if t is None else t.index_select(0, sents) for t in self.kv)
 
 
-def cross_store_kernel(k, v, mask=None):
-    return CrossAttention(k, v, mask, kernel=True)
+def cross_store_kernel(k, v, mask=None, bf16: bool = False):
+    return CrossAttention(k, v, mask, kernel=True, bf16=bf16)
 
 
-def cross_store_reference(k, v, mask=None):
-    return CrossAttention(k, v, mask, kernel=False)
+def cross_store_reference(k, v, mask=None, bf16: bool = False):
+    return CrossAttention(k, v, mask, kernel=False, bf16=bf16)
 
 
 def qkv_to_cache_kernel(kc, vc, qkv, t: int):

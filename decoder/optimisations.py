@@ -131,12 +131,17 @@ class CrossPlain:
         self.mask = None if self.mask is None else self.mask.index_select(0, sents)
 
 
-def cross_fused(ops):
-    """The batch's cross K/V in the C++ op's store; where the ops have none (CUDA, no
-    compiler) the plain store, which keeps CUDA's decode_attention kernel."""
+def cross_fused(ops, bf16: bool = False):
+    """The batch's cross K/V in the C++ op's store (`bf16`: rounded to bf16, switch
+    cross_bf16); where the ops have none (CUDA, no compiler) the plain store, which keeps
+    CUDA's decode_attention kernel."""
     if not ops.is_kernel("cross_store"):
         return CrossPlain
-    return lambda k, v, mask, attend: ops.cross_store(k, v, mask)
+    return lambda k, v, mask, attend: ops.cross_store(k, v, mask, bf16=bf16)
+
+
+def cross_fused_bf16(ops):
+    return cross_fused(ops, bf16=True)
 
 
 def write_kv_plain(attn, y, kc, vc, t: int):
@@ -289,6 +294,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the cross K/V laid out once per batch (per sentence and head: K transposed, padded to "
                  "register blocks, the padding left out); each step a sentence's beams (greedy: its one query) "
                  "run the encoder op's register blocks, FMAs along keys and features with no horizontal sums"),
+    Optimisation("cross_bf16", False, "bf16 cross-attention K/V (C++)", "cross_kv",
+                 Bound(cross_fused_bf16, ("cross_store",)), None,
+                 "fused_cross_attention's fp32 arranged K/V", "greedy", row={"fused_cross_attention": True},
+                 needs=lambda o: o.fused_cross_attention,
+                 detail="the cross K/V arranged once per batch, then rounded to bf16 (nearest even, as "
+                 "`Tensor.to`); each step the kernel widens them to fp32 in registers (a shift, vectorised in "
+                 "every ISA variant), arithmetic in fp32: half the bytes the step's cross-attention reads; "
+                 "a numeric change"),
     Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv",
                  with_ops(write_kv_fused, "qkv_to_cache_"),
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
@@ -331,11 +344,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  needs=lambda o: o.fused_attention and o.cache,
                  detail="decoder/cache.py RowTableCache: a reorder rewrites a (rows, T) table of cache rows, the "
                  "attention kernel reads key j of row b from row table[b, j] (decode_attention_rows)"),
-    Optimisation("kv_half", False, "fp16 self-attention K/V cache (beam)", "kv_half", True, False,
-                 "the fp32 K/V cache", "beam", needs=lambda o: o.kv_row_table and o.fused_attention and o.cache,
-                 detail="with kv_row_table and an fp32 model: RowTableCache stores the self-attention keys and "
-                 "values in fp16 (rounded as `Tensor.to`), the C++ cache write and attention convert with F16C: "
-                 "half the bytes of the step's bandwidth-bound attention; a numeric change"),
+    Optimisation("kv_half", False, "fp16 self-attention K/V cache", "kv_half", True, False,
+                 "the fp32 K/V cache", "beam", needs=lambda o: o.fused_attention and o.cache,
+                 detail="an fp32 (or int8) model's batch caches (greedy and beam, IncrementalCache and "
+                 "RowTableCache; not the one-row state) store the self-attention keys and values in fp16 "
+                 "(rounded as `Tensor.to`), the C++ cache write and attention convert with F16C: half the "
+                 "bytes of the step's bandwidth-bound attention; a numeric change"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
@@ -439,7 +453,7 @@ class Plan:
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
     kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
-    kv_half: bool               # beam, row table: an fp32 model's self-attention K/V cache in fp16
+    kv_half: bool               # batch caches: an fp32 model's self-attention K/V cache in fp16
     one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
     one_row_step: bool          # one-row state, greedy: the whole step one C++ call, the argmax column back
     # resolved from the device, the beam and the kernels loaded, not slots of a switch:
@@ -492,11 +506,11 @@ def loaded_kernels(device: str) -> Kernels:
 
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "kv_row_table", "kv_half",
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "kv_row_table", "kv_half",
                       "one_row_layer", "one_row_step", "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
-SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step",
-                              "fused_project_topk"})
+SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
+                              "one_row_step", "fused_project_topk"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

@@ -67,3 +67,41 @@ def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis
     assert dtypes == {torch.float32, torch.float16}
     # a numeric switch: fp16 rounding of K/V may flip near ties (KD student: 94 of 1,003 lines, BLEU +0.02)
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
+
+
+def cache_dtypes(monkeypatch) -> dict:
+    """{cache class name: dtypes of its self-attention K/V} of the states a translation builds."""
+    from decoder import cache as caches
+    seen: dict = {}
+    for cls in (caches.IncrementalCache, caches.RowTableCache, caches.OneRowCache, caches.StaticCache):
+        def spy(self, *a, _f=cls.__init__, _c=cls, **kw):
+            _f(self, *a, **kw)
+            if type(self) is _c:
+                seen.setdefault(_c.__name__, set()).add(self.kv.dtype)
+        monkeypatch.setattr(cls, "__init__", spy)
+    return seen
+
+
+def test_kv_half_stores_the_greedy_batch_cache_in_fp16_but_not_the_one_row_cache(model_dir, srcs, monkeypatch):
+    seen = cache_dtypes(monkeypatch)
+    ref = Translator(model_dir, kv_half=False).translate_ids(srcs)
+    half = Translator(model_dir, kv_half=True).translate_ids(srcs)
+    assert seen["IncrementalCache"] == {torch.float32, torch.float16}
+    one = Translator(model_dir, kv_half=True).translate_ids(srcs[:1])  # one sentence: the one-row state
+    assert seen["OneRowCache"] == {torch.float32}  # one_row_layer reads an fp32 cache
+    assert one == ref[:1]
+    # a numeric switch: fp16 rounding of K/V may flip near ties
+    assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
+
+
+def test_kv_half_leaves_the_static_cache_in_the_models_dtype(model_dir, srcs, monkeypatch):
+    seen = cache_dtypes(monkeypatch)
+    Translator(model_dir, kv_half=True, static_shapes=True).translate_ids(srcs[:4])
+    assert seen == {"StaticCache": {torch.float32}}
+
+
+def test_kv_half_with_the_cache_moved_on_reorder_keeps_nearly_every_beam_hypothesis(model_dir, srcs):
+    # without kv_row_table the fp16 cache is reordered by index_select, read by decode_attention
+    ref = Translator(model_dir, beam=4, kv_row_table=False).translate_ids(srcs)
+    half = Translator(model_dir, beam=4, kv_row_table=False, kv_half=True).translate_ids(srcs)
+    assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8

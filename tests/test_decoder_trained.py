@@ -190,3 +190,14 @@ def test_beam_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data
     half = Translator(MODEL, precision="int8", beam=4, kv_half=True).translate(data[0])
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 3
     assert abs(bleu(half, data[1]) - bleu(ref, data[1])) < 0.2
+
+
+@pytest.mark.parametrize("precision,most", [("fp32", 3), ("int8", 30)])
+def test_greedy_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data, precision, most):
+    # switch kv_half on the greedy batch cache. Measured on these 150 lines (AVX-512 EPYC): fp32
+    # no line differs; int8 17 (BLEU 3.45 -> 3.46: each activation row quantised on its own scale
+    # carries a last-bit change into other rounding steps)
+    ref = Translator(MODEL, precision=precision, kv_half=False).translate(data[0])
+    half = Translator(MODEL, precision=precision, kv_half=True).translate(data[0])
+    assert sum(a != b for a, b in zip(half, ref)) <= most
+    assert abs(bleu(half, data[1]) - bleu(ref, data[1])) < 0.2

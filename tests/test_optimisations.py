@@ -28,7 +28,8 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
          "int8_wide_gemm": {"fused_ops": True},
-         "kv_half": {"kv_row_table": True, "fused_attention": True, "cache": True},
+         "kv_half": {"fused_attention": True, "cache": True},
+         "cross_bf16": {"fused_cross_attention": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
          "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,

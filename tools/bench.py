@@ -136,7 +136,7 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     step = group("step")
     variants += [(f"+ {o.label}", {**cur, o.name: True}) for o in step]
     variants.append((f"+ all of {', '.join(o.name for o in step)}", {**cur, **{o.name: True for o in step}}))
-    variants += [(f"+ {o.label}", {**cur, o.name: True}) for o in group("greedy")]
+    variants += [(f"+ {o.label}", {**cur, **o.row, o.name: True}) for o in group("greedy")]
     return rows, variants
 
 

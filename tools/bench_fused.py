@@ -29,9 +29,9 @@ def rows() -> tuple[dict, dict]:
     step, greedy = group("step"), group("greedy")
     all_step = {o.name: True for o in step}
     g = {"plain (best fp32 greedy)": {}}
-    g.update({f"+ {o.label}": {o.name: True} for o in step + greedy})
+    g.update({f"+ {o.label}": {**o.row, o.name: True} for o in step + greedy})
     g[f"+ all of {', '.join(o.name for o in step)}"] = all_step
-    g.update({f"+ all of those + {o.label}": {**all_step, o.name: True} for o in greedy})
+    g.update({f"+ all of those + {o.label}": {**all_step, **o.row, o.name: True} for o in greedy})
     g.update({f"+ {o.label} (no fused kernels)": {o.name: True} for o in group("shortlist")})
     b, cur = {"beam 4 (plain)": dict(beam=4)}, dict(beam=4)
     for o in group("beam"):
