@@ -132,7 +132,8 @@ def test_argmax_kernels_are_bound_only_for_the_dtypes_they_compare_in():
 @pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4), dict(beam=1, max_sentences=1),
                                 dict(beam=2, no_repeat_ngram=2), dict(beam=1, no_repeat_ngram=2, **FUSED_ARGMAX),
                                 dict(beam=1, precision="int8"), dict(beam=1, max_sentences=1, precision="int8"),
-                                dict(beam=1, cross_bf16=True, kv_half=True), dict(beam=4, cross_bf16=True, kv_half=True)],
+                                dict(beam=1, cross_bf16=True, kv_half=True),
+                                dict(beam=4, cross_bf16=True, kv_half=True)],
                          ids=["greedy", "beam", "one-row", "beam-ngram", "greedy-ngram-argmax", "int8", "int8-one-row",
                               "greedy-16bit-kv", "beam-16bit-kv"])
 def test_the_step_never_asks_whether_a_kernel_is_loaded(lines, monkeypatch, kw):
