@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .shortlist import candidates_kernel as shortlist_candidates_kernel
+from .shortlist import candidates_reference as shortlist_candidates_reference
 
 
 def add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps: float):
@@ -358,6 +360,7 @@ class Ops:
     qkv_to_cache_: Callable
     argmax_rows: Callable
     linear_argmax: Callable
+    shortlist_candidates: Callable  # (src, offsets, ids, always) -> (C,): decoder/shortlist.py
 
     def is_kernel(self, name: str) -> bool:
         """Whether op `name` runs a kernel here (CUDA's entries still take the reference
@@ -367,14 +370,17 @@ class Ops:
 
 REFERENCE = Ops(add_bias_residual_layernorm_reference, add_bias_relu_reference, _log_softmax_topk_checked,
                 _ngram_block_checked, decode_attention_reference, encoder_attention_reference, cross_store_reference,
-                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference)
+                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference,
+                shortlist_candidates_reference)
 CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, add_bias_relu_kernel, log_softmax_topk_kernel,
                   ngram_block_kernel, decode_attention_kernel, encoder_attention_kernel, cross_store_kernel,
-                  qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel)
-# csrc/fused_cuda.cu has no encoder attention, cross-attention store or row-table attention
+                  qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel,
+                  shortlist_candidates_kernel)
+# csrc/fused_cuda.cu has no encoder attention, cross-attention store, row-table attention or shortlist
 CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
                                    decode_attention=decode_attention_cuda,
-                                   encoder_attention=encoder_attention_reference, cross_store=cross_store_reference)
+                                   encoder_attention=encoder_attention_reference, cross_store=cross_store_reference,
+                                   shortlist_candidates=shortlist_candidates_reference)
 
 
 @functools.lru_cache(maxsize=None)

@@ -569,6 +569,8 @@ def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
             uses = value.uses
         elif slot == "argmax_in_step":  # Model.project_argmax: linear_argmax, or argmax_rows below its rows
             uses = ("linear_argmax", "argmax_rows")
+        elif slot == "shortlist":  # the Translator hands its Shortlist ops.shortlist_candidates
+            uses = ("shortlist_candidates",)
         else:
             continue
         if slot in calls:
@@ -588,7 +590,7 @@ def step_slots(slots: dict, loop: str, no_repeat_ngram: int) -> set:
         calls.add("topk")
     else:
         calls.add("argmax_in_step" if slots["argmax_in_step"] else "argmax")
-    return calls | ({"block"} if no_repeat_ngram else set())
+    return calls | ({"block"} if no_repeat_ngram else set()) | ({"shortlist"} if slots["shortlist"] else set())
 
 
 def table_markdown() -> str:

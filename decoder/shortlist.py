@@ -14,37 +14,47 @@ class Shortlist:
     sentence would mean a different projection per row, i.e. no single matmul.
     """
 
-    def __init__(self, offsets, ids, frequent, eos_id: int, device):
+    def __init__(self, offsets, ids, frequent, eos_id: int, device, candidates=None):
+        """`candidates`: the plan's bound op (decoder/fused.py `Ops.shortlist_candidates`,
+        the C++ kernel's entry or `candidates_reference`); None: the reference."""
         always = torch.cat([frequent, torch.tensor([eos_id])])
         _check_lists(offsets, ids, always)  # once, where the lists are born: the step then reads them unchecked
         self.offsets, self.ids = offsets.to(device), ids.to(device)  # CSR: (V+1,), (nnz,)
         self.always = always.to(device)  # (N+1,)
         self.vocab_size = offsets.numel() - 1
+        self.op = candidates or candidates_reference
 
     def candidates(self, src):
         """src (B, S) source ids -> the allowed target ids (C,), ascending, </s> among them."""
-        if src.device.type == "cpu" and ops.available():
-            # checked here, not by the C++ op's own check (a C++ exception crashed some builds, issue 30):
-            # once per batch, on a CPU tensor
-            lo, hi = torch.aminmax(src) if src.numel() else (0, -1)
-            if int(lo) < 0 or int(hi) >= self.vocab_size:
-                bad = int(lo) if int(lo) < 0 else int(hi)
-                raise ops.OpArgumentError(
-                    f"shortlist_candidates: source id {bad} outside the vocabulary of {self.vocab_size}")
-            return torch.ops.decoder_ops.shortlist_candidates(src, self.offsets, self.ids, self.always)
-        return self.candidates_reference(src)
+        return self.op(src, self.offsets, self.ids, self.always)
 
     def candidates_reference(self, src):
-        """`candidates` in tensor ops (any device); decoder/csrc/shortlist.cpp is the CPU kernel."""
-        u = torch.unique(src)  # (U,)
-        start, n = self.offsets[u], self.offsets[u + 1] - self.offsets[u]  # (U,) each
-        # index of every listed id: start[i] + 0 .. n[i]-1, flattened over i
-        first = torch.cumsum(n, 0) - n  # (U,) where source i's run begins in the flat list
-        pos = torch.repeat_interleave(start - first, n) + torch.arange(int(n.sum()), device=src.device)
-        allowed = torch.zeros(self.vocab_size, dtype=torch.bool, device=src.device)
-        allowed[self.ids[pos]] = True
-        allowed[self.always] = True
-        return allowed.nonzero()[:, 0]  # (C,)
+        return candidates_reference(src, self.offsets, self.ids, self.always)
+
+
+def candidates_reference(src, offsets, ids, always):
+    """Shortlist.candidates in tensor ops (any device); decoder/csrc/shortlist.cpp is the CPU kernel.
+    src (B, S), CSR offsets (V+1,) into ids (nnz,), always (N,) -> (C,) ascending."""
+    u = torch.unique(src)  # (U,)
+    start, n = offsets[u], offsets[u + 1] - offsets[u]  # (U,) each
+    # index of every listed id: start[i] + 0 .. n[i]-1, flattened over i
+    first = torch.cumsum(n, 0) - n  # (U,) where source i's run begins in the flat list
+    pos = torch.repeat_interleave(start - first, n) + torch.arange(int(n.sum()), device=src.device)
+    allowed = torch.zeros(offsets.numel() - 1, dtype=torch.bool, device=src.device)
+    allowed[ids[pos]] = True
+    allowed[always] = True
+    return allowed.nonzero()[:, 0]  # (C,)
+
+
+def candidates_kernel(src, offsets, ids, always):
+    """The C++ op's entry (CPU tensors). The source ids are checked here, not only by the
+    op's own check: a C++ exception crashed some builds (issue 30); once per batch."""
+    V = offsets.numel() - 1
+    lo, hi = torch.aminmax(src) if src.numel() else (0, -1)
+    if int(lo) < 0 or int(hi) >= V:
+        bad = int(lo) if int(lo) < 0 else int(hi)
+        raise ops.OpArgumentError(f"shortlist_candidates: source id {bad} outside the vocabulary of {V}")
+    return torch.ops.decoder_ops.shortlist_candidates(src, offsets, ids, always)
 
 
 def _check_lists(offsets, ids, always) -> None:

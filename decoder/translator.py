@@ -152,7 +152,7 @@ class Translator:
         self.model = Model(cfg, weights, self.plan, precision=self.precision, device=self.device)
         if self.plan.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
-                                       device=self.model.device)
+                                       device=self.model.device, candidates=self.plan.ops.shortlist_candidates)
 
     def probe_for(self, cfg) -> Probe:
         """What `auto` times: this model's step products at the rows a step will

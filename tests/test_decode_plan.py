@@ -168,6 +168,10 @@ def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
     assert resolve(Switches(), device="cuda", kernels=Kernels(True, False)).summary("fp16").endswith(
         "; kernels: none; reference: add_norm, argmax_in_step")
     assert "; kernels: none" in resolve(Switches(**opt.all_off()), kernels=BOTH).summary()
+    # the shortlist's candidates: the C++ op on CPU, the reference on CUDA (no kernel there)
+    assert "shortlist" in resolve(Switches(shortlist=True), kernels=BOTH).summary().split("; kernels: ")[1]
+    assert resolve(Switches(shortlist=True), device="cuda", kernels=BOTH).summary("fp16").endswith(
+        "; reference: shortlist")
 
 
 # -- batch sizes, per device ---------------------------------------------------------------------

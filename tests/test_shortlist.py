@@ -13,7 +13,7 @@ import torch
 from conftest import toy_parallel
 from decoder import Translator, modeldir, ops
 from decoder.modeldir import ModelDirError
-from decoder.shortlist import Shortlist
+from decoder.shortlist import Shortlist, candidates_kernel
 from fixture_model import make_model_dir, synthetic_corpus
 from student.data import read_lines
 from student.shortlist import add_to_model_dir, build, cooc, encode_corpus
@@ -116,7 +116,7 @@ def test_candidates_kernel_equals_the_tensor_reference_on_random_lists():
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
         ids = torch.randint(0, V, (int(offsets[-1]),), generator=g)  # duplicates within and across lists
         frequent = torch.randint(0, V, (trial,), generator=g)
-        sl = Shortlist(offsets, ids, frequent, eos_id=2, device="cpu")
+        sl = Shortlist(offsets, ids, frequent, eos_id=2, device="cpu", candidates=candidates_kernel)
         src = torch.randint(0, V, (1 + trial % 4, 1 + trial), generator=g)
         assert torch.equal(sl.candidates(src), sl.candidates_reference(src)), trial
 
@@ -132,10 +132,25 @@ def test_candidates_kernel_refuses_ids_outside_the_vocabulary(monkeypatch):
         Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), none, 7, "cpu")
     with pytest.raises(ValueError, match="offsets must ascend"):
         Shortlist(torch.tensor([0, 2, 1]), torch.tensor([1, 0]), none, 0, "cpu")
-    sl = Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), none, 0, "cpu")
+    sl = Shortlist(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), none, 0, "cpu", candidates=candidates_kernel)
     for bad in (3, -1):
         with pytest.raises(ValueError, match=f"source id {bad} outside the vocabulary of 2"):
             sl.candidates(torch.tensor([[1, bad]]))
+
+
+def test_the_translator_binds_the_candidates_op_once_and_never_asks_again(base_dir, tmp_path, vocab, lines,
+                                                                         monkeypatch):
+    lists = [[(7 * s + j) % vocab for j in range(40)] for s in range(vocab)]
+    tr = Translator(copy_with(base_dir, tmp_path, lists, frequent=[5, 9]), shortlist=True, precision="int8")
+    want_kernel = ops.available()
+    assert (tr.shortlist.op is candidates_kernel) == want_kernel
+    assert ("shortlist", want_kernel) in tr.plan.bound
+    want = tr.translate(lines)
+
+    def asked(*a):
+        raise AssertionError("the shortlist asked whether its kernel is loaded")
+    monkeypatch.setattr(ops, "available", asked)
+    assert tr.translate(lines) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
