@@ -147,7 +147,6 @@ def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
     lims = list(lims)  # the limits as Python ints: no tensor op to test them
     done = [False] * B
     first = torch.arange(B, device=dev)[:, None] * K  # (sentences, 1) each sentence's first row
-    beam_ar = torch.arange(K, device=dev)
     shrink = p.early_stop and state.can_shrink
     eos_c = eos_column(vocab, eos_id)
     for t in range(max(lims)):
@@ -176,16 +175,22 @@ def beam_search(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
             break
         if shrink and n_done >= max(1.0, s.shrink_ratio * nb):
             keep = [b for b in range(nb) if not done[b]]
-            kd = torch.tensor(keep, device=dev)
-            rows = rows.view(nb, K)[kd].view(-1)
-            state.keep(kd, rows)  # reorder and shrink in one gather
-            krows = (first[kd] + beam_ar).view(-1)
+            _, scores, limits, tokens, hist = leave(state, keep, rows, first, scores, limits, tokens, hist)
             alive, lims, done = [alive[b] for b in keep], [lims[b] for b in keep], [False] * len(keep)
-            scores, limits = scores[kd], limits[kd]
-            tokens, hist = tokens[krows], hist[krows]
         else:
             state.reorder(rows)
     return [max(f, key=lambda s: s[0])[1] for f in finals]
+
+
+def leave(state, keep: list[int], rows, first, scores, limits, tokens, hist):
+    """Only the sentences `keep` (of the step's nb) go on: the cache reordered to `rows` and
+    shrunk in one gather, and the per-sentence and per-row tensors cut to match.
+    -> (kept (nk,), scores, limits, tokens, hist)."""
+    nb, K = scores.shape
+    kd = torch.tensor(keep, device=scores.device)  # (nk,)
+    state.keep(kd, rows.view(nb, K)[kd].view(-1))
+    krows = (first[kd] + torch.arange(K, device=scores.device)).view(-1)  # (nk*K,)
+    return kd, scores[kd], limits[kd], tokens[krows], hist[krows]
 
 
 def advance(top_s, col, src_beam, ranks, first, hist, vocab, K: int):
@@ -348,7 +353,6 @@ def beam_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
     finals = Finals(B, K, T, s.pad_id, dev)
     sent, lims = torch.arange(B, device=dev), list(lims)  # (nb,) input sentence of each live one; its limit
     first = torch.arange(B, device=dev)[:, None] * K  # (sentences, 1) each sentence's first row
-    beam_ar = torch.arange(K, device=dev)
     shrink = p.early_stop and state.can_shrink
     eos_c = eos_column(vocab, s.eos_id)
     for t in range(T):
@@ -371,11 +375,8 @@ def beam_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[in
                 break
             if shrink and n_done >= max(1.0, s.shrink_ratio * nb):
                 keep = [b for b in range(nb) if not done[b]]
-                kd = torch.tensor(keep, device=dev)
-                state.keep(kd, rows.view(nb, K)[kd].view(-1))  # reorder and shrink in one gather
-                krows = (first[kd] + beam_ar).view(-1)
-                sent, lims, scores, limits = sent[kd], [lims[b] for b in keep], scores[kd], limits[kd]
-                tokens, hist = tokens[krows], hist[krows]
+                kd, scores, limits, tokens, hist = leave(state, keep, rows, first, scores, limits, tokens, hist)
+                sent, lims = sent[kd], [lims[b] for b in keep]
                 continue
         state.reorder(rows)
     return finals.best(s.length_penalty, t + 1)
