@@ -182,6 +182,25 @@ def test_bench_fused_prints_every_switch_with_its_ratio(capsys):
     assert all(r.split(" | ")[2] for r in rows) and rows[0].split(" | ")[2] == "1.000"
 
 
+def test_bench_fused_against_shipped_times_each_switch_that_ships_off_where_it_applies(capsys):
+    from decoder import optimisations as opt
+    from tools.bench_fused import main, shipped_rows
+    greedy, beam = shipped_rows()
+    off = {o.name for o in opt.OPTIMISATIONS if not o.default and o.bench != "shortlist"}
+    # each alone (with the settings its row needs, which ship on), none missing
+    rows = list(greedy.values())[1:] + list(beam.values())[1:]
+    on = [{n for n, v in kw.items() if v is True and n in off} for kw in rows]
+    assert all(len(names) == 1 for names in on) and set().union(*on) == off
+    main(["--model", MODEL, "--src", SRC, "--lines", "8", "--passes", "1", "--threads", "1", "--against", "shipped"])
+    out = capsys.readouterr().out
+    names = [r.split(" | ")[0][2:] for r in out.splitlines() if r.startswith("| ") and "configuration" not in r]
+    assert names[0] == "shipped (greedy)" and "shipped (beam 4)" in names
+    # where there is VNNI, the int8 product without it resolves to the shipped plan: not a row
+    wide = "+ " + opt.BY_NAME["int8_wide_gemm"].label
+    assert (wide in names) == (opt.resolve(opt.Switches(int8_wide_gemm=True)).int8_kernel == "wide")
+    assert "x shipped" in out and "one thread, shortlist absent" in out
+
+
 def test_beam_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data):
     # switch kv_half (numeric): fp16 K/V flips near ties. Measured: these 150 lines 36 differ, BLEU
     # 4.92 -> 4.87 (a model that repeats itself: many near ties); the KD student's 1,003 test lines at

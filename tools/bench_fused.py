@@ -1,9 +1,11 @@
-"""python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K] [--precision P]
+"""python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K] [--precision P] [--against A]
 
 The fused kernels and the lexical shortlist against the plain decoder (fp32, or --precision), each
-switch alone: all configurations of a group are built first, then timed in
-turns, pass after pass, and the fastest pass counts, so drifting load on a
-shared machine hits every configuration alike. Prints a markdown table
+switch alone; or (`--against shipped`) every switch that ships off against the decoder as
+shipped (its defaults, `auto` precision, one 1-thread worker per thread, the model's
+shortlist), each alone: whether it would pay as a default. All configurations of a group
+are built first, then timed in turns, pass after pass, and the fastest pass counts, so
+drifting load on a shared machine hits every configuration alike. Prints a markdown table
 (docs/bench/fused-and-shortlist-*.md).
 """
 from __future__ import annotations
@@ -14,9 +16,9 @@ import time
 
 import torch
 
-from decoder import cliargs
+from decoder import cliargs, ops
 from decoder.machine import cpu_info
-from decoder.optimisations import group, kernels_off
+from decoder.optimisations import OPTIMISATIONS, group, kernels_off
 from decoder.translator import Translator
 
 from .bench import add_test_set_args, read_test_set, scores
@@ -41,23 +43,50 @@ def rows() -> tuple[dict, dict]:
     return g, b
 
 
+def shipped_rows() -> tuple[dict, dict]:
+    """(greedy rows, beam rows) against the shipped decoder: each switch that ships off, alone."""
+    off = [o for o in OPTIMISATIONS if not o.default and o.bench != "shortlist"]
+    g = {"shipped (greedy)": {}}
+    g.update({f"+ {o.label}": {**o.row, o.name: True} for o in off if o.bench != "beam"})
+    b = {"shipped (beam 4)": dict(beam=4)}
+    b.update({f"beam 4 + {o.label}": dict(beam=4, **o.row, **{o.name: True}) for o in off})
+    return g, b
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)
-    p.add_argument("--precision", choices=("fp32", "int8", "bf16"), default="fp32",
-                   help="of every row: int8 measures the kernels of the int8 output layer (fused_project_topk)")
+    p.add_argument("--precision", choices=("fp32", "int8", "bf16", "auto"), default=None,
+                   help="of every row (default: fp32 against plain, auto against shipped): int8 measures the "
+                        "kernels of the int8 output layer (fused_project_topk)")
+    p.add_argument("--against", choices=("plain", "shipped"), default="plain",
+                   help="plain: each kernel against every fused switch off; shipped: each switch that ships off "
+                        "against the shipped decoder (workers and shortlist as shipped)")
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    shipped = a.against == "shipped"
+    precision = a.precision or ("auto" if shipped else "fp32")
     src, ref = read_test_set(a)
     words = sum(len(s.split()) for s in src)
     shortlist = os.path.exists(os.path.join(a.model, "shortlist.safetensors"))
+    # shipped: CPU-ALL as the container runs it, one 1-thread worker per thread
+    base = dict(workers=a.threads if a.threads > 1 else 0, shortlist=shortlist) if shipped else PLAIN
+    torch.set_num_threads(1 if shipped else a.threads)
     table = []
-    for configs in rows():
-        trs = {k: Translator(a.model, precision=a.precision, **{**PLAIN, **kw}) for k, kw in configs.items()
-               if shortlist or not kw.get("shortlist")}
+    for configs in (shipped_rows() if shipped else rows()):
+        configs = {k: kw for k, kw in configs.items() if shortlist or not kw.get("shortlist")}
+        first_key, *others = configs
+        first = Translator(a.model, precision=precision, **{**base, **configs[first_key]})
+        precision = first.precision  # `auto` timed once, not once per row
+        trs = {first_key: first}
+        for k in others:
+            tr = Translator(a.model, precision=precision, **{**base, **configs[k]})
+            if tr.plan.runs == first.plan.runs:  # does not apply here (its needs, this CPU): not timed
+                tr.close()
+            else:
+                trs[k] = tr
         for tr in trs.values():
             tr.translate(src[:8])  # warm-up
         best, outs = {k: float("inf") for k in trs}, {}
@@ -66,14 +95,20 @@ def main(argv=None):
                 t = time.perf_counter()
                 outs[k] = tr.translate(src)
                 best[k] = min(best[k], time.perf_counter() - t)
-        base = next(iter(trs))
-        table += [(k, words / best[k], best[base] / best[k], scores(outs[k], ref)[0], outs[k] == outs[base])
-                 for k in trs]
+        table += [(k, words / best[k], best[first_key] / best[k], scores(outs[k], ref)[0],
+                   outs[k] == outs[first_key]) for k in trs]
+        for tr in trs.values():
+            tr.close()
     m = cpu_info()
+    how = f"{a.threads} threads"
+    if shipped:
+        how = (f"{a.threads} 1-thread workers" if a.threads > 1 else "one thread") + \
+            f", shortlist {'on' if shortlist else 'absent'}"
     print(f"Machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; torch {torch.__version__}, "
-          f"{a.threads} threads, {a.precision}. {len(src)} lines ({words} words), fastest of {a.passes} interleaved "
-          f"passes.\n")
-    print("| configuration | words/s | x plain | BLEU | same output as plain |\n|---|---:|---:|---:|---|")
+          f"our kernels {ops.kernel_isa() if ops.available() else 'not loaded'}; {how}, {precision}. {len(src)} "
+          f"lines ({words} words), fastest of {a.passes} interleaved passes.\n")
+    first = "shipped" if shipped else "plain"
+    print(f"| configuration | words/s | x {first} | BLEU | same output as {first} |\n|---|---:|---:|---:|---|")
     for k, w, x, b, same in table:
         print(f"| {k} | {w:,.0f} | {x:.3f} | {b:.2f} | {'yes' if same else 'no'} |")
 
