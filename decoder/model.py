@@ -138,7 +138,9 @@ class Model:
         self.emb = w["shared.weight"].to(self.dtype) * self.embed_scale
         self.pos = sinusoidal_table(a.max_positions + cfg.pad_id + 1, a.d_model, cfg.pad_id).to(
             self.device, self.dtype)  # (P, d)
-        self.out_proj = linear(w["shared.weight"] if a.tie_embeddings else w["lm_head.weight"], None)
+        out_w = w["shared.weight"] if a.tie_embeddings else w["lm_head.weight"]
+        self.out_proj = linear(out_w, None) if precision != "int8" or plan.int8_out_kernel is None else \
+            Int8Linear(out_w, None, fused=plan.int8_fused, gemv_rows=plan.int8_gemv_rows, wide=True)
         load = lambda p, dec: Layer.load(w, p, a, linear, plan.fused_qkv, self.dtype, dec)  # noqa: E731
         self.enc_layers = [load(f"encoder.layers.{i}", False) for i in range(a.encoder_layers)]
         self.dec_layers = [load(f"decoder.layers.{i}", True) for i in range(a.decoder_layers)]

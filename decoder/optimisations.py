@@ -259,6 +259,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "fbgemm's repack). Off: 0.72-0.84x fbgemm's speed at 64-160 rows (fbgemm's AVX2 step sums two "
                  "`vpmaddubsw` in saturating int16, more multiply-adds an instruction than any exact step), 0.93x "
                  "decoding the fixture, AVX2-capped EPYC (docs/bench/decoder.md)"),
+    Optimisation("int8_wide_output", False, "exact int16 output projection beside fbgemm's layers (C++, AVX2)",
+                 "int8_out_kernel", "wide", None, "the layers' int8 linear (fbgemm: the shortlist's slice prepacked "
+                 "per batch)", "int8", row={"fbgemm_int8": True, "fused_ops": True},
+                 needs=lambda o: (o.fused_ops and o.fbgemm_int8 and o.shortlist and not o.int8_wide_gemm
+                                  and not int_mm_vnni() and fbgemm_available() and wide_gemm_available()),
+                 detail="where the layers run fbgemm (no VNNI), the output projection alone runs "
+                 "decoder/csrc/int8_gemm.cpp on int16-widened weights, so the shortlist's slice is a row gather "
+                 "instead of fbgemm's repack of the slice every batch; its logits are `_int_mm`'s integers"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
@@ -435,6 +443,7 @@ class Plan:
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)
     int8_packed_gemm: bool      # Int8Linear: our packed VNNI product in place of _int_mm (int8_gemm.cpp)
+    int8_out_kernel: str | None  # "wide": the int8 output projection's own kernel; None: the layers' (int8_kernel)
     int8_gemv_rows: int         # int8 calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))

@@ -122,6 +122,53 @@ def test_tokens_on_trained_model_are_the_same_with_the_wide_product_as_with_int_
     assert on.translate(src) == off.translate(src)
 
 
+def with_shortlist(src_dir, tmp_path) -> str:
+    """A copy of a model dir with a lexical shortlist of 60 ids a source token (seeded)."""
+    import shutil
+    from decoder import modeldir
+    d = str(tmp_path / "sl-model")
+    shutil.copytree(src_dir, d)
+    V = modeldir.read_config(d).arch.vocab_size
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (V * 60,), generator=g)
+    modeldir.write_shortlist(d, torch.arange(V + 1) * 60, ids, torch.arange(4, 40))
+    return d
+
+
+@simd
+def test_wide_output_runs_beside_fbgemm_layers_only_without_vnni_and_with_a_shortlist(monkeypatch, tmp_path):
+    d = with_shortlist(make_model_dir(tmp_path / "model", seed=1), tmp_path)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    on = Translator(d, precision="int8", shortlist=True, int8_wide_output=True)
+    assert (on.plan.int8_kernel, on.plan.int8_out_kernel) == ("fbgemm", "wide")
+    assert isinstance(on.model.enc_layers[0].ffn.fc1, FbgemmLinear)
+    assert isinstance(on.model.out_proj, Int8Linear) and on.model.out_proj.packed.dtype == torch.int16
+    # no shortlist: fbgemm's projection is packed once, nothing to save
+    assert Translator(d, precision="int8", int8_wide_output=True).plan.int8_out_kernel is None
+    assert Translator(d, precision="int8", shortlist=True).plan.int8_out_kernel is None  # off by default
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setattr("decoder.quant._cpu_has_vnni", lambda: True)  # VNNI: the packed product everywhere
+    assert Translator(d, precision="int8", shortlist=True, int8_wide_output=True).plan.int8_out_kernel is None
+
+
+@trained
+@simd
+@pytest.mark.parametrize("beam", [1, 4])
+def test_wide_output_gives_the_tokens_of_int_mm_projection_beside_fbgemm_layers(monkeypatch, tmp_path, beam):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    d = with_shortlist(TRAINED, tmp_path)
+    src = open(SRC).read().splitlines()[:60]
+    on = Translator(d, precision="int8", beam=beam, shortlist=True, int8_wide_output=True)
+    ref = Translator(d, precision="int8", beam=beam, shortlist=True, int8_wide_output=True)
+    w = on.model.out_proj
+    # the same integers and scales through _int_mm: its logits are the wide product's exactly
+    ref.model.out_proj = Int8Linear(torch.zeros(w.out_features, w.wq_t.shape[0]), None, gemv_rows=4)
+    ref.model.out_proj.wq_t, ref.model.out_proj.w_scale = w.wq_t, w.w_scale
+    ref.model.out_proj.gemv = None if w.gemv is None else w.gemv
+    assert ref.model.out_proj.packed is None
+    assert on.translate(src) == ref.translate(src)
+
+
 def test_wide_ops_pass_opcheck():
     g = torch.Generator().manual_seed(0)
     w = _int8((70, 37), g)

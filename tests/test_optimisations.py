@@ -28,6 +28,7 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
          "int8_wide_gemm": {"fused_ops": True},
+         "int8_wide_output": {"fused_ops": True, "fbgemm_int8": True, "shortlist": True},
          "kv_half": {"fused_attention": True, "cache": True},
          "cross_bf16": {"fused_cross_attention": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
@@ -38,9 +39,10 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
 
 def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
     monkeypatch.setattr(opt, "wide_gemm_available", lambda: True)
+    monkeypatch.setattr(opt, "fbgemm_available", lambda: True)
     for o in opt.OPTIMISATIONS:
-        # a VNNI CPU, whatever this one is; an AVX2 one for the product made for it
-        monkeypatch.setattr(opt, "int_mm_vnni", lambda: o.name != "int8_wide_gemm")
+        # a VNNI CPU, whatever this one is; an AVX2 one for the products made for it
+        monkeypatch.setattr(opt, "int_mm_vnni", lambda: o.name not in ("int8_wide_gemm", "int8_wide_output"))
         off = {**opt.all_off(), **NEEDS.get(o.name, {})}
         # each on the device it has kernels for, with every kernel loaded
         where = dict(device="cuda" if o.bench == "cuda" else "cpu", kernels=opt.Kernels(cpu=True, cuda=True))
