@@ -46,11 +46,13 @@ def batches_of(tr: Translator, lines: list[str]) -> list[list[list[int]]]:
                                                      tr.plan.sort)]
 
 
-def _child(make, jobs, results, core: int) -> None:
-    """A forked process: pinned to `core`, it says it is ready, then translates
-    (number, batch) items from `jobs` until None."""
+def _child(make, jobs, results, core: int, warm) -> None:
+    """A forked process: pinned to `core`, it translates `warm` (as a spawned worker has
+    warmed up on earlier batches), says it is ready, then translates (number, batch)
+    items from `jobs` until None."""
     os.sched_setaffinity(0, {core})
     tr = make()
+    tr.translate_ids(warm)
     results.put(None)
     while (item := jobs.get()) is not None:
         results.put((item[0], tr.translate_ids(item[1])))
@@ -58,10 +60,12 @@ def _child(make, jobs, results, core: int) -> None:
 
 def forked(make, batches, cores: list[int]):
     """One forked process per core takes `batches` as it frees up; -> (outputs in batch
-    order, seconds from every process ready to the last output)."""
+    order, seconds from every process ready (its model loaded, one batch decoded) to
+    the last output)."""
     ctx = mp.get_context("fork")  # a 1-thread torch never started an OpenMP pool to inherit
     jobs, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(make, jobs, results, c)) for c in cores]
+    warm = max(batches, key=lambda b: len(b) * max(map(len, b)))  # the most padded tokens
+    procs = [ctx.Process(target=_child, args=(make, jobs, results, c, warm)) for c in cores]
     for p in procs:
         p.start()
     for _ in procs:
