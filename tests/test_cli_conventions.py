@@ -203,7 +203,8 @@ def test_bench_and_evaluate_speak_the_vocabulary_and_keep_the_old_names():
 
 HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5)"},
         "tools.bench": {"--passes": "(default: 1)", "--repeat-input": "(default: 1)"},
-        "tools.bench_fused": {"--passes": "(default: 3)"},
+        "tools.bench_fused": {"--passes": "(default: 3)", "--against": "(default: plain)"},
+        "tools.bench_workers": {"--passes": "(default: 3)", "--precision": "(default: int8)"},
         "submission.evaluate": {"--passes": "(default: 3)"},
         "submission.image": {"--tag": "(default: wmt-kit:latest, on gpu wmt-kit-gpu:latest)"},
         "student.data prepare": {"--vocab-size": "(default: 8000)"},

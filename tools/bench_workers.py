@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from decoder import cliargs
 from decoder.batching import make_batches
 from decoder.machine import describe, one_line
 from decoder.translator import Translator
@@ -139,15 +140,18 @@ def measure(model: str, lines: list[str], kw: dict, passes: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.bench_workers", description=__doc__.split("\n\n")[0],
+                                formatter_class=cliargs.HelpFormatter)
+    cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir")
     p.add_argument("--src", required=True, help="source lines")
-    p.add_argument("--lines", type=int, default=0, help="first N lines only (0: all)")
-    p.add_argument("--precision", default="int8", help="the decoder's precision")
-    p.add_argument("--shortlist", action="store_true", help="the model dir's lexical shortlist")
-    p.add_argument("--passes", type=int, default=3, help="timed passes of every arrangement; the best counts")
-    p.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
+    p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="first N lines only (0: all)")
+    p.add_argument("--precision", choices=("fp32", "int8", "bf16", "auto"), default="int8",
+                   help="the decoder's precision")
+    p.add_argument("--shortlist", action="store_true", help="decode with the model dir's lexical shortlist")
+    p.add_argument("--passes", type=cliargs.positive_int, default=3,
+                   help="timed passes of every arrangement, in turns; the fastest counts")
+    p.add_argument("--out", default=None, help="also write PREFIX.json and PREFIX.md")
     a = p.parse_args(argv)
     lines = read(a.src)[:a.lines or None]
     machine = describe()
