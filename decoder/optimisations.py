@@ -335,7 +335,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the log-probabilities are never written: 1.03x at int8 beam 4 on the KD student, no line "
                  "changed of 1,003; they round differently from ATen's, so near ties may flip (one line in 300 "
                  "in fp32 on an AVX-512 EPYC)"),
-    Optimisation("fused_project_topk", False, "fused output projection + log-softmax + top-k (C++)", "project_topk",
+    Optimisation("fused_project_topk", True, "fused output projection + log-softmax + top-k (C++)", "project_topk",
                  True, False, "the projection's (rows x C) logits written, then the plan's log-softmax + top-k", "beam",
                  needs=lambda o: not o.no_repeat_ngram and o.int8_packed_gemm and BY_NAME["int8_packed_gemm"].needs(o),
                  detail="beam, an int8 output layer on the packed VNNI product (int8_packed_gemm; the shortlist's "
@@ -343,10 +343,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "product 128 columns at a time while they are in cache and keeps per row a running max and sum of "
                  "exps and its 2k best logits; each sentence gets its 2k best log-prob + score, the int32 and float "
                  "logits never written. Steps that force </s>, fbgemm, fp32 and the gemv kernel's few rows take the "
-                 "plain path. Off: level with the plain path, not ahead (AVX-512 EPYC, one thread: 1.00x at a 160-row "
-                 "step over 4,000 columns at d 256, 1.24x over 8,000, 0.81x over 2,000 at d 128; int8 beam 4 on the "
-                 "trained fixture 0.92x, the same tokens), because each beam row keeps its own 2k best where the "
-                 "plain path's sentence-wide bar skips most of the other beams' columns"),
+                 "plain path. On: 1.05x the shipped beam 4 on the KD student (2 workers, shortlist, AVX-512 VNNI "
+                 "EPYC, the same tokens; docs/bench/decoder.md), where alone one step is 1.00x at 160 rows x 4,000 "
+                 "columns at d 256, 1.24x over 8,000 and 0.81x over 2,000 at d 128 (the trained fixture: 0.92x): "
+                 "each beam row keeps its own 2k best where the plain path's sentence-wide bar skips most of the "
+                 "other beams' columns, so it pays at student sizes, not at d 128"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step", "beam",
                  needs=lambda o: o.fused_attention and o.cache,

@@ -422,7 +422,7 @@ def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
     fused = {"fused_norm", "fused_relu", "fused_attention", "fused_cache", "fused_argmax", "fused_project_argmax",
              "fused_encoder_attention", "fused_cross_attention", "cross_bf16"}
     int8 = {"fbgemm_int8", "fused_ops", "int8_gemv", "int8_vnni_int_mm", "int8_quantized_hidden", "int8_packed_gemm",
-            "int8_wide_gemm"}
+            "int8_wide_gemm", "int8_wide_output"}
     for _, kw in variants:  # each differs from the last fp32 row in precision (and its int8 kernel) or fused kernels only
         assert {k for k in kw if kw[k] != last.get(k, False)} <= {"precision"} | int8 | fused
 
