@@ -2,6 +2,7 @@
 the bench's chart (tools/bench_chart.py), the dev-BLEU curves (student/chart.py)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,8 +59,10 @@ def test_bench_chart_of_a_file_that_is_not_bench_json_is_one_error_line(tmp_path
 def test_committed_bench_chart_data_is_the_committed_summary():
     """docs/bench/README.md's chart is drawn from these JSON files: their bars give summary.json's ratios."""
     summary = json.load(open(os.path.join(BENCH, "summary.json")))
+    readme = open(os.path.join(BENCH, "README.md")).read()
+    chart = re.search(r"!\[[^]]*\]\(([^)]+)\.png\)", readme).group(1)  # the first chart: today's
     for s in summary:
-        result = json.load(open(os.path.join(BENCH, f"kd-student-2026-11-25i-{s['isa']}.json")))
+        result = json.load(open(os.path.join(BENCH, f"{chart}-{s['isa']}.json")))
         got = {b["group"]: b["ratio"] for b in bench_chart.bars(result)}
         assert got == {"throughput": s["throughput_vs_ct2_best"], "batch1": s["batch1_vs_ct2"],
                        "beam4": s["beam4_vs_ct2"]}
