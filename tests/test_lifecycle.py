@@ -174,8 +174,11 @@ def wait_for(cond, timeout: float, what: str):
 def test_signal_removes_the_temp_output_and_exits_with_one_line(model_dir, tmp_path, sig):
     out = tmp_path / "out.txt"
     out.write_text("previous\n")
+    # started as from a terminal: a suite run as a background job (`&`) ignores SIGINT, which
+    # its children would inherit, and the decoder keeps a signal it was started ignoring
     p = subprocess.Popen(decoder(model_dir, "-o", str(out), "--chunk-lines", "1"), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=KILLED_ENV, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=KILLED_ENV, cwd=ROOT,
+                         preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     try:
         p.stdin.write(TEXT)  # and stdin stays open: the run is still going when the signal comes
         p.stdin.flush()
