@@ -12,7 +12,8 @@
 # reports. Stages are independent where they can be: bench uses BENCH_MODEL, else the train stage's
 # model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present), TRAIN_MINUTES (2.5),
-# BENCH_LINES (10000), BENCH_MODEL, DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
+# BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
+# DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,8 +111,9 @@ durable.write_lines('$ROOT/runs/gpu-bench.en', src[:n])
 durable.write_lines('$ROOT/runs/gpu-bench.es', tgt[:n])
 " "$BENCH_LINES" || return
   mkdir -p "$OUT/bench"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   run bench $PY -m tools.bench_gpu --model "$model" --src "$ROOT/runs/gpu-bench.en" --ref "$ROOT/runs/gpu-bench.es" \
-    --passes 2 --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" --summary "$OUT/bench/summary-gpu.json"
+    --passes 2 --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" --summary "$OUT/bench/summary-gpu.json" ${BENCH_ARGS:-}
 }
 
 stage_distill() {
