@@ -13,6 +13,7 @@ decoder's settings line and `make setup` print it).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -183,15 +184,15 @@ def build_cuda_library(build_dir: str | None = None, verbose: bool = False) -> N
     on failure. Needs the CPU library loaded first: it holds the op schemas.
     Also runs without a GPU (tools/cuda_check.py: TORCH_CUDA_ARCH_LIST names
     the targets then)."""
-    from torch.utils.cpp_extension import CUDA_HOME, load
-    if build_dir:
-        os.makedirs(build_dir, exist_ok=True)
+    from torch.utils.cpp_extension import CUDA_HOME, _get_build_directory, load
+    build_dir = build_dir or _get_build_directory("decoder_ops_cuda", verbose=False)
     # torch links -L$CUDA_HOME/lib64 whenever that folder exists; toolkits laid out
     # from pip wheels keep libcudart in lib/ beside an empty lib64/
     ldflags = [f"-L{d}" for d in (os.path.join(CUDA_HOME or "", "lib"),)
                if os.path.exists(os.path.join(d, "libcudart.so"))]
-    load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")], extra_cuda_cflags=["-O3"],
-         extra_ldflags=ldflags, build_directory=build_dir, is_python_module=False, verbose=verbose)
+    with exclusive_build(build_dir):
+        load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")], extra_cuda_cflags=["-O3"],
+             extra_ldflags=ldflags, build_directory=build_dir, is_python_module=False, verbose=verbose)
 
 
 def _register_fakes() -> None:
@@ -299,13 +300,41 @@ def build_library(build_dir: str | None = None) -> str:
     library built here runs on any x86-64 that runs torch."""
     from torch.utils.cpp_extension import load
     build_dir = build_dir or default_build_dir()
-    os.makedirs(build_dir, exist_ok=True)
     so = os.path.join(build_dir, "decoder_ops.so")
-    if _stale(so):  # ninja decides for real; this only warns of the wait
-        print("building the fused C++ ops (once, ~30 s) ...", file=sys.stderr, flush=True)
-    load(name="decoder_ops", sources=[os.path.join(_HERE, f) for f in SOURCES], extra_cflags=CFLAGS,
-         build_directory=build_dir, is_python_module=False, verbose=False)
+    with exclusive_build(build_dir):
+        if _stale(so):  # ninja decides for real; this only warns of the wait
+            print("building the fused C++ ops (once, ~30 s) ...", file=sys.stderr, flush=True)
+        load(name="decoder_ops", sources=[os.path.join(_HERE, f) for f in SOURCES], extra_cflags=CFLAGS,
+             build_directory=build_dir, is_python_module=False, verbose=False)
     return so
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: str):
+    """One build in build_dir at a time across processes, and no wait on a dead one.
+
+    torch's load() waits, forever and silently, while a file `lock` exists in the build
+    folder; a build stopped half-way (Ctrl-C, a killed test run) leaves it, and every
+    later process hung. Our builds first take an flock on `kit.flock`, which the kernel
+    drops when its holder dies: holding it, a `lock` found is one nobody holds any more."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "kit.flock"), "a") as f:
+        baton = os.path.join(build_dir, "lock")
+        if _flock(f) and os.path.exists(baton):
+            os.remove(baton)
+            print(f"removed a stale build lock ({baton}), left by a build that was stopped", file=sys.stderr,
+                  flush=True)
+        yield  # closing the file releases the flock
+
+
+def _flock(f) -> bool:
+    """Wait for an exclusive flock on f; False where there is none (another OS, some network file systems)."""
+    try:
+        import fcntl
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return True
+    except (ImportError, OSError):
+        return False
 
 
 def default_build_dir() -> str:

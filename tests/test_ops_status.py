@@ -4,8 +4,10 @@ and the CUDA kernels are loaded and, if not, why; the decoder's settings line an
 torch with one warning line, and every op then silently ran its slow reference)."""
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -92,3 +94,46 @@ def test_make_setup_ends_by_printing_the_same_status_line():
     r = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "PYTHONPATH": ROOT, "DECODER_NO_CPP_OPS": "1"})
     assert r.stdout == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)\n", r.stderr
+
+
+def test_a_build_lock_left_by_a_stopped_build_is_cleared_not_waited_on(tmp_path, capsys):
+    # torch's load() waits forever while `lock` exists; a build killed half-way leaves it
+    (tmp_path / "lock").write_text("")
+    with ops.exclusive_build(str(tmp_path)):
+        assert not (tmp_path / "lock").exists()
+    assert "removed a stale build lock" in capsys.readouterr().err
+
+
+def test_a_build_running_in_another_process_is_waited_for_and_its_lock_kept(tmp_path):
+    holding, release, entered = threading.Event(), threading.Event(), []
+
+    def first():  # flock is per open file: a thread stands in for another process
+        with ops.exclusive_build(str(tmp_path)):
+            (tmp_path / "lock").write_text("")  # torch's baton, taken inside
+            holding.set()
+            release.wait(30)
+            (tmp_path / "lock").unlink()  # and released when its build ends
+
+    def second():
+        with ops.exclusive_build(str(tmp_path)):
+            entered.append(True)
+
+    t1, t2 = threading.Thread(target=first), threading.Thread(target=second)
+    t1.start()
+    assert holding.wait(30)
+    t2.start()
+    t2.join(0.5)
+    assert not entered and (tmp_path / "lock").exists()
+    release.set()
+    t1.join(30), t2.join(30)
+    assert entered == [True]
+
+
+@pytest.mark.skipif(not ops.available(), reason="needs the CPU ops built")
+def test_loading_the_library_from_a_build_folder_with_a_stale_lock_returns(tmp_path):
+    build = tmp_path / "build"
+    shutil.copytree(ops.default_build_dir(), build, ignore=shutil.ignore_patterns("lock", "kit.flock"))
+    (build / "lock").write_text("")
+    r = subprocess.run([sys.executable, "-c", f"from decoder import ops; ops.build_library({str(build)!r})"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "removed a stale build lock" in r.stderr, r.stderr[-2000:]

@@ -115,10 +115,10 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm(
     const at::Tensor& x, const at::Tensor& h, const std::optional<at::Tensor>& bias,
     const at::Tensor& gamma, const at::Tensor& beta, double eps) {
   const int64_t n = x.size(-1);
-  TORCH_CHECK(h.sizes() == x.sizes(), "add_bias_residual_layernorm: x and h differ in shape");
-  TORCH_CHECK(gamma.numel() == n && beta.numel() == n, "add_bias_residual_layernorm: norm weights must have ", n,
+  KIT_CHECK(h.sizes() == x.sizes(), "add_bias_residual_layernorm: x and h differ in shape");
+  KIT_CHECK(gamma.numel() == n && beta.numel() == n, "add_bias_residual_layernorm: norm weights must have ", n,
               " elements");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "add_bias_residual_layernorm: bias must have ", n,
+  KIT_CHECK(!bias.has_value() || bias->numel() == n, "add_bias_residual_layernorm: bias must have ", n,
               " elements");
   auto xf = as_float_rows(x, n), hf = as_float_rows(h, n);
   auto gf = gamma.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
@@ -140,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm(
 
 at::Tensor add_bias_relu(const at::Tensor& x, const at::Tensor& bias) {
   const int64_t n = x.size(-1);
-  TORCH_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
+  KIT_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
   auto xf = as_float_rows(x, n);
   auto bf = bias.to(at::kFloat).contiguous();
   const int64_t rows = xf.size(0);
@@ -165,11 +165,11 @@ constexpr int64_t kBlock = 64;  // log_softmax_topk's skip test granularity
 
 std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits, const at::Tensor& scores,
                                                     int64_t K, int64_t n, bool normalized) {
-  TORCH_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
+  KIT_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
   const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
-  TORCH_CHECK(scores.numel() == R, "log_softmax_topk: one score per row");
-  TORCH_CHECK(n > 0 && n <= K * V, "log_softmax_topk: n must be in [1, K*V]");
+  KIT_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
+  KIT_CHECK(scores.numel() == R, "log_softmax_topk: one score per row");
+  KIT_CHECK(n > 0 && n <= K * V, "log_softmax_topk: n must be in [1, K*V]");
   const int64_t S = R / K;
   auto lf = logits.to(at::kFloat).contiguous();
   auto sf = scores.to(at::kFloat).contiguous();
@@ -333,21 +333,21 @@ void attend_heads_f16(const AttendArgs&, int64_t, int64_t, float*) {}
 // setting up its kernel.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be (B, H, *, D)");
+  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be (B, H, *, D)");
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
-  TORCH_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
+  KIT_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
               "decode_attention: k and v must be (B, H, T, D) matching q");
-  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * T && mask->scalar_type() == at::kBool),
+  KIT_CHECK(!mask.has_value() || (mask->numel() == B * T && mask->scalar_type() == at::kBool),
               "decode_attention: mask must be bool (B, 1, 1, T)");
   at::Tensor r;
   if (rows.has_value()) {
-    TORCH_CHECK(rows->dim() == 2 && rows->size(0) == B && rows->size(1) == T && rows->scalar_type() == at::kLong,
+    KIT_CHECK(rows->dim() == 2 && rows->size(0) == B && rows->size(1) == T && rows->scalar_type() == at::kLong,
                 "decode_attention_rows: rows must be long (B, T)");
     r = rows->contiguous();
     // an index outside the cache would read past it: one pass over the B*T integers a call
     const int64_t* rp = r.data_ptr<int64_t>();
     const int64_t N = k.size(0);
-    TORCH_CHECK(std::all_of(rp, rp + B * T, [N](int64_t x) { return x >= 0 && x < N; }),
+    KIT_CHECK(std::all_of(rp, rp + B * T, [N](int64_t x) { return x >= 0 && x < N; }),
                 "decode_attention_rows: a row index is outside the cache's ", N, " rows");
   }
   auto qf = q.to(at::kFloat).contiguous();
@@ -537,10 +537,10 @@ MULTIVERSION(void, encoder_attend_heads,
 }
 
 at::Tensor encoder_attention(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t heads) {
-  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
+  KIT_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
               "encoder_attention: qkv must be (B, S, 3 * heads * D)");
   const int64_t B = qkv.size(0), S = qkv.size(1), D = qkv.size(2) / (3 * heads);
-  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
+  KIT_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
               "encoder_attention: mask must be bool (B, 1, 1, S)");
   auto xf = qkv.to(at::kFloat).contiguous();
   at::Tensor m;
@@ -665,9 +665,9 @@ MULTIVERSION(void, cross_attend_heads_bf16, (const CrossArgs& a, int64_t lo, int
 // padding, where nothing moves.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k, const at::Tensor& v,
                                                              const std::optional<at::Tensor>& mask) {
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "cross_arrange: k and v must be (B, H, S, D), the same");
+  KIT_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "cross_arrange: k and v must be (B, H, S, D), the same");
   const int64_t B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
-  TORCH_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
+  KIT_CHECK(!mask.has_value() || (mask->numel() == B * S && mask->scalar_type() == at::kBool),
               "cross_arrange: mask must be bool (B, 1, 1, S)");
   auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
   if (kf.stride(3) != 1) kf = kf.contiguous();
@@ -700,7 +700,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k
 // kt and va may be bf16 (both; switch cross_bf16): half the bytes each step reads,
 // widened to fp32 in registers, arithmetic in fp32.
 at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& va, const at::Tensor& lens) {
-  TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && va.dim() == 4 && lens.dim() == 1 && kt.size(0) == q.size(0) &&
+  KIT_CHECK(q.dim() == 3 && kt.dim() == 4 && va.dim() == 4 && lens.dim() == 1 && kt.size(0) == q.size(0) &&
                   va.size(0) == q.size(0) && va.size(1) == kt.size(1) && lens.size(0) == q.size(0) &&
                   kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kW == 0 && kt.size(3) >= va.size(2) &&
                   va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && va.scalar_type() == kt.scalar_type() &&
@@ -713,7 +713,7 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::
   auto lc = lens.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
   // a count past the arranged keys would read past them: one pass over B integers a call
-  TORCH_CHECK(std::all_of(lp, lp + B, [S](int64_t n) { return n >= 0 && n <= S; }),
+  KIT_CHECK(std::all_of(lp, lp + B, [S](int64_t n) { return n >= 0 && n <= S; }),
               "cross_attention: a key count is outside [0, ", S, "]");
   auto qf = q.to(at::kFloat).contiguous();
   auto out = at::empty({B, Q, H * D}, qf.options());
@@ -752,24 +752,24 @@ struct RowLayer {
 RowLayer row_layer(int64_t d, at::TensorList w, int64_t at, const at::Tensor& kc, const at::Tensor& vc,
                    const at::Tensor& ck, const at::Tensor& cv, int64_t t, bool epilogue_bias) {
   const int64_t H = kc.size(1), hd = kc.size(3), T = kc.size(2), S = ck.size(2);
-  TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && H * hd == d && vc.sizes() == kc.sizes() && kc.stride(3) == 1 &&
+  KIT_CHECK(kc.dim() == 4 && kc.size(0) == 1 && H * hd == d && vc.sizes() == kc.sizes() && kc.stride(3) == 1 &&
                   vc.stride(3) == 1 && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
               "one_row_layer: kc, vc must be float (1, h, T, d/h)");
-  TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == H && ck.size(3) == hd && cv.sizes() == ck.sizes() &&
+  KIT_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == H && ck.size(3) == hd && cv.sizes() == ck.sizes() &&
                   ck.stride(3) == 1 && cv.stride(3) == 1 && ck.scalar_type() == at::kFloat &&
                   cv.scalar_type() == at::kFloat, "one_row_layer: ck, cv must be float (1, h, S, d/h)");
-  TORCH_CHECK(t >= 0 && t < T, "one_row_layer: position ", t, " outside the cache of ", T);
+  KIT_CHECK(t >= 0 && t < T, "one_row_layer: position ", t, " outside the cache of ", T);
   auto g = [&](int64_t i, int64_t K) { return decoder_gemv::weights(K, w[at + i], w[at + i + 1], w[at + i + 2],
                                                                     w[at + i + 3]); };
   RowLayer L{g(0, d), g(4, d), g(8, d), g(12, d), g(16, d), {}, nullptr, nullptr, nullptr, {}, kc.data_ptr<float>(),
              vc.data_ptr<float>(), ck.data_ptr<float>(), cv.data_ptr<float>(), d, H, hd, S, kc.stride(1),
              kc.stride(2), vc.stride(1), vc.stride(2), ck.stride(1), ck.stride(2), cv.stride(1), cv.stride(2)};
   L.fc2 = g(20, L.fc1.N);
-  TORCH_CHECK(L.qkv.N == 3 * d && L.out.N == d && L.cq.N == d && L.cout.N == d && L.fc2.N == d,
+  KIT_CHECK(L.qkv.N == 3 * d && L.out.N == d && L.cq.N == d && L.cout.N == d && L.fc2.N == d,
               "one_row_layer: linear shapes do not match d = ", d);
   for (int64_t i = 0; i < 6; ++i) {
     const at::Tensor& n = w[at + 24 + i];
-    TORCH_CHECK(n.numel() == d && n.scalar_type() == at::kFloat && n.is_contiguous(),
+    KIT_CHECK(n.numel() == d && n.scalar_type() == at::kFloat && n.is_contiguous(),
                 "one_row_layer: norm weights must be float (d,)");
     L.norm[i] = n.data_ptr<float>();
   }
@@ -821,9 +821,9 @@ std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::
                                                  const at::Tensor& cv, int64_t t, int64_t isa, double eps,
                                                  bool epilogue_bias) {
   const int64_t d = x.size(-1);
-  TORCH_CHECK(x.numel() == d && y.numel() == d && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+  KIT_CHECK(x.numel() == d && y.numel() == d && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
                   x.is_contiguous() && y.is_contiguous(), "one_row_layer: x, y must be one float row of d");
-  TORCH_CHECK(w.size() == 30, "one_row_layer: 6 linears x 4 tensors and 3 norms x 2, got ", w.size());
+  KIT_CHECK(w.size() == 30, "one_row_layer: 6 linears x 4 tensors and 3 norms x 2, got ", w.size());
   const RowLayer L = row_layer(d, w, 0, kc, vc, ck, cv, t, epilogue_bias);
   std::vector<float> buf(row_layer_scratch(L, t));
   auto xo = at::empty_like(x), yo = at::empty_like(y);
@@ -856,13 +856,13 @@ inline void to_f16(const float* x, uint16_t* y, int64_t n) {
 // rows and heads may be strided (a slice of the preallocated cache). The caches
 // have qkv's dtype, or are fp16 for an fp32 qkv (a half-precision cache).
 at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
-  TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "qkv_to_cache_: caches must be (N, H, T, D)");
+  KIT_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "qkv_to_cache_: caches must be (N, H, T, D)");
   const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3), d = H * D;
-  TORCH_CHECK(qkv.numel() == N * 3 * d, "qkv_to_cache_: qkv must be (N, 1, 3*H*D)");
-  TORCH_CHECK(t >= 0 && t < T, "qkv_to_cache_: position ", t, " outside the cache of ", T);
+  KIT_CHECK(qkv.numel() == N * 3 * d, "qkv_to_cache_: qkv must be (N, 1, 3*H*D)");
+  KIT_CHECK(t >= 0 && t < T, "qkv_to_cache_: position ", t, " outside the cache of ", T);
   const bool f16 = qkv.scalar_type() == at::kFloat && kc.scalar_type() == at::kHalf &&
                    vc.scalar_type() == at::kHalf;
-  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && (f16 || (kc.scalar_type() == qkv.scalar_type() &&
+  KIT_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && (f16 || (kc.scalar_type() == qkv.scalar_type() &&
               vc.scalar_type() == qkv.scalar_type())),
               "qkv_to_cache_: caches must match qkv's dtype (or be fp16 for fp32), last dim dense");
   auto src = qkv.reshape({N, 3 * d}).contiguous();
@@ -888,7 +888,7 @@ at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, 
           [](const float* from, uint16_t* to, int64_t n) { to_f16(from, to, n); });
     return q;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "qkv_to_cache_", [&] {
+  KIT_DISPATCH_FLOATS(src.scalar_type(), "qkv_to_cache_", [&] {
     split(src.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
           [](const scalar_t* from, scalar_t* to, int64_t n) { std::copy(from, from + n, to); });
   });
@@ -899,9 +899,9 @@ at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, 
 // columns when the logits cover a shortlist. For each row, every earlier
 // position whose n-1 tokens equal the row's last n-1 bans the token after them.
 void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const std::optional<at::Tensor>& vocab) {
-  TORCH_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0),
+  KIT_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0),
               "ngram_block_: logits (R, C) and hist (R, T) must have the same rows");
-  TORCH_CHECK(logits.is_contiguous(), "ngram_block_: logits must be contiguous");
+  KIT_CHECK(logits.is_contiguous(), "ngram_block_: logits must be contiguous");
   const int64_t R = hist.size(0), T = hist.size(1), C = logits.size(1);
   if (n < 1 || T < n - 1 || T == 0) return;
   auto h = hist.to(at::kLong).contiguous();
@@ -909,7 +909,7 @@ void ngram_block_(at::Tensor& logits, const at::Tensor& hist, int64_t n, const s
   at::Tensor voc;
   if (vocab.has_value()) voc = vocab->to(at::kLong).contiguous();
   const int64_t* vp = vocab.has_value() ? voc.data_ptr<int64_t>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "ngram_block_", [&] {
+  KIT_DISPATCH_FLOATS(logits.scalar_type(), "ngram_block_", [&] {
     scalar_t* lp = logits.data_ptr<scalar_t>();
     const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
     at::parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
@@ -953,7 +953,7 @@ MULTIVERSION(int64_t, row_argmax, (const float* x, int64_t n, float* best), (x, 
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  KIT_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
   check_argmax_dtype(logits, "argmax_rows");
   const int64_t R = logits.size(0), C = logits.size(1);
   auto lf = as_float_rows(logits, C);
@@ -1024,14 +1024,14 @@ int64_t one_row_step(int64_t token, int64_t p, int64_t t, const at::Tensor& emb,
                      at::TensorList caches, at::TensorList out, const std::optional<at::Tensor>& out_bias, int64_t isa,
                      double eps, bool epilogue_bias) {
   const int64_t d = emb.size(-1), n = static_cast<int64_t>(caches.size()) / 4;
-  TORCH_CHECK(emb.dim() == 2 && pos.dim() == 2 && pos.size(1) == d && emb.scalar_type() == at::kFloat &&
+  KIT_CHECK(emb.dim() == 2 && pos.dim() == 2 && pos.size(1) == d && emb.scalar_type() == at::kFloat &&
                   pos.scalar_type() == at::kFloat && emb.is_contiguous() && pos.is_contiguous(),
               "one_row_step: emb (V, d) and pos (P, d) must be contiguous float");
-  TORCH_CHECK(token >= 0 && token < emb.size(0), "one_row_step: token ", token, " outside the vocabulary");
-  TORCH_CHECK(p >= 0 && p < pos.size(0), "one_row_step: position ", p, " outside the table of ", pos.size(0));
-  TORCH_CHECK(n >= 1 && static_cast<int64_t>(caches.size()) == 4 * n && static_cast<int64_t>(w.size()) == 30 * n,
+  KIT_CHECK(token >= 0 && token < emb.size(0), "one_row_step: token ", token, " outside the vocabulary");
+  KIT_CHECK(p >= 0 && p < pos.size(0), "one_row_step: position ", p, " outside the table of ", pos.size(0));
+  KIT_CHECK(n >= 1 && static_cast<int64_t>(caches.size()) == 4 * n && static_cast<int64_t>(w.size()) == 30 * n,
               "one_row_step: 30 weights and 4 caches per layer, got ", w.size(), " and ", caches.size());
-  TORCH_CHECK(out.size() == 3, "one_row_step: out must be (wq, scale, shift)");
+  KIT_CHECK(out.size() == 3, "one_row_step: out must be (wq, scale, shift)");
   const decoder_gemv::Weights o = decoder_gemv::weights(d, out[0], out[1], out[2], out_bias);
   std::vector<RowLayer> layers;
   int64_t scratch = o.N;

@@ -262,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
     const at::Tensor& x, const at::Tensor& h, const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
     const at::Tensor& beta, double eps) {
   const int64_t n = x.size(-1);
-  TORCH_CHECK(h.sizes() == x.sizes() && gamma.numel() == n && beta.numel() == n &&
+  KIT_CHECK(h.sizes() == x.sizes() && gamma.numel() == n && beta.numel() == n &&
               (!bias.has_value() || bias->numel() == n), "add_bias_residual_layernorm: inconsistent shapes");
   const c10::cuda::CUDAGuard guard(x.device());
   auto xc = x.contiguous(), hc = h.contiguous(), gc = gamma.to(x.scalar_type()).contiguous(),
@@ -272,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
   auto r = at::empty_like(xc), y = at::empty_like(xc);
   const int64_t rows = n ? xc.numel() / n : 0;
   if (rows == 0) return {r, y};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "add_bias_residual_layernorm", [&] {
+  KIT_DISPATCH_FLOATS(x.scalar_type(), "add_bias_residual_layernorm", [&] {
     residual_norm_kernel<scalar_t><<<rows, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         xc.data_ptr<scalar_t>(), hc.data_ptr<scalar_t>(), bias.has_value() ? bb.data_ptr<scalar_t>() : nullptr,
         gc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), n,
@@ -284,12 +284,12 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
 
 at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
   const int64_t n = x.size(-1);
-  TORCH_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
+  KIT_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
   const c10::cuda::CUDAGuard guard(x.device());
   auto xc = x.contiguous(), bc = bias.to(x.scalar_type()).contiguous();
   auto y = at::empty_like(xc);
   if (xc.numel() == 0) return y;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "add_bias_relu", [&] {
+  KIT_DISPATCH_FLOATS(x.scalar_type(), "add_bias_relu", [&] {
     bias_relu_kernel<scalar_t><<<blocks_for(xc.numel()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         xc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel(), n);
   });
@@ -299,7 +299,7 @@ at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
 
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& mask) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
               k.size(1) == q.size(1) && k.size(3) == q.size(3), "decode_attention: q (B,H,Q,D), k/v (B,H,T,D)");
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
@@ -312,8 +312,8 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
   auto out = at::empty_like(qc);
   if (qc.numel() == 0) return out;
   const size_t shared = static_cast<size_t>(T) * sizeof(float);
-  TORCH_CHECK(shared <= 48 * 1024, "decode_attention: ", T, " keys exceed the kernel's shared memory");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+  KIT_CHECK(shared <= 48 * 1024, "decode_attention: ", T, " keys exceed the kernel's shared memory");
+  KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention", [&] {
     decode_attention_kernel<scalar_t><<<B * H * Q, kThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
         qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
         mask.has_value() ? m.data_ptr<bool>() : nullptr, out.data_ptr<scalar_t>(), H, Q, T, D, kc.stride(0),
@@ -324,15 +324,15 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
 }
 
 at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
-  TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.stride(3) == 1 && vc.stride(3) == 1,
+  KIT_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.stride(3) == 1 && vc.stride(3) == 1,
               "qkv_to_cache_: caches must be (N, H, T, D), last dim dense");
   const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(qkv.numel() == N * 3 * H * D && t >= 0 && t < T, "qkv_to_cache_: qkv (N, 1, 3*H*D), 0 <= t < T");
+  KIT_CHECK(qkv.numel() == N * 3 * H * D && t >= 0 && t < T, "qkv_to_cache_: qkv (N, 1, 3*H*D), 0 <= t < T");
   const c10::cuda::CUDAGuard guard(qkv.device());
   auto src = qkv.contiguous();
   auto q = at::empty({N, 1, H * D}, src.options());
   if (N == 0) return q;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "qkv_to_cache_", [&] {
+  KIT_DISPATCH_FLOATS(src.scalar_type(), "qkv_to_cache_", [&] {
     qkv_to_cache_kernel<scalar_t><<<blocks_for(src.numel()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         src.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), N, H, D,
         t, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2));
@@ -342,7 +342,7 @@ at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& q
 }
 
 void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, const std::optional<at::Tensor>& vocab) {
-  TORCH_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0) && logits.is_contiguous(),
+  KIT_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0) && logits.is_contiguous(),
               "ngram_block_: logits (R, C) contiguous and hist (R, T)");
   const int64_t R = hist.size(0), T = hist.size(1), C = logits.size(1);
   if (n < 1 || T == 0 || T < n - 1 || R == 0) return;
@@ -350,7 +350,7 @@ void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, con
   auto h = hist.to(at::kLong).contiguous();
   at::Tensor voc;
   if (vocab.has_value()) voc = vocab->to(at::kLong).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ngram_block_", [&] {
+  KIT_DISPATCH_FLOATS(logits.scalar_type(), "ngram_block_", [&] {
     ngram_block_kernel<scalar_t><<<blocks_for(R), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         logits.data_ptr<scalar_t>(), h.data_ptr<int64_t>(), vocab.has_value() ? voc.data_ptr<int64_t>() : nullptr,
         R, T, C, n);
@@ -360,11 +360,11 @@ void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, con
 
 std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logits, const at::Tensor& scores,
                                                          int64_t K, int64_t n, bool normalized) {
-  TORCH_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
+  KIT_CHECK(logits.dim() == 2, "log_softmax_topk: logits must be (rows, V)");
   const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
-  TORCH_CHECK(scores.numel() == R, "log_softmax_topk: one score per row");
-  TORCH_CHECK(n > 0 && n <= K * V && n <= kMaxTop, "log_softmax_topk: n must be in [1, min(K*V, ", kMaxTop, ")]");
+  KIT_CHECK(K > 0 && R % K == 0, "log_softmax_topk: ", R, " rows are not a multiple of K=", K);
+  KIT_CHECK(scores.numel() == R, "log_softmax_topk: one score per row");
+  KIT_CHECK(n > 0 && n <= K * V && n <= kMaxTop, "log_softmax_topk: n must be in [1, min(K*V, ", kMaxTop, ")]");
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t S = R / K;
   auto lc = logits.contiguous();
@@ -375,7 +375,7 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
   // shift (K floats), then the per-thread lists: values, then 8-byte-aligned indices
   const size_t head = ((K + kTopThreads * n) * sizeof(float) + 7) / 8 * 8;
   const size_t shared = head + kTopThreads * n * sizeof(int64_t);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "log_softmax_topk", [&] {
+  KIT_DISPATCH_FLOATS(logits.scalar_type(), "log_softmax_topk", [&] {
     log_softmax_topk_kernel<scalar_t><<<S, kTopThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
         lc.data_ptr<scalar_t>(), sc.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), K, V,
         static_cast<int>(n), normalized);
@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk_cuda(const at::Tensor& logit
 void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::Tensor& best_i, bool merge) {
   const int64_t R = x.size(0), C = x.size(1);
   if (R == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "argmax_rows", [&] {
+  KIT_DISPATCH_FLOATS(x.scalar_type(), "argmax_rows", [&] {
     argmax_kernel<scalar_t><<<R, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x.data_ptr<scalar_t>(), C, offset, best_v.data_ptr<float>(), best_i.data_ptr<int64_t>(), merge);
   });
@@ -395,7 +395,7 @@ void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::
 }
 
 at::Tensor argmax_rows_cuda(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
+  KIT_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be (rows, C) with C > 0");
   check_argmax_dtype(logits, "argmax_rows");
   const c10::cuda::CUDAGuard guard(logits.device());
   auto lc = logits.contiguous();

@@ -18,6 +18,7 @@
 // weights widened to int16 once, exact with AVX2's `vpmaddwd` (below, "Without VNNI").
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include "checks.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -93,19 +94,19 @@ MULTIVERSION(void, pack_panel,
 
 // The packed layout of rows idx (or all) of wq (rows, K) int8: see the header.
 at::Tensor int8_gemm_pack(const at::Tensor& wq, const std::optional<at::Tensor>& idx) {
-  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2, "int8_gemm_pack: wq must be int8 (out, in)");
+  KIT_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2, "int8_gemm_pack: wq must be int8 (out, in)");
   const auto w = wq.contiguous();
   const int64_t K = w.size(1);
   at::Tensor ix;
   if (idx.has_value()) {
-    TORCH_CHECK(idx->scalar_type() == at::kLong && idx->dim() == 1, "int8_gemm_pack: idx must be int64 (C,)");
+    KIT_CHECK(idx->scalar_type() == at::kLong && idx->dim() == 1, "int8_gemm_pack: idx must be int64 (C,)");
     ix = idx->contiguous();
   }
   const int64_t N = idx.has_value() ? ix.numel() : w.size(0);
   const int64_t Np = round_up(N, kCols), Kp = round_up(K, 4), K4 = Kp / 4;
   const int64_t* ip = idx.has_value() ? ix.data_ptr<int64_t>() : nullptr;
   for (int64_t j = 0; ip && j < N; ++j)
-    TORCH_CHECK(ip[j] >= 0 && ip[j] < w.size(0), "int8_gemm_pack: index ", ip[j], " out of range for ",
+    KIT_CHECK(ip[j] >= 0 && ip[j] < w.size(0), "int8_gemm_pack: index ", ip[j], " out of range for ",
                 w.size(0), " rows");
   auto out = at::empty({packed_numel(N, K)}, w.options());
   int32_t* shift = reinterpret_cast<int32_t*>(out.data_ptr<int8_t>());
@@ -319,7 +320,7 @@ AVX2 void wide_avx2(const Wide& a, int64_t j0, int64_t j1) {
 
 // int8_gemm_widen's layout of wq (N, K) int8: (Np, Kp) int16
 at::Tensor int8_gemm_widen(const at::Tensor& wq) {
-  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2, "int8_gemm_widen: wq must be int8 (out, in)");
+  KIT_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2, "int8_gemm_widen: wq must be int8 (out, in)");
   const auto w = wq.contiguous();
   const int64_t N = w.size(0), K = w.size(1), Np = round_up(N, kWideCols), Kp = round_up(K, kWideK);
   auto out = at::zeros({Np, Kp}, w.options().dtype(at::kShort));
@@ -330,7 +331,7 @@ at::Tensor int8_gemm_widen(const at::Tensor& wq) {
 // xq (M, K) int8 times int8_gemm_widen's weights of N outputs: (M, N) int32
 at::Tensor int_mm_wide(const at::Tensor& xq, const at::Tensor& w16, int64_t N) {
   const int64_t M = xq.size(0), K = xq.size(1), Np = round_up(N, kWideCols), Kp = round_up(K, kWideK);
-  TORCH_CHECK(w16.dim() == 2 && w16.is_contiguous() && w16.size(0) == Np && w16.size(1) == Kp,
+  KIT_CHECK(w16.dim() == 2 && w16.is_contiguous() && w16.size(0) == Np && w16.size(1) == Kp,
               "int8_gemm: int16 weights of shape ", w16.sizes(), " are not int8_gemm_widen's layout of ", N,
               " outputs x ", K, " features (", Np, ", ", Kp, ")");
   auto out = at::empty({M, N}, xq.options().dtype(at::kInt));
@@ -356,13 +357,13 @@ at::Tensor int_mm_wide(const at::Tensor& xq, const at::Tensor& w16, int64_t N) {
 namespace decoder_gemm {
 
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)");
+  KIT_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)");
   if (packed.scalar_type() == at::kShort) return int_mm_wide(xq, packed, N);
   const int64_t M = xq.size(0), K = xq.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
+  KIT_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
               packed.numel() == packed_numel(N, K), "int8_gemm: packed weights of ", packed.numel(),
               " bytes are not int8_gemm_pack's layout of ", N, " outputs x ", K, " features");
-  TORCH_CHECK(cpu_vnni(), "int8_gemm: this CPU has no AVX-512 VNNI (use torch._int_mm)");
+  KIT_CHECK(cpu_vnni(), "int8_gemm: this CPU has no AVX-512 VNNI (use torch._int_mm)");
   auto out = at::empty({M, N}, xq.options().dtype(at::kInt));
 #ifdef GEMM_X86
   if (M == 0 || N == 0) return out;

@@ -20,6 +20,7 @@
 // DECODER_MAX_CPU_ISA (multiversion.h), so one build runs on any x86-64 and each path can be tested on one machine.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include "checks.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -167,7 +168,7 @@ int64_t int8_gemv_isa(int64_t cap) { return std::min<int64_t>(cap, cpu_isa()); }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, const at::Tensor& w_shift,
                      const std::optional<at::Tensor>& bias, bool relu, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_gemv: x must be float32");
+  KIT_CHECK(x.scalar_type() == at::kFloat, "int8_gemv: x must be float32");
   const int64_t K = x.size(-1), N = w_scale.numel();
   const decoder_gemv::Weights w = decoder_gemv::weights(K, wq, w_scale, w_shift, bias);
   const auto x2 = x.reshape({-1, K}).contiguous();
@@ -213,17 +214,17 @@ int isa(int64_t cap) { return static_cast<int>(int8_gemv_isa(cap)); }
 
 Weights weights(int64_t K, const at::Tensor& wq, const at::Tensor& w_scale, const at::Tensor& w_shift,
                    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous(),
+  KIT_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous(),
               "int8_gemv: wq must be contiguous int8 (out, in) padded");
   const int64_t N = w_scale.numel(), Np = wq.size(0), Kp = wq.size(1);
-  TORCH_CHECK(Kp % kPad == 0 && Kp >= K && Kp < K + kPad, "int8_gemv: wq has ", Kp, " columns for ", K,
+  KIT_CHECK(Kp % kPad == 0 && Kp >= K && Kp < K + kPad, "int8_gemv: wq has ", Kp, " columns for ", K,
               " features, expected ", K, " padded to a multiple of ", kPad);
-  TORCH_CHECK(Np % kBlock == 0 && Np >= N && Np < N + kBlock, "int8_gemv: wq has ", Np, " rows for ", N,
+  KIT_CHECK(Np % kBlock == 0 && Np >= N && Np < N + kBlock, "int8_gemv: wq has ", Np, " rows for ", N,
               " outputs, expected them padded to a multiple of ", kBlock);
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "int8_gemv: w_scale float32 (out,)");
-  TORCH_CHECK(w_shift.scalar_type() == at::kInt && w_shift.numel() == Np && w_shift.is_contiguous(),
+  KIT_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "int8_gemv: w_scale float32 (out,)");
+  KIT_CHECK(w_shift.scalar_type() == at::kInt && w_shift.numel() == Np && w_shift.is_contiguous(),
               "int8_gemv: w_shift int32 (padded out,)");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
+  KIT_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
               "int8_gemv: bias float32 (out,)");
   return {wq.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_shift.data_ptr<int32_t>(),
           bias.has_value() ? bias->data_ptr<float>() : nullptr, N, Np, Kp};

@@ -11,6 +11,7 @@
 // picked at run time (multiversion.h, capped by DECODER_MAX_CPU_ISA), so one build runs on any x86.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include "checks.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 
@@ -50,7 +51,7 @@ MULTIVERSION(void, dequant_row,
 
 // x (..., K) float -> its rows quantised (M, K) int8 and their scales (M,)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
+  KIT_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
   const int64_t K = x.size(-1);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -76,8 +77,8 @@ using Packed = std::optional<at::Tensor>;  // int8_gemm_pack's layout of wq_t's 
 
 Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w_scale,
                const std::optional<at::Tensor>& bias, const Packed& packed) {
-  TORCH_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
-  TORCH_CHECK(wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1), " features, weight expects ",
+  KIT_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
+  KIT_CHECK(wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1), " features, weight expects ",
               wq_t.size(0));
   Product p;
   // (M, N) int32
@@ -146,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, co
 at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq_t,
                                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool relu,
                                     const Packed& packed) {
-  TORCH_CHECK(xq.scalar_type() == at::kChar && xs.scalar_type() == at::kFloat && xs.numel() * xq.size(-1) ==
+  KIT_CHECK(xq.scalar_type() == at::kChar && xs.scalar_type() == at::kFloat && xs.numel() * xq.size(-1) ==
               xq.numel(), "int8_linear_prequantized: xq must be int8 (..., K) with one float scale per row");
   const int64_t K = xq.size(-1);
   auto q2 = xq.reshape({-1, K}).contiguous();

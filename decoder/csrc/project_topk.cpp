@@ -33,6 +33,7 @@
 // bar skips most columns of the beams behind the best.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include "checks.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -217,20 +218,20 @@ void merge_sentences(const Rows& st, const float* sp, int64_t S, int64_t K, int6
 
 void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                 const std::optional<at::Tensor>& bias, int64_t N, const at::Tensor& scores, int64_t K, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear_topk: x must be float32 (rows, d)");
+  KIT_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear_topk: x must be float32 (rows, d)");
   const int64_t R = x.size(0), Np = (N + kPanel - 1) / kPanel * kPanel;
-  TORCH_CHECK(K > 0 && R % K == 0, "int8_linear_topk: ", R, " rows are not a multiple of K=", K);
-  TORCH_CHECK(scores.numel() == R && scores.scalar_type() == at::kFloat, "int8_linear_topk: one float score per row");
-  TORCH_CHECK(N > 0 && n > 0 && n <= K * N, "int8_linear_topk: n must be in [1, K*N]");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
+  KIT_CHECK(K > 0 && R % K == 0, "int8_linear_topk: ", R, " rows are not a multiple of K=", K);
+  KIT_CHECK(scores.numel() == R && scores.scalar_type() == at::kFloat, "int8_linear_topk: one float score per row");
+  KIT_CHECK(N > 0 && n > 0 && n <= K * N, "int8_linear_topk: n must be in [1, K*N]");
+  KIT_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() == Np * 4 + Np * decoder_gemm::padded_k(x.size(1)),
               "int8_linear_topk: packed weights are not int8_gemm_pack's layout of ", N, " outputs x ", x.size(1),
               " features");
-  TORCH_CHECK(w_scale.numel() == N && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
+  KIT_CHECK(w_scale.numel() == N && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
               "int8_linear_topk: w_scale must be float32 (N,)");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+  KIT_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
               "int8_linear_topk: bias must be float32 (N,)");
-  TORCH_CHECK(decoder_gemm::vnni(), "int8_linear_topk: this CPU has no AVX-512 VNNI");
+  KIT_CHECK(decoder_gemm::vnni(), "int8_linear_topk: this CPU has no AVX-512 VNNI");
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_linear_topk(const at::Tensor& x, const at::Tensor& packed,

@@ -10,6 +10,7 @@
 // vocabulary-sized bitmap, one pass reading it out in order.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include "checks.h"
 
 #include <cstdint>
 #include <vector>
@@ -18,10 +19,10 @@ namespace {
 
 at::Tensor shortlist_candidates(const at::Tensor& src, const at::Tensor& offsets, const at::Tensor& ids,
                                 const at::Tensor& always) {
-  TORCH_CHECK(src.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
+  KIT_CHECK(src.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
                   ids.scalar_type() == at::kLong && always.scalar_type() == at::kLong,
               "shortlist_candidates: src, offsets, ids and always must be int64");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1 && ids.dim() == 1 && always.dim() == 1,
+  KIT_CHECK(offsets.dim() == 1 && offsets.numel() >= 1 && ids.dim() == 1 && always.dim() == 1,
               "shortlist_candidates: offsets (V+1,), ids (nnz,) and always (N,) must be 1-d");
   const auto s = src.contiguous(), o = offsets.contiguous(), l = ids.contiguous(), a = always.contiguous();
   const int64_t V = o.numel() - 1, nnz = l.numel();
@@ -29,15 +30,15 @@ at::Tensor shortlist_candidates(const at::Tensor& src, const at::Tensor& offsets
                 *ap = a.data_ptr<int64_t>();
   std::vector<uint8_t> seen(V, 0), allowed(V, 0);
   auto allow = [&](int64_t id) {
-    TORCH_CHECK(id >= 0 && id < V, "shortlist_candidates: target id ", id, " outside the vocabulary of ", V);
+    KIT_CHECK(id >= 0 && id < V, "shortlist_candidates: target id ", id, " outside the vocabulary of ", V);
     allowed[id] = 1;
   };
   for (int64_t i = 0, n = s.numel(); i < n; ++i) {
     const int64_t x = sp[i];
-    TORCH_CHECK(x >= 0 && x < V, "shortlist_candidates: source id ", x, " outside the vocabulary of ", V);
+    KIT_CHECK(x >= 0 && x < V, "shortlist_candidates: source id ", x, " outside the vocabulary of ", V);
     if (seen[x]) continue;
     seen[x] = 1;
-    TORCH_CHECK(op[x] >= 0 && op[x] <= op[x + 1] && op[x + 1] <= nnz, "shortlist_candidates: bad offsets at ", x);
+    KIT_CHECK(op[x] >= 0 && op[x] <= op[x + 1] && op[x + 1] <= nnz, "shortlist_candidates: bad offsets at ", x);
     for (int64_t k = op[x]; k < op[x + 1]; ++k) allow(lp[k]);
   }
   for (int64_t i = 0, n = a.numel(); i < n; ++i) allow(ap[i]);
