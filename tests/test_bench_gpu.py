@@ -146,3 +146,26 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
         assert "ct2 float16" in names
     s = bench_gpu.summary(rows, None, {})
     assert s["src_words_per_s"] == bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"]
+
+
+def test_each_row_warms_up_on_every_line_before_its_timed_passes(monkeypatch):
+    """A warm-up of 8 lines left a GPU row's first timed pass cold (its batch shapes' memory and
+    kernel plans): every row first runs the whole set once."""
+    import argparse
+    calls = []
+
+    class Loaded:
+        def __enter__(self):
+            return lambda ls: calls.append(len(ls)) or list(ls)
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(bench_gpu, "Engines", lambda *a: None)
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines: [("ours fp16", lambda e, g, s: Loaded())])
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (512,)}})
+    src = [f"a b c {i}" for i in range(20)]
+    a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1)
+    bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
+    assert calls == [20, 20, 20]

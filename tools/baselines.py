@@ -137,19 +137,20 @@ def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
     return go
 
 
-def fastest(go, lines, passes: int = 1):
+def fastest(go, lines, passes: int = 1, warm: int | None = 8):
     """(outputs, seconds): the fastest of `passes` timed passes of go(lines) after a warm-up
-    (allocator, oneDNN primitive caches, CT2's first-call setup)."""
-    return alternating([go], lines, passes)[0]
+    on the first `warm` lines (None: all of them): allocator, oneDNN primitive caches,
+    CT2's first-call setup."""
+    return alternating([go], lines, passes, warm)[0]
 
 
-def alternating(gos, lines, passes: int = 1) -> list[tuple[list, float]]:
-    """[(outputs, seconds)] of each of `gos`, all warmed up first, then timed in
-    alternating passes, the fastest of `passes` each: a slow spell of a shared machine
-    meets every engine alike, where rows timed one after the other can each meet a
-    different one."""
+def alternating(gos, lines, passes: int = 1, warm: int | None = 8) -> list[tuple[list, float]]:
+    """[(outputs, seconds)] of each of `gos`, all warmed up first (on the first `warm`
+    lines; None: all), then timed in alternating passes, the fastest of `passes` each: a
+    slow spell of a shared machine meets every engine alike, where rows timed one after
+    the other can each meet a different one."""
     for go in gos:
-        go(lines[:8])
+        go(lines[:warm])
     outs, best = [None] * len(gos), [float("inf")] * len(gos)
     for _ in range(passes):
         for i, go in enumerate(gos):
