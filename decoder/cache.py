@@ -208,6 +208,18 @@ class StaticCache(IncrementalCache):
         self.graph.replay()
         return self.y.clone()  # the graph overwrites its output buffer next step
 
+    def reload(self, enc, mask):
+        """This state for a new batch of its shape: what its captured graph reads (cross K/V,
+        mask, the K/V cache) overwritten in place, so the graph replays on the new batch."""
+        h = self.m.n_heads
+        for (ck, cv), L in zip(self.cross, self.m.dec_layers):
+            k, v = L.cross.project_kv(enc)
+            ck.copy_(heads(k, h))
+            cv.copy_(heads(v, h))
+        self.mask.copy_(mask)
+        self.kv.zero_()
+        self.t = 0
+
     def self_attend(self, i: int, attn, y):
         q, k, v = attn.project_qkv(y)
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
@@ -390,5 +402,32 @@ def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,
     """The state for one batch, the one its plan resolved (`Plan.state_for`: the
     latency mode's OneRowCache for one sentence where the plan has it)."""
     kind = model.plan.state_for(enc.shape[0])
-    kw = {"graphs": model.plan.cuda_graphs} if kind == "static" else {}
-    return DecoderState(model, CACHES[kind](model, enc, mask, beam, max_len, **kw), out, phase)
+    cache = static_cache(model, enc, mask, beam, max_len) if kind == "static" else \
+        CACHES[kind](model, enc, mask, beam, max_len)
+    return DecoderState(model, cache, out, phase)
+
+
+# batches of at most this many rows keep their static state: a bigger batch spreads its
+# capture over many rows, and its buffers are large
+STATIC_KEEP_ROWS = 16
+
+
+def static_cache(model: Model, enc, mask, beam: int, max_len: int) -> StaticCache:
+    """The batch's StaticCache: one kept from an earlier batch of the same shape, reloaded
+    in place so that its captured graph replays (switch graph_reuse: `plan.static_keep`
+    states kept, the least recently used dropped), else a new one. Built anew per batch,
+    every batch paid a capture, two eager warm-up steps and fresh graph memory: at one
+    sentence a batch, most of its time. One batch at a time per model, as the Translator
+    decodes."""
+    plan, kept = model.plan, model.static_states
+    key = (enc.shape[0], enc.shape[1], beam, max_len)  # rows, source length, beam, cache length
+    cache = kept.pop(key, None)
+    if cache is None:
+        cache = StaticCache(model, enc, mask, beam, max_len, graphs=plan.cuda_graphs)
+    else:
+        cache.reload(enc, mask)
+    if enc.shape[0] * beam <= STATIC_KEEP_ROWS and plan.static_keep:
+        kept[key] = cache
+        while len(kept) > plan.static_keep:
+            kept.popitem(last=False)
+    return cache

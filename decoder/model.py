@@ -14,6 +14,7 @@ plain) was decided once at load time: `Model.plan` (decoder/optimisations.py).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,8 @@ class Model:
         self.dec_layers = [load(f"decoder.layers.{i}", True) for i in range(a.decoder_layers)]
         self.enc_norm = Norm(w, "encoder.layer_norm", a.layer_norm_eps, self.dtype)
         self.dec_norm = Norm(w, "decoder.layer_norm", a.layer_norm_eps, self.dtype)
+        # (rows, source length, beam, cache length) -> a StaticCache to reuse (decoder/cache.py static_cache)
+        self.static_states: OrderedDict = OrderedDict()
 
     def embed(self, ids, start: int = 0):
         # ids: (B, T); fairseq positions start at pad_id + 1

@@ -364,6 +364,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="with --no-repeat-ngram N"),
     Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
                  detail="fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
+    Optimisation("graph_reuse", True, "CUDA graphs kept per batch shape", "static_keep", 64, 0,
+                 "a graph captured (and its state built) for every batch", "cuda",
+                 detail="the fixed-shape state of a batch of at most 16 rows is kept, 64 shapes at most, and a "
+                 "later batch of the same rows, source length, beam and cache length reloads it in place and "
+                 "replays its graph: no capture, warm-up steps or graph memory per sentence at batch 1"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
                  detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
@@ -458,6 +463,7 @@ class Plan:
     project_topk: bool          # beam: the state takes the top n from the projection's tiles (DecoderState.step_topk)
     block: Callable             # n-gram blocking, in place
     cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
+    static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
@@ -561,6 +567,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         elif loop == "beam" and slots["kv_row_table"]:
             slots["state"] = "row_table"
     slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
+    if slots["state"] != "static":
+        slots["static_keep"] = 0
+        runs.discard("graph_reuse")
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)

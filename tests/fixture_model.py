@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from decoder import modeldir
+from tools.shape_model import random_weights  # noqa: F401  (tests import it from here)
 
 WORDS = ("the a man woman house dog cat sees has big small red green old new city king word "
          "light water earth heaven said unto them and was were people land son day god lord").split()
@@ -41,30 +42,6 @@ def train_spm(path: str, vocab_size: int, seed: int = 0) -> str:
         hard_vocab_limit=False, minloglevel=2, num_threads=1)
     os.remove(text)
     return prefix + ".model"
-
-
-def random_weights(a: modeldir.Arch, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights whose greedy outputs are varied: some sentences end early,
-    some run to the length cap, tokens change from step to step."""
-    g = torch.Generator().manual_seed(seed)
-    w = {}
-    for name, shape in modeldir.tensor_shapes(a).items():
-        if name.endswith("layer_norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
-        else:  # Xavier-like: keeps activations O(1) through the stack
-            t = torch.randn(shape, generator=g) * shape[-1] ** -0.5
-        w[name] = t.contiguous()
-    for name in list(w):
-        if name.endswith("fc2.weight"):
-            # cancel the mean of relu(.) so the FFN adds no input-independent
-            # direction (it otherwise makes every step predict the same token)
-            w[name.replace("weight", "bias")] = -w[name].sum(1) / math.sqrt(2 * math.pi)
-    w["shared.weight"][1] = 0  # padding row, as nn.Embedding(padding_idx=pad) trains it
-    out = "shared.weight" if a.tie_embeddings else "lm_head.weight"
-    w[out][2] *= 2.5  # </s> often enough that early stop and the length cap both occur
-    return w
 
 
 def make_model_dir(path, *, vocab_size: int = 500, d_model: int = 64, enc: int = 2, dec: int = 2,

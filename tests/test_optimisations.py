@@ -32,6 +32,7 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "kv_half": {"fused_attention": True, "cache": True},
          "cross_bf16": {"fused_cross_attention": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
+         "graph_reuse": {"cache": True, "cuda_graphs": True},  # it keeps the CUDA-graph state
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
          "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
                           "fused_project_argmax": True, "softmax_free": True}}
