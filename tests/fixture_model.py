@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from decoder import modeldir
-from tools.shape_model import random_weights  # noqa: F401  (tests import it from here)
+from student.shape_model import random_weights  # noqa: F401  (tests import it from here)
 
 WORDS = ("the a man woman house dog cat sees has big small red green old new city king word "
          "light water earth heaven said unto them and was were people land son day god lord").split()

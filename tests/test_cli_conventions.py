@@ -205,7 +205,7 @@ HELP = {"decoder": {"--beam-size": "(default: 1)", "--max-len-a": "(default: 1.5
         "tools.bench": {"--passes": "(default: 1)", "--repeat-input": "(default: 1)"},
         "tools.bench_fused": {"--passes": "(default: 3)", "--against": "(default: plain)"},
         "tools.bench_workers": {"--passes": "(default: 3)", "--precision": "(default: int8)"},
-        "tools.shape_model": {"--seed": "(default: 0)"},
+        "student.shape_model": {"--seed": "(default: 0)"},
         "submission.evaluate": {"--passes": "(default: 3)"},
         "submission.image": {"--tag": "(default: wmt-kit:latest, on gpu wmt-kit-gpu:latest)"},
         "student.data prepare": {"--vocab-size": "(default: 8000)"},

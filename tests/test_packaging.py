@@ -148,7 +148,7 @@ def test_every_python_m_command_says_its_version():
     modules = ["decoder", "tools.convert", "student.distill", "student.train", "submission.evaluate", "tools.bench",
                "submission.image", "student.export", "student.data", "student.shortlist", "tools.cuda_check",
                "tools.bench_fused", "tools.bench_workers", "tools.bench_gpu", "tools.ablation_gpu", "tools.bench_chart", "student.chart",
-               "tools.shape_model"]
+               "student.shape_model"]
     # each as `python -m` runs it, in one interpreter (torch imports once)
     check = """
 import contextlib, io, runpy, sys

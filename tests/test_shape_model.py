@@ -1,4 +1,4 @@
-"""tools.shape_model: a preset's shape with random weights and another model dir's tokenizer,
+"""student.shape_model: a preset's shape with random weights and another model dir's tokenizer,
 for timing a shape the kit has not trained (docs/bench/README.md)."""
 import filecmp
 import os
@@ -9,7 +9,7 @@ from decoder import modeldir
 from decoder.translator import Translator
 from fixture_model import make_model_dir, synthetic_corpus
 from student.model import preset
-from tools.shape_model import main, shape_model
+from student.shape_model import main, shape_model
 
 
 def test_a_shape_model_has_the_presets_shape_and_the_tokenizer_and_shortlist_it_is_like(tmp_path):

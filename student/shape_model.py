@@ -1,4 +1,4 @@
-"""python -m tools.shape_model --preset PRESET --like MODEL_DIR --out DIR [--seed 0]
+"""python -m student.shape_model --preset PRESET --like MODEL_DIR --out DIR [--seed 0]
 
 A model dir of a preset's shape with random weights, and with the SentencePiece
 model, languages, normaliser and lexical shortlist of an existing model dir: a
@@ -76,7 +76,7 @@ def shape_model(name: str, like: str, out: str, seed: int = 0) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.shape_model", description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_version(p)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the shape")
