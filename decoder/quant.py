@@ -107,7 +107,9 @@ class Int8Linear:
     # `_int_mm`'s per-call weight reorder, 1.1-1.9x at 8-40 rows, 1.02-1.03x at 160 (every
     # layer shape of the KD student, one thread, AVX-512 VNNI EPYC), a tie at 256-1,500 rows
     # but for the 4,450-column projection (0.86-0.9x, never that many rows a step): the
-    # encoder's big batches stay on _int_mm, every decode step (beam 4 x 40: 160) takes it
+    # encoder's big batches stay on _int_mm, every decode step (beam 4 x 40: 160) takes it. The
+    # packed product now dequantises from its tiles (the int32 never stored); the encoder on it
+    # too was still a tie: 0.998x a KD student's pass (2026-11-26, 2 threads, int8, shortlist)
     PACKED_ROWS = 256
 
     @property

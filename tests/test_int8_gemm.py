@@ -152,3 +152,23 @@ def test_packed_product_split_over_threads_equals_int_mm():
         assert torch.equal(ops.int8_gemm(x[:40], packed, 4450), torch._int_mm(x[:40], w.t()))
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("M,K,N", [(200, 1024, 100), (97, 256, 768), (1, 40, 3)])
+def test_the_epilogue_from_the_tiles_gives_the_bits_of_the_stored_product(M, K, N):
+    """On packed weights int8_linear dequantises each task's tile (96 rows of a 64-column panel)
+    from a scratch that stays in cache, the int32 product never stored: across tasks, k blocks
+    and threads, the bits of `_int_mm`'s product dequantised."""
+    g = torch.Generator().manual_seed(M + K + N)
+    w, x = _int8((N, K), g), torch.randn(M, K, generator=g)
+    ws, b = torch.rand(N, generator=g) * 0.01 + 1e-3, torch.randn(N, generator=g)
+    packed, n = ops.int8_gemm_pack(w), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for bias in (b, None):
+            for relu in (False, True):
+                args = (x, w.t().contiguous(), ws, bias, relu)
+                assert torch.equal(torch.ops.decoder_ops.int8_linear(*args, packed),
+                                   torch.ops.decoder_ops.int8_linear(*args, None))
+    finally:
+        torch.set_num_threads(n)

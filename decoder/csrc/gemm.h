@@ -12,6 +12,12 @@ namespace decoder_gemm {
 // or int8_gemm_widen's int16 copy of it, AVX2): (M, N) int32, exactly torch._int_mm(xq, wq.t())
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N);
 
+// int_mm's product (the VNNI layout) dequantised as it is made: y (M, N) float = acc * xs[row] *
+// w_scale[col] (+ bias[col]) (relu), int8_linear's epilogue with its bits, written from each
+// task's tile: the int32 product never stored
+at::Tensor int_mm_dequant(const at::Tensor& xq, const at::Tensor& packed, int64_t N, const at::Tensor& xs,
+                          const float* w_scale, const float* bias, bool relu);
+
 // The product one panel at a time, for an epilogue that reads each panel's int32 tile while it
 // is in L1 (project_topk.cpp). kPanelCols output columns a panel; shift_activations writes the
 // rows as the tiles read them (u = q + 128, row stride padded_k(K)); panel_product writes

@@ -352,21 +352,44 @@ at::Tensor int_mm_wide(const at::Tensor& xq, const at::Tensor& w16, int64_t N) {
   });
   return out;
 }
-}  // namespace
 
-namespace decoder_gemm {
+// y[r, j] = acc[r, j] * xs[r] * ws[j] (+ b[j]) (relu) for `rows` rows of n columns: int8_linear.cpp's
+// dequant_row, the same expression compiled the same way, so the same bits; one call a task
+MULTIVERSION(void, dequant_tile,
+             (const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_t rows, int64_t n, const float* xs,
+              const float* ws, const float* b, bool relu),
+             (acc, lda, y, ldy, rows, n, xs, ws, b, relu)) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* a = acc + r * lda;
+    float* o = y + r * ldy;
+    const float s = xs[r];
+    if (b) {
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>(a[j]) * s * ws[j] + b[j];
+    } else {
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>(a[j]) * s * ws[j];
+    }
+    if (relu)
+      for (int64_t j = 0; j < n; ++j) o[j] = o[j] > 0.f ? o[j] : 0.f;
+  }
+}
 
-at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
-  KIT_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)");
-  if (packed.scalar_type() == at::kShort) return int_mm_wide(xq, packed, N);
+struct Epilogue {  // the dequantising epilogue written from each task's tile
+  const float *xs, *ws, *b;  // (M,) row scales, (N,) column scales, (N,) bias or null
+  bool relu;
+  float* y;  // (M, N)
+};
+
+// xq (M, K) int8 . packed -> cp (M, N) int32, or with `epi` y (M, N) float: each task (96 rows
+// of one 64-column panel) accumulates in a 24 KB scratch that stays in cache and is dequantised
+// from there, so the int32 product is never written out (it left L2 at the encoder's sizes)
+void product(const at::Tensor& xq, const at::Tensor& packed, int64_t N, int32_t* cp, const Epilogue* epi) {
   const int64_t M = xq.size(0), K = xq.size(1);
   KIT_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
               packed.numel() == packed_numel(N, K), "int8_gemm: packed weights of ", packed.numel(),
               " bytes are not int8_gemm_pack's layout of ", N, " outputs x ", K, " features");
   KIT_CHECK(cpu_vnni(), "int8_gemm: this CPU has no AVX-512 VNNI (use torch._int_mm)");
-  auto out = at::empty({M, N}, xq.options().dtype(at::kInt));
 #ifdef GEMM_X86
-  if (M == 0 || N == 0) return out;
+  if (M == 0 || N == 0) return;
   const int64_t Np = round_up(N, kCols), Kp = round_up(K, 4), K4 = Kp / 4;
   // u = q + 128 (the sign bit flipped), rows padded with u = 128 (q = 0) against zero weights
   std::unique_ptr<uint8_t[]> u(new uint8_t[M * Kp]);
@@ -374,28 +397,58 @@ at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
   shift_rows(reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>()), u.get(), M, K, Kp);
   const int32_t* shift = reinterpret_cast<const int32_t*>(packed.data_ptr<int8_t>());
   const int8_t* panels = packed.data_ptr<int8_t>() + Np * 4;
-  int32_t* cp = out.data_ptr<int32_t>();
   const int64_t chunks = (M + kTaskRows - 1) / kTaskRows, tasks = (Np / kCols) * chunks;
   // a thread's share at least ~1M multiply-adds: small products stay on one thread
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / (std::min(M, kTaskRows) * kCols * Kp));
   at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+    std::unique_ptr<int32_t[]> scratch(epi ? new int32_t[kTaskRows * kCols] : nullptr);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t p = t / chunks, r0 = (t % chunks) * kTaskRows, r1 = std::min(M, r0 + kTaskRows);
       const int8_t* panel = panels + p * K4 * kCols * 4;
-      const int64_t ncols = std::min(kCols, N - p * kCols);
+      const int64_t ncols = std::min(kCols, N - p * kCols), ldc = epi ? kCols : N;
+      // row r of the task's int32 at c + (r - r0) * ldc
+      int32_t* c = epi ? scratch.get() : cp + r0 * N + p * kCols;
       // K in blocks: at K 1024 a whole panel (64 KB) fell out of L1 between tiles
       for (int64_t g0 = 0; g0 < K4; g0 += kBlockK4) {
         const int64_t gn = std::min(kBlockK4, K4 - g0);
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t mr = std::min(kRows, r1 - r);
           kTiles[mr](u.get() + r * Kp + 4 * g0, Kp, panel + g0 * kCols * 4, gn, shift + p * kCols,
-                     cp + r * N + p * kCols, N, ncols, g0 == 0);
+                     c + (r - r0) * ldc, ldc, ncols, g0 == 0);
         }
+      }
+      if (epi) {
+        const int64_t j0 = p * kCols;
+        dequant_tile(c, ldc, epi->y + r0 * N + j0, N, r1 - r0, ncols, epi->xs + r0, epi->ws + j0,
+                     epi->b ? epi->b + j0 : nullptr, epi->relu);
       }
     }
   });
 #endif
+}
+
+}  // namespace
+
+namespace decoder_gemm {
+
+at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
+  KIT_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)");
+  if (packed.scalar_type() == at::kShort) return int_mm_wide(xq, packed, N);
+  auto out = at::empty({xq.size(0), N}, xq.options().dtype(at::kInt));
+  product(xq, packed, N, out.data_ptr<int32_t>(), nullptr);
   return out;
+}
+
+at::Tensor int_mm_dequant(const at::Tensor& xq, const at::Tensor& packed, int64_t N, const at::Tensor& xs,
+                          const float* w_scale, const float* bias, bool relu) {
+  KIT_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && packed.scalar_type() == at::kChar,
+            "int8_gemm: xq must be int8 (M, K), packed int8_gemm_pack's layout");
+  KIT_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == xq.size(0),
+            "int8_gemm: one float scale per row");
+  auto y = at::empty({xq.size(0), N}, xs.options());
+  const Epilogue e{xs.data_ptr<float>(), w_scale, bias, relu, y.data_ptr<float>()};
+  product(xq, packed, N, nullptr, &e);
+  return y;
 }
 
 // For fused epilogues (project_topk.cpp): one panel's columns of the product for M rows.

@@ -110,10 +110,29 @@ at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   return y.view(shape);
 }
 
+// y (M, N) float of quantised rows: on packed VNNI weights dequantised from the product's tiles
+// (int_mm_dequant, the int32 product never stored), else the product and then `dequantized`;
+// the same bits either way
+at::Tensor linear_rows(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq_t, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
+  if (!packed.has_value() || packed->scalar_type() != at::kChar)
+    return dequantized(int_mm(xq, wq_t, w_scale, bias, packed), xs, relu);
+  KIT_CHECK(wq_t.dim() == 2 && wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1),
+            " features, weight expects ", wq_t.size(0));
+  const int64_t N = wq_t.size(1);
+  KIT_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && (!bias.has_value() ||
+            (bias->scalar_type() == at::kFloat && bias->numel() == N)), "int8_linear: ", N,
+            " float scales (and bias values) expected");
+  const auto ws = w_scale.contiguous();
+  const auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  return decoder_gemm::int_mm_dequant(xq, *packed, N, xs.contiguous(), ws.data_ptr<float>(),
+                                      bias.has_value() ? b.data_ptr<float>() : nullptr, relu);
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq_t, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
   auto [xq, xs] = quantize_rows(x);
-  return out_shape(dequantized(int_mm(xq, wq_t, w_scale, bias, packed), xs, relu), x, wq_t.size(1));
+  return out_shape(linear_rows(xq, xs, wq_t, w_scale, bias, relu, packed), x, wq_t.size(1));
 }
 
 // int8_linear whose output is quantised for the next int8 linear (fc1 -> fc2): each
@@ -152,7 +171,7 @@ at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, 
   const int64_t K = xq.size(-1);
   auto q2 = xq.reshape({-1, K}).contiguous();
   auto s2 = xs.reshape({-1}).contiguous();
-  return out_shape(dequantized(int_mm(q2, wq_t, w_scale, bias, packed), s2, relu), xq, wq_t.size(1));
+  return out_shape(linear_rows(q2, s2, wq_t, w_scale, bias, relu, packed), xq, wq_t.size(1));
 }
 
 }  // namespace
