@@ -575,7 +575,7 @@ def test_argmax_ops_pass_opcheck(dtype):
 # the float loops are plain C++ left to the compiler (csrc/multiversion.h): this
 # pins that each AVX2 / AVX-512 clone really holds packed vector code
 VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "row_argmax",
-                "attend_heads", "encoder_attend_heads", "quantize_row", "dequant_row")  # attend_heads has dot, axpy, exp_shift_sum inlined
+                "attend_heads", "encoder_attend_heads", "quantize_row", "dequant_tile")  # attend_heads has dot, axpy, exp_shift_sum inlined
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("objdump"), reason="needs x86-64 and objdump")

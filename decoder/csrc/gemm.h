@@ -30,6 +30,11 @@ void shift_activations(const int8_t* xq, uint8_t* u, int64_t M, int64_t K);
 void panel_product(const uint8_t* u, int64_t M, int64_t K, const int8_t* packed, int64_t N, int64_t p, int32_t* c,
                    int64_t ldc);
 
+// y[r, j] = acc[r, j] * xs[r] * w_scale[j] (+ bias[j]) (relu), `rows` rows of n columns (row strides
+// lda, ldy): the int8 linears' one dequantising epilogue, also int_mm_dequant's
+void dequant_rows(const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_t rows, int64_t n, const float* xs,
+                  const float* ws, const float* b, bool relu);
+
 // decoder/csrc/int8_linear.cpp's row quantisation: x (..., K) float -> (q (M, K) int8, scales (M,))
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x);
 

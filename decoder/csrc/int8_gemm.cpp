@@ -353,8 +353,8 @@ at::Tensor int_mm_wide(const at::Tensor& xq, const at::Tensor& w16, int64_t N) {
   return out;
 }
 
-// y[r, j] = acc[r, j] * xs[r] * ws[j] (+ b[j]) (relu) for `rows` rows of n columns: int8_linear.cpp's
-// dequant_row, the same expression compiled the same way, so the same bits; one call a task
+// y[r, j] = acc[r, j] * xs[r] * ws[j] (+ b[j]) (relu) for `rows` rows of n columns: the one
+// dequantising epilogue of the int8 linears (int8_linear.cpp calls it as decoder_gemm::dequant_rows)
 MULTIVERSION(void, dequant_tile,
              (const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_t rows, int64_t n, const float* xs,
               const float* ws, const float* b, bool relu),
@@ -449,6 +449,11 @@ at::Tensor int_mm_dequant(const at::Tensor& xq, const at::Tensor& packed, int64_
   const Epilogue e{xs.data_ptr<float>(), w_scale, bias, relu, y.data_ptr<float>()};
   product(xq, packed, N, nullptr, &e);
   return y;
+}
+
+void dequant_rows(const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_t rows, int64_t n, const float* xs,
+                  const float* ws, const float* b, bool relu) {
+  dequant_tile(acc, lda, y, ldy, rows, n, xs, ws, b, relu);
 }
 
 // For fused epilogues (project_topk.cpp): one panel's columns of the product for M rows.

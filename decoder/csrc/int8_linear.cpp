@@ -37,18 +37,6 @@ MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n), (x, q,
   return amax * (1.f / 127.f);
 }
 
-MULTIVERSION(void, dequant_row,
-             (const int32_t* acc, float* y, int64_t n, float xs, const float* ws, const float* b, bool relu),
-             (acc, y, n, xs, ws, b, relu)) {
-  if (b) {
-    for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(acc[j]) * xs * ws[j] + b[j];
-  } else {
-    for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(acc[j]) * xs * ws[j];
-  }
-  if (relu)
-    for (int64_t j = 0; j < n; ++j) y[j] = y[j] > 0.f ? y[j] : 0.f;
-}
-
 // x (..., K) float -> its rows quantised (M, K) int8 and their scales (M,)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   KIT_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
@@ -99,7 +87,7 @@ at::Tensor dequantized(const Product& p, const at::Tensor& xs, bool relu) {
   float* yp = y.data_ptr<float>();
   const float* sp = xs.data_ptr<float>();
   at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) dequant_row(p.ap + r * p.N, yp + r * p.N, p.N, sp[r], p.wsp, p.bp, relu);
+    decoder_gemm::dequant_rows(p.ap + lo * p.N, p.N, yp + lo * p.N, p.N, hi - lo, p.N, sp + lo, p.wsp, p.bp, relu);
   });
   return y;
 }
@@ -153,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, co
   at::parallel_for(0, p.M, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> row(p.N);
     for (int64_t r = lo; r < hi; ++r) {
-      dequant_row(p.ap + r * p.N, row.data(), p.N, sp[r], p.wsp, p.bp, relu);
+      decoder_gemm::dequant_rows(p.ap + r * p.N, p.N, row.data(), p.N, 1, p.N, sp + r, p.wsp, p.bp, relu);
       qsp[r] = quantize_row(row.data(), qp + r * p.N, p.N);
     }
   });

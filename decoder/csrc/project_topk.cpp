@@ -132,7 +132,7 @@ AVX512 inline void keep_best(const float* v, int64_t nc, int64_t c0, float* tv, 
 }
 
 // One chunk of the product c (mb rows x nc columns, row stride kChunk) of rows r0.. at
-// columns c0..: rescaled as int8_linear.cpp's dequant_row (acc * xs * ws [+ b], the same
+// columns c0..: rescaled as decoder_gemm::dequant_rows (acc * xs * ws [+ b], the same
 // bits), folded into each row's max and partial sums, and the values that can enter into
 // the row's best list.
 AVX512 void chunk_epilogue(const int32_t* c, int64_t mb, int64_t nc, int64_t c0, int64_t r0, const float* xs,
