@@ -1,10 +1,10 @@
 """The C++ kernels' own argument checks raise with their whole message on every toolchain.
 
 On the GPU machine (g++ 13.3, torch 2.11) the kernels' checks crashed the process
-(SIGSEGV inside std::ostream::_M_insert<long>) instead of raising (issue 30): that
-build's library carried its own copy of libstdc++ (its exports include libstdc++'s
-codecvt), whose streams are not set up, and TORCH_CHECK streams each message of more
-than one part. Linking a library here with -static-libstdc++ gives the same broken
+(SIGSEGV inside std::ostream::_M_insert<long>) instead of raising (issue 30): the
+backtrace placed libstdc++'s stream and codecvt code inside that build's library, which
+so carried its own copy of libstdc++, whose streams are not set up, and TORCH_CHECK
+streams each message of more than one part. Linking a library here with -static-libstdc++ gives the same broken
 streams: the numbers vanish from the message (here) or the process dies (there).
 KIT_CHECK (decoder/csrc/checks.h) joins the message without a stream.
 """
