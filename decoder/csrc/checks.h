@@ -13,7 +13,8 @@
 // an ostringstream compiled into this library, and on the GPU machine's build (g++ 13.3,
 // torch 2.11) the first number streamed there crashed the process (SIGSEGV inside
 // ostream::_M_insert<long>) instead of raising (issue 30). A message that is one string
-// reaches torch as it is. Every check in decoder/csrc goes through here (tests/test_cpp17.py).
+// reaches torch as it is. Every check in decoder/csrc goes through here
+// (tests/test_check_messages.py).
 namespace kit_check {
 inline void put(std::string& s, const char* a) { s += a; }
 inline void put(std::string& s, const std::string& a) { s += a; }

@@ -63,11 +63,15 @@ struct Product {  // _int_mm of quantised rows and what its epilogue needs
 
 using Packed = std::optional<at::Tensor>;  // int8_gemm_pack's layout of wq_t's columns, or _int_mm
 
-Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w_scale,
-               const std::optional<at::Tensor>& bias, const Packed& packed) {
+void check_weight(const at::Tensor& xq, const at::Tensor& wq_t) {
   KIT_CHECK(wq_t.scalar_type() == at::kChar && wq_t.dim() == 2, "int8_linear: wq_t must be int8 (in, out)");
   KIT_CHECK(wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1), " features, weight expects ",
-              wq_t.size(0));
+            wq_t.size(0));
+}
+
+Product int_mm(const at::Tensor& xq, const at::Tensor& wq_t, const at::Tensor& w_scale,
+               const std::optional<at::Tensor>& bias, const Packed& packed) {
+  check_weight(xq, wq_t);
   Product p;
   // (M, N) int32
   p.acc = packed.has_value() ? decoder_gemm::int_mm(xq, *packed, wq_t.size(1)) : at::_int_mm(xq, wq_t);
@@ -105,8 +109,7 @@ at::Tensor linear_rows(const at::Tensor& xq, const at::Tensor& xs, const at::Ten
                        const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
   if (!packed.has_value() || packed->scalar_type() != at::kChar)
     return dequantized(int_mm(xq, wq_t, w_scale, bias, packed), xs, relu);
-  KIT_CHECK(wq_t.dim() == 2 && wq_t.size(0) == xq.size(1), "int8_linear: x has ", xq.size(1),
-            " features, weight expects ", wq_t.size(0));
+  check_weight(xq, wq_t);
   const int64_t N = wq_t.size(1);
   KIT_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && (!bias.has_value() ||
             (bias->scalar_type() == at::kFloat && bias->numel() == N)), "int8_linear: ", N,
