@@ -219,6 +219,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("pipeline", True, "async text pipeline", "pipeline", True, False,
                  "read, encode, translate, decode one after another", "ladder",
                  detail="normalisation + SentencePiece of the next chunk and detokenisation in threads"),
+    Optimisation("fast_normaliser", True, "Moses normalisation, rules skipped where they cannot match",
+                 "fast_normaliser", True, False, "sacremoses' `normalize`: every rule's `re.sub` on every line",
+                 "ladder",
+                 detail="decoder/normalise.py: sacremoses' rules compiled once, each run only on a line that "
+                 "holds a literal all its matches contain; the same output, 8.5x faster on 10,000 Bible lines "
+                 "(0.48 to 0.056 s, EPYC core): a tenth of a GPU throughput pass was normalisation"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
                  detail="process-wide and irreversible (decoder/runtime.py)"),
@@ -445,6 +451,7 @@ class Plan:
     early_stop: bool
     fused_qkv: bool
     pipeline: bool
+    fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .modeldir import CONFIG, ModelConfig, ModelDirError, moses_options
+from .normalise import MosesPunct
 from .textio import line_cap
 
 # anything a line-based reader could split on must not leave the decoder
@@ -27,7 +28,9 @@ CHUNK_CHARS = 1 << 24
 ENCODE_CHARS = 1 << 20
 
 
-def make_normaliser(cfg: ModelConfig) -> Callable[[str], str] | None:
+def make_normaliser(cfg: ModelConfig, fast: bool = True) -> Callable[[str], str] | None:
+    """The model's source normaliser: sacremoses' rules, run by decoder/normalise.py
+    (`fast`, switch fast_normaliser) or by sacremoses itself; None where it has none."""
     n = cfg.normaliser
     if not n:
         return None
@@ -36,19 +39,19 @@ def make_normaliser(cfg: ModelConfig) -> Callable[[str], str] | None:
     from sacremoses import MosesPunctNormalizer
     mpn = MosesPunctNormalizer(lang=n.get("src_lang", cfg.src_lang),
                                **moses_options(n))
-    return mpn.normalize
+    return MosesPunct(mpn) if fast else mpn.normalize
 
 
 class Text:
     """Lines <-> token ids for one model dir."""
 
-    def __init__(self, cfg: ModelConfig, spm_path: str, max_source_tokens: int):
+    def __init__(self, cfg: ModelConfig, spm_path: str, max_source_tokens: int, fast_normaliser: bool = True):
         import sentencepiece as spm
         self.cfg = cfg
         # as many threads as torch's pool, not SentencePiece's default of one per core per call: a
         # 1-thread worker starts none, and under a process limit a refused thread aborted the process
         self.sp = spm.SentencePieceProcessor(model_file=spm_path, num_threads=torch.get_num_threads())
-        self.normalise = make_normaliser(cfg)
+        self.normalise = make_normaliser(cfg, fast_normaliser)
         self.max_source_tokens = max_source_tokens
         # what textio.read_lines caps the CLI's lines at, for lines handed over in memory
         self.max_line_chars = line_cap(max_source_tokens)

@@ -134,7 +134,7 @@ class Translator:
         if self.plan.retain_memory:
             retain_freed_memory()
         self.cfg = cfg
-        self.text = Text(cfg, spm_path, cfg.arch.max_positions)
+        self.text = Text(cfg, spm_path, cfg.arch.max_positions, fast_normaliser=self.plan.fast_normaliser)
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
                              length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
                              no_repeat_ngram=o.no_repeat_ngram)

@@ -8,6 +8,7 @@ import tempfile
 import numpy as np
 
 from decoder.modeldir import moses_options
+from decoder.normalise import moses_punct
 
 from . import dedup
 
@@ -89,7 +90,7 @@ def normaliser_settings(src_lang: str, tgt_lang: str) -> dict:
 def normalise(text: str, lang: str, settings: dict) -> str:
     if settings.get("type") != "moses-punct":
         raise ValueError(f"unknown normaliser type {settings.get('type')!r}")
-    return _moses(lang, tuple(moses_options(settings).items())).normalize(text)
+    return _moses(lang, tuple(moses_options(settings).items()))(text)
 
 
 def normalise_pairs(task) -> list[str]:
@@ -101,5 +102,4 @@ def normalise_pairs(task) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _moses(lang: str, options: tuple):
     # building a normaliser compiles dozens of regexes; the trainer calls us per line
-    from sacremoses import MosesPunctNormalizer
-    return MosesPunctNormalizer(lang=lang, **dict(options))
+    return moses_punct(lang, **dict(options))
