@@ -15,7 +15,7 @@ import torch
 
 from . import modeldir, ops
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
-from .batching import make_batches, restore
+from .batching import make_batches, padded, restore
 from .cache import new_state
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
@@ -189,11 +189,7 @@ class Translator:
         if self.pool is not None:
             return self.pool.submit(srcs).result()
         o, c = self.opts, self.cfg
-        S = max(len(s) for s in srcs)
-        src = torch.full((len(srcs), S), c.pad_id, dtype=torch.long)
-        for i, s in enumerate(srcs):
-            src[i, :len(s)] = torch.tensor(s)
-        src = src.to(self.model.device)
+        src = padded(srcs, c.pad_id).to(self.model.device)  # (B, S)
         lims = self.limits([len(s) for s in srcs])  # (B,) built on the host: no read to find its max
         limits, lims = lims.to(self.model.device), lims.tolist()
         with self.phase("encode"):

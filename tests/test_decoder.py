@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from decoder import Translator
-from decoder.batching import make_batches, restore
+from decoder.batching import make_batches, padded, restore
 from decoder.quant import Int8Linear
 from fixture_model import make_model_dir, synthetic_corpus
 
@@ -274,6 +274,13 @@ def test_batches_respect_budget_and_restore_order():
     assert restore(batches, [[lengths[i] for i in b] for b in batches], 200) == lengths
     unsorted = make_batches(lengths, max_tokens=300, max_sentences=16, sort=False)
     assert [i for b in unsorted for i in b] == list(range(200))
+
+
+def test_padded_rows_keep_their_ids_in_order_and_pad_the_rest():
+    seqs = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]
+    want = torch.tensor([[5, 6, 7, 1], [8, 1, 1, 1], [9, 10, 11, 12], [13, 14, 1, 1]])
+    assert torch.equal(padded(seqs, 1), want)
+    assert padded(seqs, 1).dtype == torch.long and padded([[3]], 0).tolist() == [[3]]
 
 
 def test_int8_linear_is_close_to_fp32():
