@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import graphs
 from .fused import heads, merge
 from .model import Model
 from .quant import GemvLinear
@@ -194,17 +195,8 @@ class StaticCache(IncrementalCache):
         if not self.use_graph:
             return self._run()
         if self.graph is None:
-            # warm up on a side stream (allocator, cuBLAS handles), then capture;
-            # the warm-up writes the same K/V the real step writes, so it is harmless
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self._run()
-            torch.cuda.current_stream().wait_stream(s)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.y = self._run()
+            # the warm-up steps write the same K/V the real step writes, so they are harmless
+            self.graph, self.y = graphs.capture(self._run, graphs.pool_of(self.m))
         self.graph.replay()
         return self.y.clone()  # the graph overwrites its output buffer next step
 
