@@ -3,10 +3,14 @@
 On CUDA a read (`.tolist()`, `int(t)`, `bool(t.any())`) waits for every kernel
 queued before it: the host stops issuing work and the GPU then idles while it
 catches up. The searches (decoder/search.py), the states (decoder/cache.py)
-and `Translator.translate_ids` read only through this module, so the tests can
+and `Translator.start_ids` read only through this module, so the tests can
 count the reads a batch makes (`reset`, `counts`): the device-style loops
 (plan.sync_every > 1) make one per `sync_every` steps plus a few per batch.
 On CPU a read is a memory access, so the count is all it costs.
+
+A batch's outputs leave through `later`: the copy is queued behind the kernels
+that write them and read where they are used (the text pipeline's thread), so
+the host goes on to the next batch while the GPU finishes this one.
 """
 from __future__ import annotations
 
@@ -41,3 +45,28 @@ def to_cpu(t: torch.Tensor, kind: str) -> torch.Tensor:
     """t copied to the host as a tensor."""
     counts[kind] += 1
     return t.cpu()
+
+
+class Later:
+    """A device tensor on its way to the host: copied into pinned memory behind the kernels
+    queued before it; `tolist` waits for that copy only (counted once, when queued)."""
+
+    def __init__(self, t: torch.Tensor, kind: str):
+        counts[kind] += 1
+        self.event = None
+        if t.device.type != "cuda":
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def later(t: torch.Tensor, kind: str) -> Later:
+    return Later(t, kind)

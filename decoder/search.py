@@ -15,7 +15,8 @@ Two forms of each loop, the plan's `sync_every` picks: `greedy` and
 memory access, and these are the measured fastest); `greedy_device` and
 `beam_device` keep that bookkeeping on the device and read it every
 `sync_every` steps, plus the outputs once per batch (CUDA: each read stops the
-host until the GPU has caught up). Every read goes through decoder/hostsync.py.
+host until the GPU has caught up), which they hand over unread (`Outputs`). Every
+read goes through decoder/hostsync.py.
 """
 from __future__ import annotations
 
@@ -45,12 +46,34 @@ class Search:
         """limits (B,) on the state's device, the same as Python ints `lims`. The loop
         is the plan's: beam or greedy, one-row for one sentence where it has that
         state, the device-style loops where the host reads every few steps."""
+        return self.start(state, limits, lims, vocab).result()
+
+    def start(self, state, limits, lims: list[int], vocab=None) -> "Outputs":
+        """`run` whose outputs the device-style loops leave on their way to the host."""
         p = self.plan
         if p.loop == "beam":
-            return (beam_search if p.sync_every == 1 else beam_device)(state, limits, self, vocab, lims)
+            return Outputs.of((beam_search if p.sync_every == 1 else beam_device)(state, limits, self, vocab, lims))
         if p.state_for(len(lims)) == "one_row":
-            return [greedy_one(state, lims[0], self, vocab)]
-        return (greedy if p.sync_every == 1 else greedy_device)(state, limits, self, vocab, lims)
+            return Outputs.of([greedy_one(state, lims[0], self, vocab)])
+        return Outputs.of((greedy if p.sync_every == 1 else greedy_device)(state, limits, self, vocab, lims))
+
+
+class Outputs:
+    """A batch's output ids (one list per sentence), made by `finish()` where they are
+    used: the device-style loops' outputs come through hostsync.later, so the host
+    can queue the next batch before this one's copy has landed."""
+
+    def __init__(self, finish):
+        self.finish, self.value = finish, None
+
+    @staticmethod
+    def of(out) -> "Outputs":
+        return out if isinstance(out, Outputs) else Outputs(lambda: out)
+
+    def result(self) -> list[list[int]]:
+        if self.finish is not None:
+            self.value, self.finish = self.finish(), None
+        return self.value
 
 
 def greedy(state, limits, s: Search, vocab=None, lims=None) -> list[list[int]]:
@@ -257,7 +280,7 @@ def checkpoint(t: int, T: int, every: int) -> bool:
     return (t + 1) % every == 0 or t + 1 == T
 
 
-def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[int]]:
+def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> Outputs:
     """`greedy`'s picks with the finished-row bookkeeping on the device: each
     step writes its tokens into `out` (sentences, T) by input sentence; the
     host reads the done mask every `plan.sync_every` steps (all done? shrink?)
@@ -295,8 +318,8 @@ def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[
             keep = torch.tensor([r for r, f in enumerate(fin) if not f], device=dev)
             state.keep(keep, keep)
             sent, limits, tokens, done = sent[keep], limits[keep], tokens[keep], done[keep]
-    rows = hostsync.to_list(out[:, :t + 1], "outputs")
-    return [row[:row.index(eos_id)] for row in rows]
+    rows = hostsync.later(out[:, :t + 1], "outputs")
+    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
 
 
 class Finals:
@@ -323,23 +346,28 @@ class Finals:
             self.tokens[where, 1:t + 1] = hist.index_select(0, src_rows)
         self.count.index_copy_(0, sent, c + kept.sum(1))
 
-    def best(self, length_penalty: float, steps: int) -> list[list[int]]:
+    def best(self, length_penalty: float, steps: int) -> Outputs:
         """Each sentence's best by score / (length+1)**length_penalty, the first of equals,
-        after `steps` steps: two host reads for the whole batch, the arithmetic in Python
-        floats as `beam_search`'s."""
+        after `steps` steps: two host reads for the whole batch (hostsync.later), the
+        arithmetic in Python floats as `beam_search`'s."""
         K1 = self.K + 1
-        scores = hostsync.to_list(self.score.view(-1, K1)[:, :-1], "outputs")
-        rows = hostsync.to_list(self.tokens[:, :steps + 1], "outputs")
-        out = []
-        for b, sc in enumerate(scores):
-            cands = [(x / (rows[b * K1 + j][0] + 1) ** length_penalty, rows[b * K1 + j])
-                     for j, x in enumerate(sc) if x > NEG_INF]
-            _, row = max(cands, key=lambda c: c[0])
-            out.append(row[1:row[0] + 1])
-        return out
+        scores = hostsync.later(self.score.view(-1, K1)[:, :-1], "outputs")
+        rows = hostsync.later(self.tokens[:, :steps + 1], "outputs")
+        return Outputs(lambda: pick_best(scores.tolist(), rows.tolist(), K1, length_penalty))
 
 
-def beam_device(state, limits, s: Search, vocab=None, lims=None) -> list[list[int]]:
+def pick_best(scores: list, rows: list, K1: int, length_penalty: float) -> list[list[int]]:
+    """Finals.best's choice, from its two reads: scores (B, K) and rows (B*K1, 1 + steps)."""
+    out = []
+    for b, sc in enumerate(scores):
+        cands = [(x / (rows[b * K1 + j][0] + 1) ** length_penalty, rows[b * K1 + j])
+                 for j, x in enumerate(sc) if x > NEG_INF]
+        _, row = max(cands, key=lambda c: c[0])
+        out.append(row[1:row[0] + 1])
+    return out
+
+
+def beam_device(state, limits, s: Search, vocab=None, lims=None) -> Outputs:
     """`beam_search`'s picks with the finished hypotheses kept on the device (`Finals`):
     the host reads which sentences are done every `plan.sync_every` steps (all
     done? shrink?), and the outputs once at the end. A done sentence's rows go on

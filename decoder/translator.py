@@ -22,7 +22,7 @@ from .optimisations import BY_NAME, Switches, resolve
 from .pipeline import Text, run
 from .quant import Probe, int8_pays, probe as time_probe
 from .runtime import retain_freed_memory
-from .search import Search
+from .search import Outputs, Search
 from .shortlist import Shortlist
 from .workers import WorkerPool
 
@@ -183,11 +183,16 @@ class Translator:
         n = torch.tensor(lengths, dtype=torch.float)
         return torch.clamp((n * o.max_len_a + o.max_len_b).long(), min=1, max=a.max_positions - 1)
 
-    @torch.inference_mode()
     def translate_ids(self, srcs: list[list[int]]) -> list[list[int]]:
         """Source ids (with </s>) of one batch -> target ids (without </s>)."""
         if self.pool is not None:
             return self.pool.submit(srcs).result()
+        return self.start_ids(srcs).result()
+
+    @torch.inference_mode()
+    def start_ids(self, srcs: list[list[int]]) -> Outputs:
+        """translate_ids, its outputs read where `.result()` is called: on CUDA the host
+        goes on to the next batch while their copy is under way."""
         o, c = self.opts, self.cfg
         src = padded(srcs, c.pad_id).to(self.model.device)  # (B, S)
         lims = self.limits([len(s) for s in srcs])  # (B,) built on the host: no read to find its max
@@ -199,7 +204,7 @@ class Translator:
             vocab = self.shortlist.candidates(src)  # (C,)
             out = self.model.output_rows(vocab, len(srcs) * o.beam)
         state = new_state(self.model, enc, mask, o.beam, max(lims), out, self.phase)
-        return self.search.run(state, limits, lims, vocab)
+        return self.search.start(state, limits, lims, vocab)
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it
@@ -209,6 +214,10 @@ class Translator:
     def ids(self, lines: list[str]):
         """Text.ids in this process: what the workers run on their share of a chunk."""
         return self.text.ids(lines)
+
+    def detokenise(self, outputs: Outputs) -> list[str]:
+        """A batch's outputs read and detokenised: the text pipeline's thread runs it."""
+        return self.text.decode(outputs.result())
 
     def translate_text(self, srcs: list[list[int]]) -> list[str]:
         """translate_ids, then detokenised: what the workers run on a batch."""
@@ -236,8 +245,7 @@ class Translator:
             # every batch of the chunk is queued first, so the workers never wait on the parent
             futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
         else:
-            futs = [submit(self.text.decode, self.translate_ids([srcs[idx[j]] for j in b]))
-                    for b in batches]
+            futs = [submit(self.detokenise, self.start_ids([srcs[idx[j]] for j in b])) for b in batches]
 
         def finish() -> list[str]:
             done = restore(batches, [f.result() for f in futs], len(idx))

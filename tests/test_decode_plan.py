@@ -7,6 +7,7 @@ fused ops the plan binds once, kernels or references, so the step never asks."""
 import contextlib
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -315,3 +316,56 @@ def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(bea
     assert reads <= math.ceil(steps / every) + (1 if beam == 1 else 2) + (2 if shortlist and beam > 1 else 0)
     assert reads1 >= steps1  # the per-step loop: at least one read a step
     assert steps < steps1 + every  # the late reads cost at most every-1 extra steps
+
+
+@trained
+@pytest.mark.parametrize("beam", [1, 4])
+def test_device_loop_hands_its_outputs_over_unread(lines, beam):
+    """The outputs' copy is queued at the end of the loop and read where they are used
+    (the text pipeline's thread), so the host can go on to the next batch."""
+    from decoder import Translator
+    tr = Translator(MODEL, sync_every=8, beam=beam)
+    srcs = [s for s in tr.text.encode(lines[:12]) if s is not None]
+    hostsync.reset()
+    outputs = tr.start_ids(srcs)
+    assert outputs.finish is not None  # nothing made of them yet
+    assert hostsync.counts["outputs"] == (1 if beam == 1 else 2)  # queued: counted once, when queued
+    assert outputs.result() == Translator(MODEL, beam=beam).translate_ids(srcs)
+    assert outputs.result() is outputs.result()
+
+
+def test_later_keeps_a_cpu_tensor_and_counts_one_read():
+    hostsync.reset()
+    t = torch.tensor([[4, 2], [7, 1]])
+    got = hostsync.later(t, "outputs")
+    assert got.tolist() == [[4, 2], [7, 1]] and hostsync.total() == 1
+
+
+def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monkeypatch):
+    """The CUDA branch against stand-ins: a non-blocking copy into pinned memory, an event
+    recorded behind it, and the event waited for at the read, not before."""
+    log = []
+
+    class Host:
+        def __init__(self, shape, dtype=None, pin_memory=False):
+            log.append(("empty", tuple(shape), pin_memory))
+
+        def copy_(self, src, non_blocking=False):
+            log.append(("copy", non_blocking))
+
+        def tolist(self):
+            log.append(("read",))
+            return [1]
+
+    class Event:
+        def record(self):
+            log.append(("record",))
+
+        def synchronize(self):
+            log.append(("wait",))
+    src = SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(2, 3), dtype=torch.long)
+    monkeypatch.setattr(torch, "empty", Host)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    got = hostsync.later(src, "outputs")
+    assert log == [("empty", (2, 3), True), ("copy", True), ("record",)]  # queued, nothing waited for
+    assert got.tolist() == [1] and log[3:] == [("wait",), ("read",)]
