@@ -70,3 +70,13 @@ class Later:
 
 def later(t: torch.Tensor, kind: str) -> Later:
     return Later(t, kind)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`, queued: PyTorch's copy from pageable memory to a GPU
+    synchronises the stream after it, so each batch's inputs would wait for every kernel
+    of the batch before; from pinned memory the copy is non-blocking."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

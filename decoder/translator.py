@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import modeldir, ops
+from . import hostsync, modeldir, ops
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
 from .cache import new_state
@@ -194,9 +194,9 @@ class Translator:
         """translate_ids, its outputs read where `.result()` is called: on CUDA the host
         goes on to the next batch while their copy is under way."""
         o, c = self.opts, self.cfg
-        src = padded(srcs, c.pad_id).to(self.model.device)  # (B, S)
+        src = hostsync.to_device(padded(srcs, c.pad_id), self.model.device)  # (B, S)
         lims = self.limits([len(s) for s in srcs])  # (B,) built on the host: no read to find its max
-        limits, lims = lims.to(self.model.device), lims.tolist()
+        limits, lims = hostsync.to_device(lims, self.model.device), lims.tolist()
         with self.phase("encode"):
             enc, mask = self.model.encode(src)
         vocab = out = None

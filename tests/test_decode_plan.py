@@ -369,3 +369,20 @@ def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monk
     got = hostsync.later(src, "outputs")
     assert log == [("empty", (2, 3), True), ("copy", True), ("record",)]  # queued, nothing waited for
     assert got.tolist() == [1] and log[3:] == [("wait",), ("read",)]
+
+
+def test_inputs_go_to_a_gpu_through_pinned_memory_without_waiting(monkeypatch):
+    log = []
+
+    class Host:
+        def pin_memory(self):
+            log.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            log.append((str(device), non_blocking))
+            return self
+    t = Host()
+    assert hostsync.to_device(t, "cuda:0") is t and log == ["pin", ("cuda:0", True)]
+    cpu = torch.tensor([1, 2])
+    assert hostsync.to_device(cpu, "cpu") is cpu
