@@ -178,10 +178,12 @@ class StaticCache(IncrementalCache):
         self.positions = torch.arange(max_len, device=dev)           # (T,)
         self.use_graph = graphs and dev.type == "cuda"
         self.graph = self.y = self.bias = None
+        self.greedy = None  # its StaticGreedy, made by the first greedy search on it
 
     def _run(self):
         m = self.m
-        p = self.pos + (m.cfg.pad_id + 1)
+        # clamped: a block of whole steps (StaticGreedy) may run past the last position, its outputs unused
+        p = (self.pos + (m.cfg.pad_id + 1)).clamp_(max=m.pos.shape[0] - 1)
         x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
         # (1, 1, 1, T): 0 up to the current position, -inf after it
         self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
@@ -229,6 +231,68 @@ class StaticCache(IncrementalCache):
 
     def keep(self, sents, rows):
         raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
+
+    def greedy_loop(self, head, limits, ids: tuple[int, int, int], block: int) -> "StaticGreedy":
+        """This batch's StaticGreedy (one kept with the state is reset for it)."""
+        if self.greedy is None:
+            self.greedy = StaticGreedy(self, head, limits, ids, block)
+        else:
+            self.greedy.reset(limits)
+        return self.greedy
+
+
+class StaticGreedy:
+    """Greedy search's whole step on a StaticCache, every tensor at a fixed address, so
+    that `block` steps replay as one CUDA graph: the decoder's step, `head` (y (N, d) ->
+    argmax columns (N,)), </s> forced at each row's limit, <pad> fed to finished rows,
+    the token written to `out` and the position advanced, all on the device. The host
+    replays a block and reads `done` after it (decoder/search.py `greedy_static`); on
+    CPU (static_shapes) the block runs eagerly, the same ops."""
+
+    def __init__(self, cache: StaticCache, head, limits, ids: tuple[int, int, int], block: int):
+        self.cache, self.head, self.block = cache, head, block
+        self.start, self.eos, self.pad = ids
+        N, T = cache.tokens.shape[0], cache.positions.shape[0]
+        self.limits = limits.clone()  # (N,) static copy: a kept state reloads it
+        self.done = torch.zeros(N, dtype=torch.bool, device=limits.device)  # (N,)
+        self.out = torch.empty(N, T, dtype=torch.long, device=limits.device)  # (N, T) tokens by position
+        self.graph = None
+        self.reset()
+
+    def reset(self, limits=None) -> None:
+        """Back to step 0 (a new batch of this shape: with its limits): tokens, position,
+        done, outputs."""
+        if limits is not None:
+            self.limits.copy_(limits)
+        self.cache.tokens.fill_(self.start)
+        self.cache.pos.zero_()
+        self.done.zero_()
+        self.out.fill_(self.pad)
+
+    def _steps(self):
+        c = self.cache
+        for _ in range(self.block):
+            nxt = self.head(c._run())  # (N,)
+            nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
+            nxt = torch.where(self.done, self.pad, nxt)
+            self.out.index_copy_(1, c.pos, nxt[:, None])
+            self.done |= nxt == self.eos
+            c.tokens.copy_(nxt)
+            c.pos.add_(1)
+        return self.done
+
+    def run(self, t: int) -> None:
+        """Steps t .. t+block-1 (t: where the host knows the loop stands)."""
+        c = self.cache
+        c.t = t + self.block
+        if not c.use_graph:
+            self._steps()
+            return
+        if self.graph is None:
+            # the warm-up really ran blocks of steps: back to step 0 before the first replay
+            self.graph, _ = graphs.capture(self._steps, graphs.pool_of(c.m), warmup=1)
+            self.reset()
+        self.graph.replay()
 
 
 class OneRowCache(IncrementalCache):
@@ -377,6 +441,18 @@ class DecoderState:
         with self.phase("decode steps"):
             return top(self.cache.run(tokens, t), scores, K, n)
 
+    def greedy_loop(self, limits, ids: tuple[int, int, int], block: int) -> StaticGreedy:
+        """The static state's whole-step greedy loop (switch graph_steps), its head this
+        state's projection and argmax: (start, eos, pad) ids, `block` steps a run."""
+        m, p, out = self.m, self.m.plan, self.out
+        if p.argmax_in_step:
+            def head(y):
+                return m.project_argmax(y, out)
+        else:
+            def head(y):
+                return p.argmax(p.normalise(m.project(y, out)))
+        return self.cache.greedy_loop(head, limits, ids, block)
+
     def reorder(self, rows):
         self.cache.reorder(rows)
 
@@ -392,8 +468,12 @@ CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static"
 def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,
               phase=lambda name: _UNTIMED) -> DecoderState:
     """The state for one batch, the one its plan resolved (`Plan.state_for`: the
-    latency mode's OneRowCache for one sentence where the plan has it)."""
+    latency mode's OneRowCache for one sentence where the plan has it). A static
+    state's cache holds whole blocks of `sync_every` steps (graph_steps runs them)."""
     kind = model.plan.state_for(enc.shape[0])
+    if kind == "static" and model.plan.graph_steps:
+        every = model.plan.sync_every
+        max_len = -(-max_len // every) * every
     cache = static_cache(model, enc, mask, beam, max_len) if kind == "static" else \
         CACHES[kind](model, enc, mask, beam, max_len)
     return DecoderState(model, cache, out, phase)

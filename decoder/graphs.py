@@ -21,13 +21,15 @@ import torch
 WARMUP_STEPS = 2  # eager runs before a capture: lazy initialisation (cuBLAS handles, workspaces) kept out of it
 
 
-def capture(fn: Callable[[], torch.Tensor], pool) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
-    """fn's CUDA work, warmed up and captured on a side stream into `pool`
-    (`torch.cuda.graph_pool_handle()`): (the graph, fn's output, which each replay rewrites)."""
+def capture(fn: Callable[[], torch.Tensor], pool, warmup: int = WARMUP_STEPS
+            ) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """fn's CUDA work, run `warmup` times, then captured on a side stream into `pool`
+    (`torch.cuda.graph_pool_handle()`): (the graph, fn's output, which each replay rewrites).
+    The warm-up runs really happen: fn must be harmless to repeat, or its caller resets."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(WARMUP_STEPS):
+        for _ in range(warmup):
             fn()
         graph = torch.cuda.CUDAGraph()
         collecting = gc.isenabled()

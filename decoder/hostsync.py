@@ -55,7 +55,7 @@ class Later:
         counts[kind] += 1
         self.event = None
         if t.device.type != "cuda":
-            self.host = t
+            self.host = t.clone()  # a kept state's buffer may be rewritten by the next batch first
             return
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.host.copy_(t, non_blocking=True)

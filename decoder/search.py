@@ -55,6 +55,8 @@ class Search:
             return Outputs.of((beam_search if p.sync_every == 1 else beam_device)(state, limits, self, vocab, lims))
         if p.state_for(len(lims)) == "one_row":
             return Outputs.of([greedy_one(state, lims[0], self, vocab)])
+        if p.graph_steps:
+            return greedy_static(state, limits, self, lims)
         return Outputs.of((greedy if p.sync_every == 1 else greedy_device)(state, limits, self, vocab, lims))
 
 
@@ -319,6 +321,22 @@ def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> Outputs:
             state.keep(keep, keep)
             sent, limits, tokens, done = sent[keep], limits[keep], tokens[keep], done[keep]
     rows = hostsync.later(out[:, :t + 1], "outputs")
+    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
+
+
+def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
+    """`greedy_device`'s picks on the fixed-shape state with the whole step on the device
+    (switch graph_steps, decoder/cache.py StaticGreedy): `plan.sync_every` steps a run (one
+    CUDA graph replay), then one read of whether every row has finished; the outputs once
+    per batch. Rows never leave (the shapes are fixed): finished ones are fed <pad>."""
+    T, block = max(lims), s.plan.sync_every
+    loop = state.greedy_loop(limits, (s.start_id, s.eos_id, s.pad_id), block)
+    for t in range(0, T, block):
+        with state.phase("decode steps"):
+            loop.run(t)
+        if hostsync.item(loop.done.all(), "finished?"):
+            break
+    rows, eos_id = hostsync.later(loop.out[:, :t + block], "outputs"), s.eos_id
     return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
 
 

@@ -13,6 +13,8 @@ from decoder import Translator, cache, graphs
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
+trained = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")),
+                             reason="trained fixture tests/fixtures/bible-tiny is absent")
 
 
 class FakeCuda:
@@ -100,12 +102,12 @@ class Replay:
         self.out.copy_(self.fn())
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")), reason="trained fixture is absent")
+@trained
 @pytest.mark.parametrize("beam", [1, 4])
 def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(beam, monkeypatch):
     captured = []
 
-    def fake_capture(fn, pool):
+    def fake_capture(fn, pool, warmup=graphs.WARMUP_STEPS):
         out = fn()
         captured.append(pool)
         return Replay(fn, out), out
@@ -127,3 +129,81 @@ def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(beam, m
     assert got == want
     shapes = {(len(s), int(tr.limits([len(s)])[0])) for s in srcs}
     assert len(captured) == len(shapes) + 1 and set(captured) == {id(tr.model)}  # one per state, one pool
+
+
+# -- graph_steps: greedy's whole step on the fixed-shape state, a block of steps a run -------------
+
+def counting_run(monkeypatch) -> list:
+    runs = []
+    run = cache.StaticGreedy.run
+    monkeypatch.setattr(cache.StaticGreedy, "run", lambda self, t: (runs.append(t), run(self, t))[1])
+    return runs
+
+
+@trained
+@pytest.mark.parametrize("every", [1, 3, 8])
+def test_whole_greedy_steps_in_blocks_give_the_per_step_tokens(every, monkeypatch):
+    from decoder import hostsync
+    with open(SRC, encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:24]
+    plain = Translator(MODEL)
+    srcs = [s for s in plain.text.encode(lines) if s]
+    want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:]]
+    tr = Translator(MODEL, static_shapes=True, sync_every=every)
+    assert tr.plan.graph_steps and "whole greedy steps" in tr.plan.summary()
+    runs = counting_run(monkeypatch)
+    hostsync.reset()
+    got = tr.translate_ids(srcs[:16])
+    # a read after each block, the outputs once; a block of `every` steps a run
+    assert hostsync.total() == len(runs) + 1 and runs == list(range(0, every * len(runs), every))
+    longest = max(len(x) for x in got) + 1  # its steps, </s> included
+    assert len(runs) == -(-longest // every)
+    got += [tr.translate_ids([s])[0] for s in srcs[16:]]
+    assert got == want
+
+
+def test_a_block_past_the_last_position_is_clamped_and_its_outputs_unused(tmp_path):
+    """A cache rounded up to whole blocks may run steps past the position table: they read
+    its last row and write nothing that is kept. Random weights: some sentences run to the
+    length cap, which here is the table's last position."""
+    from fixture_model import make_model_dir, synthetic_corpus
+    d = make_model_dir(tmp_path / "m", max_positions=40)
+    kw = dict(max_len_a=0.0, max_len_b=100)  # every limit capped at the last position, 39
+    tr = Translator(d, static_shapes=True, sync_every=7, **kw)  # blocks up to step 41
+    srcs = tr.text.encode(synthetic_corpus(12))
+    got = tr.translate_ids(srcs)
+    assert max(len(x) for x in got) == 38  # a sentence ran to its cap: the last block went past it
+    assert got == Translator(d, **kw).translate_ids(srcs)
+
+
+def test_graph_steps_resolve_for_greedy_on_the_fixed_shape_state_only():
+    from decoder.optimisations import Kernels, Switches, resolve
+    both = Kernels(cpu=True, cuda=True)
+    cuda = resolve(Switches(), device="cuda", kernels=both)
+    assert cuda.graph_steps and "graph_steps" in cuda.runs
+    assert not resolve(Switches(), device="cuda", kernels=both, beam=4).graph_steps
+    assert not resolve(Switches(shortlist=True), device="cuda", kernels=both).graph_steps
+    assert not resolve(Switches(), device="cuda", kernels=both, no_repeat_ngram=3).graph_steps
+    assert not resolve(Switches(cuda_graphs=False), device="cuda", kernels=both).graph_steps
+    assert not resolve(Switches(graph_steps=False), device="cuda", kernels=both).graph_steps
+    assert not resolve(Switches(), device="cpu", kernels=both).graph_steps
+    assert resolve(Switches(), device="cpu", kernels=both, static_shapes=True).graph_steps
+
+
+@trained
+def test_the_static_cache_holds_whole_blocks_of_steps():
+    tr = Translator(MODEL, static_shapes=True, sync_every=8)
+    src = tr.text.encode(["In the beginning God created the heaven and the earth."])
+    lims = tr.limits([len(src[0])])
+    built = []
+    new = cache.StaticCache.__init__
+
+    def record(self, model, enc, mask, beam, max_len, graphs=True):
+        built.append(max_len)
+        new(self, model, enc, mask, beam, max_len, graphs)
+    try:
+        cache.StaticCache.__init__ = record
+        tr.translate_ids(src)
+    finally:
+        cache.StaticCache.__init__ = new
+    assert built == [-(-int(lims[0]) // 8) * 8]
