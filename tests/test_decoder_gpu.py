@@ -49,6 +49,25 @@ def test_cuda_graph_replay_equals_eager_steps(model_dir, beam):
     assert a == b  # same kernels, replayed instead of launched
 
 
+@cuda
+def test_cuda_whole_greedy_steps_in_one_graph_equal_one_step_graphs(model_dir):
+    lines = synthetic_corpus(20, seed=6)
+    a = Translator(model_dir, device="cuda", precision="fp16").translate(lines)
+    b = Translator(model_dir, device="cuda", precision="fp16", graph_steps=False).translate(lines)
+    assert a == b  # the same ops, the bookkeeping captured with the step
+
+
+@cuda
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cuda_batch1_replays_kept_graphs_with_the_tokens_of_fresh_ones(model_dir, beam):
+    lines = synthetic_corpus(12, seed=7)
+    tr = Translator(model_dir, device="cuda", precision="fp16", beam=beam, max_sentences=1)
+    first, again = tr.translate(lines), tr.translate(lines)  # the second pass replays kept graphs
+    fresh = Translator(model_dir, device="cuda", precision="fp16", beam=beam, max_sentences=1,
+                       graph_reuse=False).translate(lines)
+    assert first == again == fresh
+
+
 @pytest.mark.parametrize("name,tc", [
     ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel__5x_cublas", True),
     ("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn", True),
