@@ -178,6 +178,7 @@ class StaticCache(IncrementalCache):
         self.positions = torch.arange(max_len, device=dev)           # (T,)
         self.use_graph = graphs and dev.type == "cuda"
         self.graph = self.y = self.bias = None
+        self.warmed = False  # a step has run eagerly on the capture stream: the next one is captured
         self.greedy = None  # its StaticGreedy, made by the first greedy search on it
 
     def _run(self):
@@ -197,8 +198,10 @@ class StaticCache(IncrementalCache):
         if not self.use_graph:
             return self._run()
         if self.graph is None:
-            # the warm-up steps write the same K/V the real step writes, so they are harmless
-            self.graph, self.y = graphs.capture(self._run, graphs.pool_of(self.m))
+            if not self.warmed:  # the batch's first step, eagerly: the capture's warm-up (decoder/graphs.py)
+                self.warmed = True
+                return graphs.warm(self._run, self.m)
+            self.graph, self.y = graphs.capture(self._run, self.m)
         self.graph.replay()
         return self.y.clone()  # the graph overwrites its output buffer next step
 
@@ -256,7 +259,7 @@ class StaticGreedy:
         self.limits = limits.clone()  # (N,) static copy: a kept state reloads it
         self.done = torch.zeros(N, dtype=torch.bool, device=limits.device)  # (N,)
         self.out = torch.empty(N, T, dtype=torch.long, device=limits.device)  # (N, T) tokens by position
-        self.graph = None
+        self.graph, self.warmed = None, False
         self.reset()
 
     def reset(self, limits=None) -> None:
@@ -289,9 +292,11 @@ class StaticGreedy:
             self._steps()
             return
         if self.graph is None:
-            # the warm-up really ran blocks of steps: back to step 0 before the first replay
-            self.graph, _ = graphs.capture(self._steps, graphs.pool_of(c.m), warmup=1)
-            self.reset()
+            if not self.warmed:  # the batch's first block, eagerly: the capture's warm-up (decoder/graphs.py)
+                self.warmed = True
+                graphs.warm(self._steps, c.m)
+                return
+            self.graph, _ = graphs.capture(self._steps, c.m)  # recorded, not run: replayed below
         self.graph.replay()
 
 

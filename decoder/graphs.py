@@ -1,15 +1,21 @@
-"""Capturing a decode step as a CUDA graph (decoder/cache.py StaticCache).
+"""Capturing decode steps as CUDA graphs (decoder/cache.py StaticCache, StaticGreedy).
 
 `torch.cuda.graph` is made for a few captures at start-up: on entry it waits for
 the GPU and empties the caching allocator (and the pinned host cache). The
 decoder captures one graph per batch shape, so with it every batch of a
 throughput run stopped the host, then cudaMalloc'd its K/V cache and
 activations afresh. `capture` calls the graph's own capture_begin/capture_end
-instead (as vLLM and ReaLHF do), into one memory pool per model that every
-graph shares: one batch decodes at a time per model, and each replay's output
-is copied before the next replay, so graphs may reuse each other's
-intermediates' memory. The collector is paused meanwhile: a finaliser run
-mid-capture must not free memory into the graph.
+instead (as vLLM and ReaLHF do), on one side stream and into one memory pool
+per model that every graph shares: one batch decodes at a time per model, and
+each replay's output is used before the next replay, so graphs may reuse each
+other's intermediates' memory. The collector is paused meanwhile: a finaliser
+run mid-capture must not free memory into the graph.
+
+A capture must not be the first run of its work on its stream (cuBLAS makes its
+handle and workspace then): the states run a batch's first step (or block of
+steps) eagerly through `warm`, on the same stream, and capture at the second.
+So no step is run twice, and a batch that ends within its first block captures
+nothing.
 """
 from __future__ import annotations
 
@@ -18,34 +24,12 @@ from typing import Callable
 
 import torch
 
-WARMUP_STEPS = 2  # eager runs before a capture: lazy initialisation (cuBLAS handles, workspaces) kept out of it
 
-
-def capture(fn: Callable[[], torch.Tensor], pool, warmup: int = WARMUP_STEPS
-            ) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
-    """fn's CUDA work, run `warmup` times, then captured on a side stream into `pool`
-    (`torch.cuda.graph_pool_handle()`): (the graph, fn's output, which each replay rewrites).
-    The warm-up runs really happen: fn must be harmless to repeat, or its caller resets."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            # thread_local: a CUDA call of another thread (the text pipeline's, a user's) cannot spoil it
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                out = fn()
-            finally:
-                graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
-    torch.cuda.current_stream().wait_stream(side)
-    return graph, out
+def stream_of(model) -> "torch.cuda.Stream":
+    """The model's capture stream, made on first use: warm-ups and captures run on it."""
+    if model.graph_stream is None:
+        model.graph_stream = torch.cuda.Stream()
+    return model.graph_stream
 
 
 def pool_of(model) -> object:
@@ -53,3 +37,36 @@ def pool_of(model) -> object:
     if model.graph_pool is None:
         model.graph_pool = torch.cuda.graph_pool_handle()
     return model.graph_pool
+
+
+def warm(fn: Callable[[], torch.Tensor], model) -> torch.Tensor:
+    """fn run eagerly on the model's capture stream, after the work queued before it."""
+    side = stream_of(model)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return out
+
+
+def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """fn's CUDA work captured, not run, on the model's capture stream into its pool:
+    (the graph, fn's output, which each replay rewrites). Warm fn up first (`warm`)."""
+    side = stream_of(model)
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(side):
+            # thread_local: a CUDA call of another thread (the text pipeline's, a user's) cannot spoil it
+            graph.capture_begin(pool=pool_of(model), capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, out

@@ -149,7 +149,7 @@ class Model:
         self.dec_norm = Norm(w, "decoder.layer_norm", a.layer_norm_eps, self.dtype)
         # (rows, source length, beam, cache length) -> a StaticCache to reuse (decoder/cache.py static_cache)
         self.static_states: OrderedDict = OrderedDict()
-        self.graph_pool = None  # CUDA: the memory pool its captured steps share (decoder/graphs.py)
+        self.graph_pool = self.graph_stream = None  # CUDA: its graphs' memory pool and stream (decoder/graphs.py)
 
     def embed(self, ids, start: int = 0):
         # ids: (B, T); fairseq positions start at pad_id + 1

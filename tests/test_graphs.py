@@ -56,79 +56,103 @@ def cuda(monkeypatch):
     return fake
 
 
-def test_capture_warms_up_then_captures_into_the_pool_without_emptying_the_cache(cuda):
-    runs, pool = [], object()
+def model():
+    return SimpleNamespace(graph_pool=None, graph_stream=None)
+
+
+def test_capture_records_into_the_models_pool_without_waiting_or_emptying_the_cache(cuda):
+    runs, m = [], model()
 
     def step():
         runs.append(gc.isenabled())
         return torch.ones(2)
 
-    graph, out = graphs.capture(step, pool)
-    assert len(runs) == graphs.WARMUP_STEPS + 1 and torch.equal(out, torch.ones(2))
+    graph, out = graphs.capture(step, m)
+    assert runs == [False] and torch.equal(out, torch.ones(2))  # the collector paused while capturing
     begin = [c for c in cuda.calls if c[0] == "begin"]
-    assert begin == [("begin", pool, "thread_local", False)]  # the collector paused while capturing
-    assert runs[-1] is False and gc.isenabled()  # ... and running again after
+    assert begin == [("begin", m.graph_pool, "thread_local", False)] and gc.isenabled()
     assert cuda.calls[-2][0] == "end"
+    graphs.capture(step, m)
+    assert [c for c in cuda.calls if c[0] == "begin"][1][1] is m.graph_pool  # one pool for all its graphs
 
 
 def test_capture_is_closed_and_the_collector_restored_when_the_step_fails(cuda):
-    n = []
-
     def step():
-        n.append(1)
-        if len(n) > graphs.WARMUP_STEPS:
-            raise RuntimeError("step failed")
-        return torch.zeros(1)
+        raise RuntimeError("step failed")
 
     with pytest.raises(RuntimeError, match="step failed"):
-        graphs.capture(step, None)
+        graphs.capture(step, model())
     assert cuda.calls[-1] == ("end", False) and gc.isenabled()
 
 
-def test_every_graph_of_a_model_shares_one_pool(cuda):
-    model = SimpleNamespace(graph_pool=None)
-    first = graphs.pool_of(model)
-    assert first is not None and graphs.pool_of(model) is first
-    assert graphs.pool_of(SimpleNamespace(graph_pool=None)) is not first
+def test_warm_up_runs_on_the_capture_stream_and_each_model_keeps_its_own(cuda):
+    m = model()
+    assert torch.equal(graphs.warm(lambda: torch.zeros(3), m), torch.zeros(3))
+    first, pool = graphs.stream_of(m), graphs.pool_of(m)
+    assert first is not None and graphs.stream_of(m) is first and graphs.pool_of(m) is pool
+    other = model()
+    assert graphs.stream_of(other) is not first and graphs.pool_of(other) is not pool
 
 
 class Replay:
-    """A captured step stood in for on CPU: replay runs the step again into its output."""
+    """A captured step stood in for on CPU. Capturing runs nothing, as on a GPU; a
+    replay runs the step and leaves its output where the capture's output stands."""
 
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    def __init__(self, fn):
+        self.fn, self.value = fn, None
 
     def replay(self):
-        self.out.copy_(self.fn())
+        self.value = self.fn()
+
+    def clone(self):  # the capture's output, read after a replay
+        return self.value.clone()
+
+
+def on_cpu_with_graphs(monkeypatch) -> dict:
+    """StaticCache's graph path on CPU: warm-ups and captures recorded per model."""
+    seen = {"warm": [], "capture": []}
+    init = cache.StaticCache.__init__
+
+    def build(self, *a, **k):
+        init(self, *a, **k)
+        self.use_graph = True
+
+    def fake_capture(fn, model):
+        seen["capture"].append(id(model))
+        graph = Replay(fn)
+        return graph, graph
+    monkeypatch.setattr(cache.StaticCache, "__init__", build)
+    monkeypatch.setattr(graphs, "capture", fake_capture)
+    monkeypatch.setattr(graphs, "warm", lambda fn, model: (seen["warm"].append(id(model)), fn())[1])
+    return seen
 
 
 @trained
 @pytest.mark.parametrize("beam", [1, 4])
 def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(beam, monkeypatch):
-    captured = []
-
-    def fake_capture(fn, pool, warmup=graphs.WARMUP_STEPS):
-        out = fn()
-        captured.append(pool)
-        return Replay(fn, out), out
-    init = cache.StaticCache.__init__
-
-    def on_cpu_with_graphs(self, *a, **k):
-        init(self, *a, **k)
-        self.use_graph = True
-    monkeypatch.setattr(graphs, "capture", fake_capture)
-    monkeypatch.setattr(graphs, "pool_of", lambda model: id(model))
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:12]
     eager = Translator(MODEL, beam=beam, static_shapes=True)
     srcs = eager.text.encode(lines)
     want = [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
-    monkeypatch.setattr(cache.StaticCache, "__init__", on_cpu_with_graphs)
+    seen = on_cpu_with_graphs(monkeypatch)
     tr = Translator(MODEL, beam=beam, static_shapes=True)
     got = [tr.translate_ids([s])[0] for s in srcs] + [tr.translate_ids(srcs)]
     assert got == want
     shapes = {(len(s), int(tr.limits([len(s)])[0])) for s in srcs}
-    assert len(captured) == len(shapes) + 1 and set(captured) == {id(tr.model)}  # one per state, one pool
+    # a state's first step warms up, its second is captured; kept states capture once
+    assert 0 < len(seen["capture"]) <= len(seen["warm"]) == len(shapes) + 1
+    assert set(seen["capture"]) == {id(tr.model)}
+
+
+@trained
+def test_a_batch_ending_within_its_first_block_captures_nothing(monkeypatch):
+    seen = on_cpu_with_graphs(monkeypatch)
+    tr = Translator(MODEL, static_shapes=True, sync_every=64)  # a block longer than any output
+    with open(SRC, encoding="utf-8") as fh:
+        srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
+    assert tr.translate_ids(srcs) == Translator(MODEL).translate_ids(srcs)
+    assert seen == {"warm": [id(tr.model)], "capture": []}
 
 
 # -- graph_steps: greedy's whole step on the fixed-shape state, a block of steps a run -------------
