@@ -59,7 +59,7 @@ class Later:
             return
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.host.copy_(t, non_blocking=True)
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event(blocking=True)  # its waiter sleeps (GIL released), not spins
         self.event.record()
 
     def tolist(self) -> list:

@@ -358,6 +358,9 @@ def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monk
             return [1]
 
     class Event:
+        def __init__(self, blocking=False):
+            log.append(("event", blocking))
+
         def record(self):
             log.append(("record",))
 
@@ -367,8 +370,8 @@ def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monk
     monkeypatch.setattr(torch, "empty", Host)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     got = hostsync.later(src, "outputs")
-    assert log == [("empty", (2, 3), True), ("copy", True), ("record",)]  # queued, nothing waited for
-    assert got.tolist() == [1] and log[3:] == [("wait",), ("read",)]
+    assert log == [("empty", (2, 3), True), ("copy", True), ("event", True), ("record",)]  # queued, not waited for
+    assert got.tolist() == [1] and log[4:] == [("wait",), ("read",)]
 
 
 def test_inputs_go_to_a_gpu_through_pinned_memory_without_waiting(monkeypatch):
