@@ -120,6 +120,13 @@ def test_help_and_an_unknown_engine(capsys):
         bench_gpu.parse_args(["--model", "x", "--engines", "ours,marian"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "unknown engine 'marian'" in err[-1]
+    assert bench_gpu.parse_args(["--model", "x", "--ablate", "graph_steps, graph_reuse"]).ablate == [
+        "graph_steps", "graph_reuse"]
+    for bad, says in ((["--ablate", "warp_speed"], "unknown switch 'warp_speed'"),
+                      (["--ablate", "graph_steps", "--engines", "ct2"], "--ablate needs ours")):
+        with pytest.raises(SystemExit) as e:
+            bench_gpu.parse_args(["--model", "x", *bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
@@ -135,11 +142,17 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     monkeypatch.setattr(bench_gpu, "CT2_TYPES", ("float16",))  # int8_float16: one more compute type string
-    a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2)
+    a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
+                           ablate=["fast_normaliser"])
     rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
     assert prof is None
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
+    # --ablate: a row each at our best throughput and batch-1 sizes, never taken for ours' best
+    ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} fast_normaliser"]
+    assert [(r["group"], r["batch"]) for r in ablated] == [
+        ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
+    assert all(bench_gpu.best(rows, g, "ours")["engine"] == "ours fp16" for g in ("throughput", "batch1"))
     assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}
     if "ct2" in engines:
@@ -166,6 +179,6 @@ def test_each_row_warms_up_on_every_line_before_its_timed_passes(monkeypatch):
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (512,)}})
     src = [f"a b c {i}" for i in range(20)]
-    a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1)
+    a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1, ablate=[])
     bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
     assert calls == [20, 20, 20]

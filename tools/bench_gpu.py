@@ -32,6 +32,7 @@ import time
 import torch
 
 from decoder import cliargs, machine, modeldir
+from decoder.optimisations import BY_NAME
 
 from .baselines import CT2Run, ct2_translator, fastest, hf_translator
 from .bench import GROUPS, SUMMARY_RATIOS, add_test_set_args, ours_go, read_test_set, scores
@@ -149,8 +150,8 @@ class Engines:
             self._ct2 = to_ctranslate2(self.model_dir, os.path.join(self.work, "ct2"))
         return self._ct2
 
-    def ours(self, group: str, size: int | None):
-        on = dict(device=self.device, precision=self.precision)
+    def ours(self, group: str, size: int | None, **switches):
+        on = dict(device=self.device, precision=self.precision, **switches)
         if group == "batch1":
             return ours_go(self.model_dir, os.cpu_count() or 1, True, **on)
         kw = {} if size is None else {"max_tokens": size, "max_sentences": max(size // 8, 1)}
@@ -193,8 +194,43 @@ def engine_list(engines: list[str]) -> list[tuple[str, object]]:
     return out
 
 
+def timed(go, s: list[str], r: list[str], passes: int) -> dict:
+    """One row: the fastest of `passes` passes of go over s, after a warm-up pass over every line
+    (the first pass at a batch size pays for the GPU memory the allocator then keeps and for each
+    shape's kernel plans and graphs; H200, 2026-11-26: warmed on 8 lines, the default row, 32k
+    tokens, timed 52k words/s, the same size 179k three rows later), with BLEU and chrF."""
+    out, sec = fastest(go, s, passes, warm=None)
+    bleu, chrf = scores(out, r)
+    words = sum(len(x.split()) for x in s)
+    return {"src_words_per_s": round(words / sec, 1), "seconds": round(sec, 4), "bleu": bleu, "chrf": chrf}
+
+
+ABLATION = "ablation: ours fp16 without"  # its rows' engine names: never any engine's best
+
+
+def ablation_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[dict]:
+    """For each switch in --ablate, ours with it off at our best throughput and batch-1 sizes: what
+    each optimisation is worth on this GPU, beside the rows it is measured against."""
+    out = []
+    for switch in a.ablate:
+        for group in ("throughput", "batch1"):
+            top = best(rows, group, "ours")
+            if top is None:
+                continue
+            s, r = lines[group]
+            with eng.ours(group, top["batch"], **{switch: False}) as go:
+                row = timed(go, s, r, a.passes)
+            log(f"{group:10} without {switch:18} batch {_label(top['batch']):>8}: "
+                f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
+                f"ours with it)")
+            out.append({"group": group, "engine": f"{ABLATION} {switch}", "lines": len(s),
+                        "words": sum(len(x.split()) for x in s), "batch": top["batch"], **row})
+    return out
+
+
 def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tuple[list[dict], dict | None]:
-    """Every engine's sweep in every group: (rows, our best throughput row's profile; None off CUDA)."""
+    """Every engine's sweep in every group, then the --ablate rows: (rows, our best throughput row's
+    profile; None off CUDA)."""
     lines = {"throughput": (src, ref), "beam4": (src[:a.beam_lines], ref[:a.beam_lines]),
              "batch1": (src[:a.batch1_lines], ref[:a.batch1_lines])}
     rows, prof = [], None
@@ -206,17 +242,13 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
             for name, load in engine_list(a.engines):
                 def run(size, name=name, load=load):
                     with load(eng, group, size) as go:
-                        # a warm-up pass over every line: the first pass at a batch size pays for the GPU
-                        # memory the allocator then keeps and for each shape's kernel plans (H200,
-                        # 2026-11-26: warmed on 8 lines, the default row, 32k tokens, timed 52k words/s,
-                        # the same size 179k three rows later)
-                        out, sec = fastest(go, s, a.passes, warm=None)
-                    bleu, chrf = scores(out, r)
-                    log(f"{group:10} {name:18} batch {_label(size):>8}: {words / sec:12,.0f} words/s  BLEU {bleu}")
-                    return {"src_words_per_s": round(words / sec, 1), "seconds": round(sec, 4), "bleu": bleu,
-                            "chrf": chrf}
+                        row = timed(go, s, r, a.passes)
+                    log(f"{group:10} {name:18} batch {_label(size):>8}: {row['src_words_per_s']:12,.0f} words/s  "
+                        f"BLEU {row['bleu']}")
+                    return row
                 rows += [{"group": group, "engine": name, "lines": len(s), "words": words, **row}
                          for row in sweep(run, SWEEPS[group][name.split()[0]])]
+        rows += ablation_rows(a, eng, lines, rows, log)
         top = best(rows, "throughput", "ours")
         if top is not None and device == "cuda":
             with eng.ours("throughput", top["batch"]) as go:
@@ -284,12 +316,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beam-lines", type=cliargs.positive_int, default=2000, help="lines of the beam 4 group")
     p.add_argument("--batch1-lines", type=cliargs.positive_int, default=100, help="lines of the batch 1 group")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of ours, ct2, hf")
+    p.add_argument("--ablate", default="", metavar="SWITCHES",
+                   help="comma list of decoder switches (python -m decoder --help): for each, ours with it off at "
+                        "our best throughput and batch-1 sizes, a row each")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
                    help="the summary JSON")
     a = p.parse_args(argv)
     a.engines = [x.strip() for x in a.engines.split(",") if x.strip()]
+    a.ablate = [x.strip() for x in a.ablate.split(",") if x.strip()]
+    unknown = [x for x in a.ablate if x not in BY_NAME]
+    if unknown:
+        p.error(f"--ablate: unknown switch {unknown[0]!r}; the switches are in python -m decoder --help")
+    if a.ablate and "ours" not in a.engines:
+        p.error("--ablate needs ours among --engines")
     bad = [x for x in a.engines if x not in ENGINES]
     if bad or not a.engines:
         p.error(f"--engines: unknown engine {bad[0]!r}; choose from {', '.join(ENGINES)}" if bad else
