@@ -177,9 +177,8 @@ class StaticCache(IncrementalCache):
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)      # (1,) static input
         self.positions = torch.arange(max_len, device=dev)           # (T,)
         self.use_graph = graphs and dev.type == "cuda"
-        self.graph = self.y = self.bias = None
-        self.warmed = False  # a step has run eagerly on the capture stream: the next one is captured
-        self.greedy = None  # its StaticGreedy, made by the first greedy search on it
+        self.step_graph = self.bias = None  # graphs.Captured of `_run`, made by the first step
+        self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
 
     def _run(self):
         m = self.m
@@ -197,13 +196,14 @@ class StaticCache(IncrementalCache):
         self.t = t + 1
         if not self.use_graph:
             return self._run()
-        if self.graph is None:
-            if not self.warmed:  # the batch's first step, eagerly: the capture's warm-up (decoder/graphs.py)
-                self.warmed = True
-                return graphs.warm(self._run, self.m)
-            self.graph, self.y = graphs.capture(self._run, self.m)
-        self.graph.replay()
-        return self.y.clone()  # the graph overwrites its output buffer next step
+        if self.step_graph is None:
+            self.step_graph = graphs.Captured(self._run, self.m)
+        return self.step_graph().clone()  # a replay overwrites its output next step
+
+    def reorder_all(self, rows):
+        """`reorder` over the whole buffer: fixed shapes for a captured step (the positions
+        past t hold nothing read)."""
+        self.kv.copy_(self.kv.index_select(2, rows))
 
     def reload(self, enc, mask):
         """This state for a new batch of its shape: what its captured graph reads (cross K/V,
@@ -234,70 +234,6 @@ class StaticCache(IncrementalCache):
 
     def keep(self, sents, rows):
         raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
-
-    def greedy_loop(self, head, limits, ids: tuple[int, int, int], block: int) -> "StaticGreedy":
-        """This batch's StaticGreedy (one kept with the state is reset for it)."""
-        if self.greedy is None:
-            self.greedy = StaticGreedy(self, head, limits, ids, block)
-        else:
-            self.greedy.reset(limits)
-        return self.greedy
-
-
-class StaticGreedy:
-    """Greedy search's whole step on a StaticCache, every tensor at a fixed address, so
-    that `block` steps replay as one CUDA graph: the decoder's step, `head` (y (N, d) ->
-    argmax columns (N,)), </s> forced at each row's limit, <pad> fed to finished rows,
-    the token written to `out` and the position advanced, all on the device. The host
-    replays a block and reads `done` after it (decoder/search.py `greedy_static`); on
-    CPU (static_shapes) the block runs eagerly, the same ops."""
-
-    def __init__(self, cache: StaticCache, head, limits, ids: tuple[int, int, int], block: int):
-        self.cache, self.head, self.block = cache, head, block
-        self.start, self.eos, self.pad = ids
-        N, T = cache.tokens.shape[0], cache.positions.shape[0]
-        self.limits = limits.clone()  # (N,) static copy: a kept state reloads it
-        self.done = torch.zeros(N, dtype=torch.bool, device=limits.device)  # (N,)
-        self.out = torch.empty(N, T, dtype=torch.long, device=limits.device)  # (N, T) tokens by position
-        self.graph, self.warmed = None, False
-        self.reset()
-
-    def reset(self, limits=None) -> None:
-        """Back to step 0 (a new batch of this shape: with its limits): tokens, position,
-        done, outputs."""
-        if limits is not None:
-            self.limits.copy_(limits)
-        self.cache.tokens.fill_(self.start)
-        self.cache.pos.zero_()
-        self.done.zero_()
-        self.out.fill_(self.pad)
-
-    def _steps(self):
-        c = self.cache
-        for _ in range(self.block):
-            nxt = self.head(c._run())  # (N,)
-            nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
-            nxt = torch.where(self.done, self.pad, nxt)
-            self.out.index_copy_(1, c.pos, nxt[:, None])
-            self.done |= nxt == self.eos
-            c.tokens.copy_(nxt)
-            c.pos.add_(1)
-        return self.done
-
-    def run(self, t: int) -> None:
-        """Steps t .. t+block-1 (t: where the host knows the loop stands)."""
-        c = self.cache
-        c.t = t + self.block
-        if not c.use_graph:
-            self._steps()
-            return
-        if self.graph is None:
-            if not self.warmed:  # the batch's first block, eagerly: the capture's warm-up (decoder/graphs.py)
-                self.warmed = True
-                graphs.warm(self._steps, c.m)
-                return
-            self.graph, _ = graphs.capture(self._steps, c.m)  # recorded, not run: replayed below
-        self.graph.replay()
 
 
 class OneRowCache(IncrementalCache):
@@ -446,18 +382,6 @@ class DecoderState:
         with self.phase("decode steps"):
             return top(self.cache.run(tokens, t), scores, K, n)
 
-    def greedy_loop(self, limits, ids: tuple[int, int, int], block: int) -> StaticGreedy:
-        """The static state's whole-step greedy loop (switch graph_steps), its head this
-        state's projection and argmax: (start, eos, pad) ids, `block` steps a run."""
-        m, p, out = self.m, self.m.plan, self.out
-        if p.argmax_in_step:
-            def head(y):
-                return m.project_argmax(y, out)
-        else:
-            def head(y):
-                return p.argmax(p.normalise(m.project(y, out)))
-        return self.cache.greedy_loop(head, limits, ids, block)
-
     def reorder(self, rows):
         self.cache.reorder(rows)
 
@@ -474,9 +398,10 @@ def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,
               phase=lambda name: _UNTIMED) -> DecoderState:
     """The state for one batch, the one its plan resolved (`Plan.state_for`: the
     latency mode's OneRowCache for one sentence where the plan has it). A static
-    state's cache holds whole blocks of `sync_every` steps (graph_steps runs them)."""
+    state's cache holds whole blocks of `sync_every` greedy steps (graph_steps runs them,
+    decoder/static_steps.py)."""
     kind = model.plan.state_for(enc.shape[0])
-    if kind == "static" and model.plan.graph_steps:
+    if kind == "static" and model.plan.graph_steps and model.plan.loop == "greedy":
         every = model.plan.sync_every
         max_len = -(-max_len // every) * every
     cache = static_cache(model, enc, mask, beam, max_len) if kind == "static" else \

@@ -20,9 +20,12 @@ nothing.
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Callable
 
 import torch
+
+from .modeldir import first_line
 
 
 def stream_of(model) -> "torch.cuda.Stream":
@@ -70,3 +73,33 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
             gc.enable()
     torch.cuda.current_stream().wait_stream(side)
     return graph, out
+
+
+class Captured:
+    """fn as the states replay it: the first call runs it eagerly on the capture stream (the
+    warm-up), the second captures it and replays it, every later call replays it; the
+    output is where fn left it (a replay rewrites it). Where a capture fails (a CUDA or torch
+    version whose graphs refuse an op), one warning, and this model's steps run eagerly from
+    then on: slower, the same tokens, no crash."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], model):
+        self.fn, self.model = fn, model
+        self.graph = self.out = None
+        self.warmed = False
+
+    def __call__(self) -> torch.Tensor:
+        if self.model.graphs_failed:
+            return self.fn()
+        if self.graph is None:
+            if not self.warmed:
+                self.warmed = True
+                return warm(self.fn, self.model)
+            try:
+                self.graph, self.out = capture(self.fn, self.model)
+            except RuntimeError as e:  # nothing ran while capturing: the step runs now, eagerly
+                self.model.graphs_failed = True
+                print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",
+                      file=sys.stderr, flush=True)
+                return self.fn()
+        self.graph.replay()
+        return self.out

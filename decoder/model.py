@@ -150,6 +150,7 @@ class Model:
         # (rows, source length, beam, cache length) -> a StaticCache to reuse (decoder/cache.py static_cache)
         self.static_states: OrderedDict = OrderedDict()
         self.graph_pool = self.graph_stream = None  # CUDA: its graphs' memory pool and stream (decoder/graphs.py)
+        self.graphs_failed = False  # a capture failed here: steps run eagerly (graphs.Captured)
 
     def embed(self, ids, start: int = 0):
         # ids: (B, T); fairseq positions start at pad_id + 1

@@ -375,14 +375,15 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the fixed-shape state of a batch of at most 16 rows is kept, 64 shapes at most, and a "
                  "later batch of the same rows, source length, beam and cache length reloads it in place and "
                  "replays its graph: no capture, warm-up steps or graph memory per sentence at batch 1"),
-    Optimisation("graph_steps", True, "greedy steps and their bookkeeping in one CUDA graph", "graph_steps", True,
-                 False, "one graph for the decoder's step; projection, argmax and the finished-row bookkeeping "
-                 "as ~14 launches a step", "cuda", needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
-                 detail="greedy on the fixed-shape state without shortlist or n-gram blocking (decoder/cache.py "
-                 "StaticGreedy): the whole step (decoder, projection and argmax, forced </s>, finished rows "
-                 "fed <pad>, the output written, the position advanced on the device) at fixed addresses, "
-                 "`sync_every` steps captured as one graph; the host replays it and reads the done mask once "
-                 "per block of steps"),
+    Optimisation("graph_steps", True, "whole search steps, bookkeeping included, in CUDA graphs", "graph_steps",
+                 True, False, "one graph for the decoder's step; the search's projection, argmax or top-k and "
+                 "bookkeeping as ~14 (greedy) or ~35 (beam) launches a step", "cuda",
+                 needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
+                 detail="on the fixed-shape state without shortlist or n-gram blocking (decoder/static_steps.py): "
+                 "the whole step (decoder, projection, argmax or top-k, forced </s>, finished rows and "
+                 "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
+                 "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
+                 "one step a graph"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
                  detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
@@ -479,7 +480,7 @@ class Plan:
     block: Callable             # n-gram blocking, in place
     cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
     static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
-    graph_steps: bool           # greedy, static state: sync_every whole steps replayed as one graph (StaticGreedy)
+    graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
@@ -513,7 +514,8 @@ class Plan:
         reads = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
         return (f"{self.loop} loop, {self.state} state" + (", one-row state at 1 sentence" if self.one_row else "")
                 + f", CUDA graphs {'on' if self.cuda_graphs else 'off'}"
-                + (f", whole greedy steps {self.sync_every} a block" if self.graph_steps else "") + f", host reads {reads}"
+                + (f", whole {self.loop} steps {self.sync_every if self.loop == 'greedy' else 1} a graph"
+                   if self.graph_steps else "") + f", host reads {reads}"
                 + (f"; {' '.join(diff)}" if diff else "") + self.ops_summary())
 
     def ops_summary(self) -> str:
@@ -587,8 +589,8 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     if slots["state"] != "static":
         slots["static_keep"] = 0
         runs.discard("graph_reuse")
-    if slots["state"] != "static" or loop != "greedy":
-        slots["graph_steps"] = False
+    if slots["state"] != "static" or (loop == "beam" and slots["project_topk"]):
+        slots["graph_steps"] = False  # the fixed-address beam step takes its top-k from the logits
         runs.discard("graph_steps")
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides

@@ -51,12 +51,13 @@ class Search:
     def start(self, state, limits, lims: list[int], vocab=None) -> "Outputs":
         """`run` whose outputs the device-style loops leave on their way to the host."""
         p = self.plan
+        if p.graph_steps:  # decoder/static_steps.py builds on this module's pieces
+            from .static_steps import beam_static, greedy_static
+            return (beam_static if p.loop == "beam" else greedy_static)(state, limits, self, lims)
         if p.loop == "beam":
             return Outputs.of((beam_search if p.sync_every == 1 else beam_device)(state, limits, self, vocab, lims))
         if p.state_for(len(lims)) == "one_row":
             return Outputs.of([greedy_one(state, lims[0], self, vocab)])
-        if p.graph_steps:
-            return greedy_static(state, limits, self, lims)
         return Outputs.of((greedy if p.sync_every == 1 else greedy_device)(state, limits, self, vocab, lims))
 
 
@@ -219,15 +220,20 @@ def leave(state, keep: list[int], rows, first, scores, limits, tokens, hist):
 
 
 def advance(top_s, col, src_beam, ranks, first, hist, vocab, K: int):
+    """`pick`, and the histories reordered and extended (nb*K, t+1)."""
+    scores, rows, tokens = pick(top_s, col, src_beam, ranks, first, vocab, K)
+    return scores, rows, tokens, torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+
+
+def pick(top_s, col, src_beam, ranks, first, vocab, K: int):
     """The best K continuations that are not </s> (`ranks` (nb, n_top): </s> ranked after
-    the rest): their scores (nb, K), the rows they continue (nb*K,), their tokens (nb*K,)
-    as ids, and the histories reordered and extended (nb*K, t+1)."""
+    the rest): their scores (nb, K), the rows they continue (nb*K,), their tokens (nb*K,) as ids."""
     sel = ranks.topk(K, dim=1, largest=False).indices  # (nb, K) by score
     rows = (first + src_beam.gather(1, sel)).view(-1)
     tokens = col.gather(1, sel).view(-1)
     if vocab is not None:
         tokens = vocab.index_select(0, tokens)
-    return top_s.gather(1, sel), rows, tokens, torch.cat([hist.index_select(0, rows), tokens[:, None]], 1)
+    return top_s.gather(1, sel), rows, tokens
 
 
 def scored_step(state, s: Search, tokens, t: int, scores, limits, hist, K: int, forced_col: int | None, vocab):
@@ -324,22 +330,6 @@ def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> Outputs:
     return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
 
 
-def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
-    """`greedy_device`'s picks on the fixed-shape state with the whole step on the device
-    (switch graph_steps, decoder/cache.py StaticGreedy): `plan.sync_every` steps a run (one
-    CUDA graph replay), then one read of whether every row has finished; the outputs once
-    per batch. Rows never leave (the shapes are fixed): finished ones are fed <pad>."""
-    T, block = max(lims), s.plan.sync_every
-    loop = state.greedy_loop(limits, (s.start_id, s.eos_id, s.pad_id), block)
-    for t in range(0, T, block):
-        with state.phase("decode steps"):
-            loop.run(t)
-        if hostsync.item(loop.done.all(), "finished?"):
-            break
-    rows, eos_id = hostsync.later(loop.out[:, :t + block], "outputs"), s.eos_id
-    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
-
-
 class Finals:
     """beam_device's finished hypotheses, on the device: per input sentence up to K
     (summed log-prob, length, tokens), in the order `beam_search` appends them;
@@ -351,7 +341,7 @@ class Finals:
         self.tokens = torch.full((B * (K + 1), T + 1), pad_id, dtype=torch.long, device=dev)  # length, tokens
         self.count = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) kept so far
 
-    def add(self, t: int, sent, ends, top_s, hist, src_rows):
+    def add(self, t, sent, ends, top_s, hist, src_rows):
         """Step t's ends (nb, K) (of the first K picks, finite) of the sentences `sent` (nb,): kept while
         a sentence has fewer than K and had not reached its limit before this step (`ends` says)."""
         K, c = self.K, self.count.index_select(0, sent)  # (nb,)
@@ -359,9 +349,9 @@ class Finals:
         kept = ends & (slot < K)
         where = (sent[:, None] * (K + 1) + torch.where(kept, slot, K)).view(-1)  # (nb*K,)
         self.score[where] = top_s[:, :K].reshape(-1)
-        self.tokens[where, 0] = t
-        if t:
-            self.tokens[where, 1:t + 1] = hist.index_select(0, src_rows)
+        self.tokens[where, 0] = t  # t: an int, or the fixed-shape loops' position tensor (1,)
+        if hist.shape[1]:  # the first t columns are the tokens so far (static_steps: all T, the rest unread)
+            self.tokens[where, 1:1 + hist.shape[1]] = hist.index_select(0, src_rows)
         self.count.index_copy_(0, sent, c + kept.sum(1))
 
     def best(self, length_penalty: float, steps: int) -> Outputs:

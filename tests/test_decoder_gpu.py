@@ -50,10 +50,11 @@ def test_cuda_graph_replay_equals_eager_steps(model_dir, beam):
 
 
 @cuda
-def test_cuda_whole_greedy_steps_in_one_graph_equal_one_step_graphs(model_dir):
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cuda_whole_search_steps_in_graphs_equal_one_graph_for_the_decoder_step(model_dir, beam):
     lines = synthetic_corpus(20, seed=6)
-    a = Translator(model_dir, device="cuda", precision="fp16").translate(lines)
-    b = Translator(model_dir, device="cuda", precision="fp16", graph_steps=False).translate(lines)
+    a = Translator(model_dir, device="cuda", precision="fp16", beam=beam).translate(lines)
+    b = Translator(model_dir, device="cuda", precision="fp16", beam=beam, graph_steps=False).translate(lines)
     assert a == b  # the same ops, the bookkeeping captured with the step
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoder import Translator, cache, graphs
+from decoder import Translator, cache, graphs, hostsync, static_steps
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
@@ -127,21 +127,29 @@ def on_cpu_with_graphs(monkeypatch) -> dict:
     return seen
 
 
+# the fixed-address loops (greedy, beam) and the one-step graph of beam_device on the static state;
+# fused_project_topk off: where it resolves (a VNNI CPU) the beam takes its top-k from the product's tiles
+LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False), dict(beam=4, graph_steps=False)]
+
+
 @trained
-@pytest.mark.parametrize("beam", [1, 4])
-def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(beam, monkeypatch):
+@pytest.mark.parametrize("kw", LOOPS)
+def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(kw, monkeypatch):
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:12]
-    eager = Translator(MODEL, beam=beam, static_shapes=True)
+    eager = Translator(MODEL, static_shapes=True, **kw)
     srcs = eager.text.encode(lines)
     want = [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
     seen = on_cpu_with_graphs(monkeypatch)
-    tr = Translator(MODEL, beam=beam, static_shapes=True)
+    tr = Translator(MODEL, static_shapes=True, **kw)
+    assert tr.plan.graph_steps == kw.get("graph_steps", True)
     got = [tr.translate_ids([s])[0] for s in srcs] + [tr.translate_ids(srcs)]
     assert got == want
     shapes = {(len(s), int(tr.limits([len(s)])[0])) for s in srcs}
-    # a state's first step warms up, its second is captured; kept states capture once
-    assert 0 < len(seen["capture"]) <= len(seen["warm"]) == len(shapes) + 1
+    # a graph's first call warms up, its second captures; kept states capture once (the beam loop
+    # has two graphs: before the first limit and from it on)
+    graphs_a_state = 2 if kw["beam"] > 1 and tr.plan.graph_steps else 1
+    assert 0 < len(seen["capture"]) <= len(seen["warm"]) <= graphs_a_state * (len(shapes) + 1)
     assert set(seen["capture"]) == {id(tr.model)}
 
 
@@ -159,22 +167,21 @@ def test_a_batch_ending_within_its_first_block_captures_nothing(monkeypatch):
 
 def counting_run(monkeypatch) -> list:
     runs = []
-    run = cache.StaticGreedy.run
-    monkeypatch.setattr(cache.StaticGreedy, "run", lambda self, t: (runs.append(t), run(self, t))[1])
+    run = static_steps.StaticGreedy.run
+    monkeypatch.setattr(static_steps.StaticGreedy, "run", lambda self, t: (runs.append(t), run(self, t))[1])
     return runs
 
 
 @trained
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_whole_greedy_steps_in_blocks_give_the_per_step_tokens(every, monkeypatch):
-    from decoder import hostsync
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:24]
     plain = Translator(MODEL)
     srcs = [s for s in plain.text.encode(lines) if s]
     want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:]]
     tr = Translator(MODEL, static_shapes=True, sync_every=every)
-    assert tr.plan.graph_steps and "whole greedy steps" in tr.plan.summary()
+    assert tr.plan.graph_steps and f"whole greedy steps {every} a graph" in tr.plan.summary()
     runs = counting_run(monkeypatch)
     hostsync.reset()
     got = tr.translate_ids(srcs[:16])
@@ -200,12 +207,14 @@ def test_a_block_past_the_last_position_is_clamped_and_its_outputs_unused(tmp_pa
     assert got == Translator(d, **kw).translate_ids(srcs)
 
 
-def test_graph_steps_resolve_for_greedy_on_the_fixed_shape_state_only():
+def test_graph_steps_resolve_on_the_fixed_shape_state_only():
     from decoder.optimisations import Kernels, Switches, resolve
     both = Kernels(cpu=True, cuda=True)
     cuda = resolve(Switches(), device="cuda", kernels=both)
     assert cuda.graph_steps and "graph_steps" in cuda.runs
-    assert not resolve(Switches(), device="cuda", kernels=both, beam=4).graph_steps
+    assert resolve(Switches(), device="cuda", kernels=both, beam=4).graph_steps
+    assert not resolve(Switches(), device="cpu", kernels=both, beam=4, static_shapes=True).graph_steps or \
+        not resolve(Switches(), device="cpu", kernels=both, beam=4, static_shapes=True).project_topk
     assert not resolve(Switches(shortlist=True), device="cuda", kernels=both).graph_steps
     assert not resolve(Switches(), device="cuda", kernels=both, no_repeat_ngram=3).graph_steps
     assert not resolve(Switches(cuda_graphs=False), device="cuda", kernels=both).graph_steps
@@ -231,3 +240,49 @@ def test_the_static_cache_holds_whole_blocks_of_steps():
     finally:
         cache.StaticCache.__init__ = new
     assert built == [-(-int(lims[0]) // 8) * 8]
+
+
+@trained
+@pytest.mark.parametrize("every,caps", [(1, {}), (8, {}), (3, dict(max_len_a=0.3, max_len_b=1))])
+def test_whole_beam_steps_give_the_per_step_hypotheses(every, caps):
+    """caps: limits short enough that sentences are cut, so </s> is forced at different steps."""
+    with open(SRC, encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:24]
+    plain = Translator(MODEL, beam=4, **caps)
+    srcs = [s for s in plain.text.encode(lines) if s]
+    want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:20]]
+    if caps:
+        lims = plain.limits([len(s) for s in srcs[:16]])
+        assert len(set(lims.tolist())) > 1 and sum(len(w) + 1 == lim for w, lim in zip(want, lims.tolist())) > 1
+    tr = Translator(MODEL, beam=4, static_shapes=True, sync_every=every, fused_project_topk=False, **caps)
+    assert tr.plan.graph_steps and "whole beam steps 1 a graph" in tr.plan.summary()
+    hostsync.reset()
+    got = tr.translate_ids(srcs[:16])
+    assert hostsync.counts["outputs"] == 2 and hostsync.counts["finished?"] >= 1
+    if every > 1:  # a read every `every` steps: fewer than one a step
+        steps = max(len(x) for x in got) + 1
+        assert hostsync.counts["finished?"] <= -(-steps // every) + 1
+    got += [tr.translate_ids([s])[0] for s in srcs[16:20]]
+    assert got == want
+
+
+@trained
+@pytest.mark.parametrize("kw", LOOPS)
+def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, capsys):
+    with open(SRC, encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:8]
+    eager = Translator(MODEL, static_shapes=True, **kw)
+    srcs = eager.text.encode(lines)
+    want = [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
+    seen = on_cpu_with_graphs(monkeypatch)
+
+    def refuse(fn, model):
+        seen["capture"].append(id(model))
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(graphs, "capture", refuse)
+    tr = Translator(MODEL, static_shapes=True, **kw)
+    assert [tr.translate_ids([s])[0] for s in srcs] + [tr.translate_ids(srcs)] == want
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: CUDA graph capture failed (operation not permitted when stream is capturing); "
+                   "decoding without graphs"]
+    assert len(seen["capture"]) == 1 and tr.model.graphs_failed  # tried once, never again

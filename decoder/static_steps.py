@@ -1,0 +1,184 @@
+"""The searches' steps at fixed addresses, replayed as CUDA graphs (switch graph_steps).
+
+On the fixed-shape state (decoder/cache.py StaticCache) a captured graph holds
+the decoder's step; around it the searches' own bookkeeping (projection, argmax
+or top-k, forced </s>, finished rows, the histories, the beam reorder) cost the
+host about 14 launches a greedy step and 35 a beam step, each a few
+microseconds of Python and CUDA launch while the GPU's step at batch 1 is
+shorter than that. Here that bookkeeping works on tensors that live with the
+state, so it is captured with the step:
+
+- `StaticGreedy`: `block` (= plan.sync_every) whole greedy steps one graph, the
+  position advanced on the device; the host replays a block, then reads whether
+  every row has finished.
+- `StaticBeam`: one whole beam step a graph, two graphs: before any sentence's
+  limit the plan's top-k (the fused kernel), from the first limit on the plain
+  top-k with </s> forced where a sentence is at its limit, as `beam_device`
+  does. The host reads the finished sentences every `sync_every` steps.
+
+The picks are `greedy_device`'s and `beam_device`'s (tests/test_graphs.py). A
+loop is kept with its state (cache.loops), so a state kept for a batch shape
+(switch graph_reuse) replays its graphs for the next batch of that shape. On CPU
+(static_shapes, the tests) the same ops run eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import graphs, hostsync
+from .search import NEG_INF, Finals, Outputs, Search, beam_top, checkpoint, pick
+
+
+def kept(state, kind: str, make, limits):
+    """The state's loop of this kind: one kept with it, reset for this batch's limits, else a new one."""
+    loop = state.cache.loops.get(kind)
+    if loop is None:
+        loop = state.cache.loops[kind] = make()
+    else:
+        loop.reset(limits)
+    return loop
+
+
+def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
+    """`greedy_device`'s picks, `plan.sync_every` whole steps a replay, one read after each."""
+    T, block = max(lims), s.plan.sync_every
+    loop = kept(state, "greedy", lambda: StaticGreedy(state, limits, s, block), limits)
+    for t in range(0, T, block):
+        with state.phase("decode steps"):
+            loop.run(t)
+        if hostsync.item(loop.done.all(), "finished?"):
+            break
+    rows, eos_id = hostsync.later(loop.out[:, :t + block], "outputs"), s.eos_id
+    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
+
+
+def beam_static(state, limits, s: Search, lims: list[int]) -> Outputs:
+    """`beam_device`'s picks, one whole step a replay, a read every `plan.sync_every` steps."""
+    T, every = max(lims), s.plan.sync_every
+    first_limit = min(lims) - 1  # from this step on some sentence is at its limit: </s> forced there
+    loop = kept(state, "beam", lambda: StaticBeam(state, limits, s), limits)
+    for t in range(T):
+        with state.phase("decode steps"):
+            loop.run(t, forced=t >= first_limit)
+        if checkpoint(t, T, every) and hostsync.item(loop.all_done(t), "finished?"):
+            break
+    return loop.finals.best(s.length_penalty, t + 1)
+
+
+class StaticGreedy:
+    """Greedy's whole step on a StaticCache, every tensor at a fixed address, `block` steps a
+    run: the decoder's step, the projection and argmax, </s> forced at each row's limit, <pad>
+    fed to finished rows, the token written to `out`, the position advanced."""
+
+    def __init__(self, state, limits, s: Search, block: int):
+        c = self.cache = state.cache
+        m, p, out = state.m, state.m.plan, state.out
+        self.head = (lambda y: m.project_argmax(y, out)) if p.argmax_in_step else \
+            (lambda y: p.argmax(p.normalise(m.project(y, out))))  # y (N, d) -> argmax columns (N,)
+        self.block, self.start, self.eos, self.pad = block, s.start_id, s.eos_id, s.pad_id
+        N, T = c.tokens.shape[0], c.positions.shape[0]
+        self.limits = limits.clone()  # (N,)
+        self.done = torch.zeros(N, dtype=torch.bool, device=limits.device)  # (N,)
+        self.out = torch.empty(N, T, dtype=torch.long, device=limits.device)  # (N, T) tokens by position
+        self.steps = graphs.Captured(self._steps, state.m)
+        self.reset()
+
+    def reset(self, limits=None) -> None:
+        """Back to step 0 (a new batch of this shape: with its limits)."""
+        if limits is not None:
+            self.limits.copy_(limits)
+        self.cache.tokens.fill_(self.start)
+        self.cache.pos.zero_()
+        self.done.zero_()
+        self.out.fill_(self.pad)
+
+    def _steps(self):
+        c = self.cache
+        for _ in range(self.block):
+            nxt = self.head(c._run())  # (N,)
+            nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
+            nxt = torch.where(self.done, self.pad, nxt)
+            self.out.index_copy_(1, c.pos, nxt[:, None])
+            self.done |= nxt == self.eos
+            c.tokens.copy_(nxt)
+            c.pos.add_(1)
+        return self.done
+
+    def run(self, t: int) -> None:
+        """Steps t .. t+block-1."""
+        self.cache.t = t + self.block
+        if self.cache.use_graph:
+            self.steps()
+        else:
+            self._steps()
+
+
+class StaticBeam:
+    """`beam_device`'s step on a StaticCache, every tensor at a fixed address: the decoder's
+    step, the top 2K, the finished hypotheses kept (`Finals`), the best K continuations, the
+    histories (N, T) and the K/V cache reordered, the position advanced."""
+
+    def __init__(self, state, limits, s: Search):
+        c = self.cache = state.cache
+        m, out, K = state.m, state.out, s.beam
+        self.plan, self.K, self.eos = m.plan, K, s.eos_id
+        self.project = lambda y: m.project(y, out)  # (N, d) -> logits (N, V)
+        self.start, self.pad = s.start_id, s.pad_id
+        B, T, V, dev = limits.shape[0], c.positions.shape[0], state.columns, limits.device
+        self.n_top = min(2 * K, K * V)
+        self.limits = limits.clone()  # (B,)
+        self.scores = torch.empty(B, K, device=dev)  # (sentences, beam) summed log-probs
+        self.hist = torch.empty(B * K, T, dtype=torch.long, device=dev)  # (rows, T) tokens by position
+        self.finals = Finals(B, K, T, s.pad_id, dev)
+        self.first = torch.arange(B, device=dev)[:, None] * K  # (B, 1) each sentence's first row
+        self.sent = torch.arange(B, device=dev)  # (B,)
+        self.rank = torch.arange(self.n_top, device=dev)  # (n_top,) </s> ranked after the rest:
+        self.rank_eos = self.rank + self.n_top              # its ranks shifted by n_top
+        self.steps = {f: graphs.Captured(lambda f=f: self._step(f), m) for f in (False, True)}
+        self.reset()
+
+    def reset(self, limits=None) -> None:
+        if limits is not None:
+            self.limits.copy_(limits)
+        self.cache.tokens.fill_(self.start)
+        self.cache.pos.zero_()
+        self.scores.zero_()
+        self.scores[:, 1:] = NEG_INF  # all beams start equal: keep one
+        self.hist.fill_(self.pad)
+        f = self.finals
+        f.score.fill_(NEG_INF)
+        f.tokens.fill_(self.pad)
+        f.count.zero_()
+
+    def _step(self, forced: bool):
+        c, K = self.cache, self.K
+        logits = self.project(c._run())  # (N, V)
+        V = logits.shape[-1]
+        top_s, top_i = beam_top(self.plan, logits, self.scores, self.limits, K, self.n_top, c.pos,
+                                self.eos if forced else None)  # (B, n_top)
+        src_beam, col = top_i // V, top_i % V
+        is_eos = col == self.eos
+        # a sentence past its limit (limits <= t) was done before this step: it keeps nothing
+        ends = is_eos[:, :K] & (top_s[:, :K] > NEG_INF) & (self.limits > c.pos)[:, None]
+        self.finals.add(c.pos, self.sent, ends, top_s, self.hist, (self.first + src_beam[:, :K]).view(-1))
+        scores, rows, tokens = pick(top_s, col, src_beam, torch.where(is_eos, self.rank_eos, self.rank),
+                                    self.first, None, K)
+        self.scores.copy_(scores)
+        self.hist.copy_(self.hist.index_select(0, rows))
+        self.hist.index_copy_(1, c.pos, tokens[:, None])
+        c.tokens.copy_(tokens)
+        c.reorder_all(rows)
+        c.pos.add_(1)
+        return self.scores
+
+    def run(self, t: int, forced: bool) -> None:
+        """Step t; `forced`: some sentence is at its limit from here on."""
+        self.cache.t = t + 1
+        if self.cache.use_graph:
+            self.steps[forced]()
+        else:
+            self._step(forced)
+
+    def all_done(self, t: int) -> torch.Tensor:
+        """Whether every sentence has K finished hypotheses or has reached its limit after step t."""
+        return ((self.finals.count >= self.K) | (self.limits <= t + 1)).all()
