@@ -65,30 +65,41 @@ def beam_static(state, limits, s: Search, lims: list[int]) -> Outputs:
     return loop.finals.best(s.length_penalty, t + 1)
 
 
-class StaticGreedy:
+class StaticLoop:
+    """What both loops hold: the state's cache, the search's ids, a copy of the batch's limits
+    (sentences,); `reset` takes them back to step 0 for a new batch of this shape."""
+
+    def __init__(self, state, limits, s: Search):
+        self.cache = state.cache
+        self.start, self.eos, self.pad = s.start_id, s.eos_id, s.pad_id
+        self.limits = limits.clone()
+
+    def reset(self, limits=None) -> None:
+        if limits is not None:
+            self.limits.copy_(limits)
+        self.cache.tokens.fill_(self.start)
+        self.cache.pos.zero_()
+        self.clear()
+
+
+class StaticGreedy(StaticLoop):
     """Greedy's whole step on a StaticCache, every tensor at a fixed address, `block` steps a
     run: the decoder's step, the projection and argmax, </s> forced at each row's limit, <pad>
     fed to finished rows, the token written to `out`, the position advanced."""
 
     def __init__(self, state, limits, s: Search, block: int):
-        c = self.cache = state.cache
+        super().__init__(state, limits, s)
         m, p, out = state.m, state.m.plan, state.out
         self.head = (lambda y: m.project_argmax(y, out)) if p.argmax_in_step else \
             (lambda y: p.argmax(p.normalise(m.project(y, out))))  # y (N, d) -> argmax columns (N,)
-        self.block, self.start, self.eos, self.pad = block, s.start_id, s.eos_id, s.pad_id
-        N, T = c.tokens.shape[0], c.positions.shape[0]
-        self.limits = limits.clone()  # (N,)
+        self.block = block
+        N, T = self.cache.tokens.shape[0], self.cache.positions.shape[0]
         self.done = torch.zeros(N, dtype=torch.bool, device=limits.device)  # (N,)
         self.out = torch.empty(N, T, dtype=torch.long, device=limits.device)  # (N, T) tokens by position
         self.steps = graphs.Captured(self._steps, state.m)
         self.reset()
 
-    def reset(self, limits=None) -> None:
-        """Back to step 0 (a new batch of this shape: with its limits)."""
-        if limits is not None:
-            self.limits.copy_(limits)
-        self.cache.tokens.fill_(self.start)
-        self.cache.pos.zero_()
+    def clear(self) -> None:
         self.done.zero_()
         self.out.fill_(self.pad)
 
@@ -113,20 +124,18 @@ class StaticGreedy:
             self._steps()
 
 
-class StaticBeam:
+class StaticBeam(StaticLoop):
     """`beam_device`'s step on a StaticCache, every tensor at a fixed address: the decoder's
     step, the top 2K, the finished hypotheses kept (`Finals`), the best K continuations, the
     histories (N, T) and the K/V cache reordered, the position advanced."""
 
     def __init__(self, state, limits, s: Search):
-        c = self.cache = state.cache
+        super().__init__(state, limits, s)
         m, out, K = state.m, state.out, s.beam
-        self.plan, self.K, self.eos = m.plan, K, s.eos_id
+        self.plan, self.K = m.plan, K
         self.project = lambda y: m.project(y, out)  # (N, d) -> logits (N, V)
-        self.start, self.pad = s.start_id, s.pad_id
-        B, T, V, dev = limits.shape[0], c.positions.shape[0], state.columns, limits.device
+        B, T, V, dev = limits.shape[0], self.cache.positions.shape[0], state.columns, limits.device
         self.n_top = min(2 * K, K * V)
-        self.limits = limits.clone()  # (B,)
         self.scores = torch.empty(B, K, device=dev)  # (sentences, beam) summed log-probs
         self.hist = torch.empty(B * K, T, dtype=torch.long, device=dev)  # (rows, T) tokens by position
         self.finals = Finals(B, K, T, s.pad_id, dev)
@@ -137,11 +146,7 @@ class StaticBeam:
         self.steps = {f: graphs.Captured(lambda f=f: self._step(f), m) for f in (False, True)}
         self.reset()
 
-    def reset(self, limits=None) -> None:
-        if limits is not None:
-            self.limits.copy_(limits)
-        self.cache.tokens.fill_(self.start)
-        self.cache.pos.zero_()
+    def clear(self) -> None:
         self.scores.zero_()
         self.scores[:, 1:] = NEG_INF  # all beams start equal: keep one
         self.hist.fill_(self.pad)

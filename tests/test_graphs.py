@@ -127,6 +127,16 @@ def on_cpu_with_graphs(monkeypatch) -> dict:
     return seen
 
 
+def eager_outputs(kw: dict, n: int):
+    """The first n test lines' ids, and the static state's outputs without graphs: each line
+    alone, then all in one batch."""
+    with open(SRC, encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:n]
+    eager = Translator(MODEL, static_shapes=True, **kw)
+    srcs = eager.text.encode(lines)
+    return srcs, [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
+
+
 # the fixed-address loops (greedy, beam) and the one-step graph of beam_device on the static state;
 # fused_project_topk off: where it resolves (a VNNI CPU) the beam takes its top-k from the product's tiles
 LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False), dict(beam=4, graph_steps=False)]
@@ -135,11 +145,7 @@ LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False), dict(beam=4, grap
 @trained
 @pytest.mark.parametrize("kw", LOOPS)
 def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(kw, monkeypatch):
-    with open(SRC, encoding="utf-8") as fh:
-        lines = [line.rstrip("\n") for line in fh][:12]
-    eager = Translator(MODEL, static_shapes=True, **kw)
-    srcs = eager.text.encode(lines)
-    want = [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
+    srcs, want = eager_outputs(kw, 12)
     seen = on_cpu_with_graphs(monkeypatch)
     tr = Translator(MODEL, static_shapes=True, **kw)
     assert tr.plan.graph_steps == kw.get("graph_steps", True)
@@ -269,11 +275,7 @@ def test_whole_beam_steps_give_the_per_step_hypotheses(every, caps):
 @trained
 @pytest.mark.parametrize("kw", LOOPS)
 def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, capsys):
-    with open(SRC, encoding="utf-8") as fh:
-        lines = [line.rstrip("\n") for line in fh][:8]
-    eager = Translator(MODEL, static_shapes=True, **kw)
-    srcs = eager.text.encode(lines)
-    want = [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
+    srcs, want = eager_outputs(kw, 8)
     seen = on_cpu_with_graphs(monkeypatch)
 
     def refuse(fn, model):
