@@ -55,5 +55,9 @@ def test_speed_and_bench_stage_options_are_the_tools():
     opts = _command("speed", "student.train.speed")
     assert batch_list(opts[opts.index("--batches") + 1])[-1] is None and opts[opts.index("--device") + 1] == "cuda"
     from tools.bench_gpu import parse_args
-    a = parse_args(_command("bench", "tools.bench_gpu"))
+    opts = _command("bench", "tools.bench_gpu")
+    ablate = re.search(r"^BENCH_ABLATE=\$\{BENCH_ABLATE-([\w,]*)\}", open(SCRIPT).read(), re.M).group(1)
+    opts[opts.index("--ablate") + 1] = ablate  # the script's default list
+    a = parse_args(opts)
     assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2
+    assert a.ablate == ["graph_steps", "graph_reuse", "fast_normaliser"]

@@ -13,6 +13,7 @@
 # model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
+# BENCH_ABLATE (the switches also measured off, --ablate: graph_steps,graph_reuse,fast_normaliser),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
 set -uo pipefail
@@ -22,6 +23,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-session}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
+BENCH_ABLATE=${BENCH_ABLATE-graph_steps,graph_reuse,fast_normaliser}  # switches measured off too ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 STUDENT=$ROOT/runs/gpu-student
 ALL=(build test speed train bench distill)
@@ -113,7 +115,8 @@ durable.write_lines('$ROOT/runs/gpu-bench.es', tgt[:n])
   mkdir -p "$OUT/bench"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   run bench $PY -m tools.bench_gpu --model "$model" --src "$ROOT/runs/gpu-bench.en" --ref "$ROOT/runs/gpu-bench.es" \
-    --passes 2 --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" --summary "$OUT/bench/summary-gpu.json" ${BENCH_ARGS:-}
+    --passes 2 --ablate "$BENCH_ABLATE" --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" \
+    --summary "$OUT/bench/summary-gpu.json" ${BENCH_ARGS:-}
 }
 
 stage_distill() {
