@@ -165,6 +165,10 @@ def identity_table(rows: int, T: int, device):
     return torch.arange(rows, device=device)[:, None].repeat(1, T)
 
 
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class StaticCache(IncrementalCache):
     can_shrink = False  # the graph's shapes are fixed: finished rows stay
     half_kv = False  # SDPA reads the cache: its dtype must be the queries'
@@ -178,6 +182,9 @@ class StaticCache(IncrementalCache):
         self.positions = torch.arange(max_len, device=dev)           # (T,)
         self.use_graph = graphs and dev.type == "cuda"
         self.step_graph = self.bias = None  # graphs.Captured of `_run`, made by the first step
+        # switch graph_attention: the plan's decode-step attention, masked by bools (True = attend);
+        # else SDPA, masked by a float bias (the cross mask, bools, serves both)
+        self.attend = self.plan.attend if self.plan.static_attend else _sdpa
         self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
 
     def _run(self):
@@ -185,9 +192,11 @@ class StaticCache(IncrementalCache):
         # clamped: a block of whole steps (StaticGreedy) may run past the last position, its outputs unused
         p = (self.pos + (m.cfg.pad_id + 1)).clamp_(max=m.pos.shape[0] - 1)
         x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
-        # (1, 1, 1, T): 0 up to the current position, -inf after it
-        self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
-            self.positions > self.pos, float("-inf"))[None, None, None]
+        if self.plan.static_attend:  # (N, 1, 1, T): True up to the current position
+            self.bias = (self.positions <= self.pos).expand(x.shape[0], 1, 1, -1)
+        else:  # (1, 1, 1, T): 0 up to the current position, -inf after it
+            self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                self.positions > self.pos, float("-inf"))[None, None, None]
         return m.decode(x, self)[:, 0]
 
     def run(self, tokens, t: int):
@@ -223,13 +232,13 @@ class StaticCache(IncrementalCache):
         N, h = kc.shape[:2]
         kc.index_copy_(2, self.pos, k.view(N, h, 1, -1))
         vc.index_copy_(2, self.pos, v.view(N, h, 1, -1))
-        return merge(F.scaled_dot_product_attention(heads(q, h), kc, vc, attn_mask=self.bias))
+        return merge(self.attend(heads(q, h), kc, vc, self.bias))
 
     def cross_attend(self, i: int, attn, y):
         N = y.shape[0]
         q = attn.q(y).view(N // self.beam, self.beam, -1)
         ck, cv = self.cross[i]
-        o = F.scaled_dot_product_attention(heads(q, self.m.n_heads), ck, cv, attn_mask=self.mask)
+        o = self.attend(heads(q, self.m.n_heads), ck, cv, self.mask)
         return merge(o).view(N, 1, -1)
 
     def keep(self, sents, rows):

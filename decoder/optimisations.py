@@ -384,6 +384,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
                  "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
                  "one step a graph"),
+    Optimisation("graph_attention", False, "decode-step attention kernel in the fixed-shape state",
+                 "static_attend", True, False, "`scaled_dot_product_attention` over the whole cache with a -inf "
+                 "bias past the position (cuDNN's flash attention on a GPU: a third of the H100's GPU time)", "cuda",
+                 needs=lambda o: o.fused_attention,
+                 detail="the CUDA graphs' state (decoder/cache.py StaticCache) attends through the plan's "
+                 "decode-step attention (fused_attention: one block per row, head and query), masked by a bool "
+                 "mask past the position, for self- and cross-attention; not measured on a GPU yet "
+                 "(`tools.bench_gpu --ablate graph_attention` measures it on)"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
                  detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
@@ -481,6 +489,7 @@ class Plan:
     cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
     static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
     graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
+    static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
@@ -587,8 +596,8 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
             slots["state"] = "row_table"
     slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
     if slots["state"] != "static":
-        slots["static_keep"] = 0
-        runs.discard("graph_reuse")
+        slots["static_keep"], slots["static_attend"] = 0, False
+        runs -= {"graph_reuse", "graph_attention"}
     if slots["state"] != "static" or (loop == "beam" and slots["project_topk"]):
         slots["graph_steps"] = False  # the fixed-address beam step takes its top-k from the logits
         runs.discard("graph_steps")
@@ -621,10 +630,12 @@ def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
 
 def step_slots(slots: dict, loop: str, no_repeat_ngram: int) -> set:
     """The slots that a decode with these resolved `slots` calls: the static state
-    attends with SDPA itself, the recompute state through the whole prefix."""
+    attends with SDPA itself (unless static_attend), the recompute state through the whole prefix."""
     calls = {"add_norm", "hidden", "encoder_attend"}
     if slots["state"] in ("incremental", "row_table"):
         calls |= {"attend", "write_kv", "cross_kv"}
+    if slots["static_attend"]:
+        calls.add("attend")
     if slots["one_row"]:
         calls |= {"attend_one", "write_kv_one"}
     if loop == "beam":

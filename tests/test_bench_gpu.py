@@ -143,15 +143,17 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     monkeypatch.setattr(bench_gpu, "CT2_TYPES", ("float16",))  # int8_float16: one more compute type string
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser"])
+                           ablate=["fast_normaliser", "fused_relu"])
     rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
     assert prof is None
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
-    # --ablate: a row each at our best throughput and batch-1 sizes, never taken for ours' best
-    ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} fast_normaliser"]
-    assert [(r["group"], r["batch"]) for r in ablated] == [
-        ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
+    # --ablate: each switch flipped from its default (fast_normaliser on, fused_relu off), a row at our
+    # best throughput and batch-1 sizes, never taken for ours' best
+    for label in ("without fast_normaliser", "with fused_relu"):
+        ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
+        assert [(r["group"], r["batch"]) for r in ablated] == [
+            ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
     assert all(bench_gpu.best(rows, g, "ours")["engine"] == "ours fp16" for g in ("throughput", "batch1"))
     assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}

@@ -288,3 +288,27 @@ def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, 
     assert err == ["warning: CUDA graph capture failed (operation not permitted when stream is capturing); "
                    "decoding without graphs"]
     assert len(seen["capture"]) == 1 and tr.model.graphs_failed  # tried once, never again
+
+
+@trained
+@pytest.mark.parametrize("beam", [1, 4])
+def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam):
+    with open(SRC, encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:16]
+    kw = dict(beam=beam, static_shapes=True, fused_project_topk=False)
+    sdpa = Translator(MODEL, **kw)
+    kernel = Translator(MODEL, graph_attention=True, **kw)
+    assert kernel.plan.static_attend and not sdpa.plan.static_attend and "attend" in dict(kernel.plan.bound)
+    srcs = sdpa.text.encode(lines)
+    assert kernel.translate_ids(srcs) == sdpa.translate_ids(srcs)
+    assert [kernel.translate_ids([s])[0] for s in srcs[:6]] == [sdpa.translate_ids([s])[0] for s in srcs[:6]]
+
+
+def test_graph_attention_resolves_on_the_fixed_shape_state_with_the_attention_kernel_only():
+    from decoder.optimisations import Kernels, Switches, resolve
+    both = Kernels(cpu=True, cuda=True)
+    assert resolve(Switches(graph_attention=True), device="cuda", kernels=both).static_attend
+    assert not resolve(Switches(), device="cuda", kernels=both).static_attend  # off by default
+    assert not resolve(Switches(graph_attention=True, fused_attention=False), device="cuda",
+                       kernels=both).static_attend
+    assert not resolve(Switches(graph_attention=True), device="cpu", kernels=both).static_attend

@@ -205,25 +205,27 @@ def timed(go, s: list[str], r: list[str], passes: int) -> dict:
     return {"src_words_per_s": round(words / sec, 1), "seconds": round(sec, 4), "bleu": bleu, "chrf": chrf}
 
 
-ABLATION = "ablation: ours fp16 without"  # its rows' engine names: never any engine's best
+ABLATION = "ablation: ours fp16"  # its rows' engine names: never any engine's best
 
 
 def ablation_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[dict]:
-    """For each switch in --ablate, ours with it off at our best throughput and batch-1 sizes: what
-    each optimisation is worth on this GPU, beside the rows it is measured against."""
+    """For each switch in --ablate, ours with it flipped from its default (on switches off, off
+    ones on) at our best throughput and batch-1 sizes: what each optimisation is worth on this
+    GPU, beside the rows it is measured against."""
     out = []
     for switch in a.ablate:
+        flip = not BY_NAME[switch].default
+        label = f"{'with' if flip else 'without'} {switch}"
         for group in ("throughput", "batch1"):
             top = best(rows, group, "ours")
             if top is None:
                 continue
             s, r = lines[group]
-            with eng.ours(group, top["batch"], **{switch: False}) as go:
+            with eng.ours(group, top["batch"], **{switch: flip}) as go:
                 row = timed(go, s, r, a.passes)
-            log(f"{group:10} without {switch:18} batch {_label(top['batch']):>8}: "
-                f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
-                f"ours with it)")
-            out.append({"group": group, "engine": f"{ABLATION} {switch}", "lines": len(s),
+            log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} words/s "
+                f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
+            out.append({"group": group, "engine": f"{ABLATION} {label}", "lines": len(s),
                         "words": sum(len(x.split()) for x in s), "batch": top["batch"], **row})
     return out
 
@@ -317,8 +319,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch1-lines", type=cliargs.positive_int, default=100, help="lines of the batch 1 group")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of ours, ct2, hf")
     p.add_argument("--ablate", default="", metavar="SWITCHES",
-                   help="comma list of decoder switches (python -m decoder --help): for each, ours with it off at "
-                        "our best throughput and batch-1 sizes, a row each")
+                   help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
+                        "from its default at our best throughput and batch-1 sizes, a row each")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
