@@ -60,4 +60,4 @@ def test_speed_and_bench_stage_options_are_the_tools():
     opts[opts.index("--ablate") + 1] = ablate  # the script's default list
     a = parse_args(opts)
     assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2
-    assert a.ablate == ["graph_steps", "graph_reuse", "fast_normaliser"]
+    assert a.ablate == ["graph_steps", "graph_reuse", "fast_normaliser", "graph_attention"]
