@@ -169,6 +169,17 @@ def _sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _bias_mask(positions, pos, x):
+    """(1, 1, 1, T) for SDPA: 0 up to the current position, -inf after it."""
+    return torch.zeros(positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
+        positions > pos, float("-inf"))[None, None, None]
+
+
+def _attend_mask(positions, pos, x):
+    """(N, 1, 1, T) for the decode-step attention kernel: True up to the current position."""
+    return (positions <= pos).expand(x.shape[0], 1, 1, -1)
+
+
 class StaticCache(IncrementalCache):
     can_shrink = False  # the graph's shapes are fixed: finished rows stay
     half_kv = False  # SDPA reads the cache: its dtype must be the queries'
@@ -184,7 +195,8 @@ class StaticCache(IncrementalCache):
         self.step_graph = self.bias = None  # graphs.Captured of `_run`, made by the first step
         # switch graph_attention: the plan's decode-step attention, masked by bools (True = attend);
         # else SDPA, masked by a float bias (the cross mask, bools, serves both)
-        self.attend = self.plan.attend if self.plan.static_attend else _sdpa
+        self.attend, self.position_mask = ((self.plan.attend, _attend_mask) if self.plan.static_attend
+                                           else (_sdpa, _bias_mask))
         self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
 
     def _run(self):
@@ -192,11 +204,7 @@ class StaticCache(IncrementalCache):
         # clamped: a block of whole steps (StaticGreedy) may run past the last position, its outputs unused
         p = (self.pos + (m.cfg.pad_id + 1)).clamp_(max=m.pos.shape[0] - 1)
         x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
-        if self.plan.static_attend:  # (N, 1, 1, T): True up to the current position
-            self.bias = (self.positions <= self.pos).expand(x.shape[0], 1, 1, -1)
-        else:  # (1, 1, 1, T): 0 up to the current position, -inf after it
-            self.bias = torch.zeros(self.positions.shape, dtype=x.dtype, device=x.device).masked_fill_(
-                self.positions > self.pos, float("-inf"))[None, None, None]
+        self.bias = self.position_mask(self.positions, self.pos, x)
         return m.decode(x, self)[:, 0]
 
     def run(self, tokens, t: int):

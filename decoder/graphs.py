@@ -19,6 +19,7 @@ nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from typing import Callable
@@ -42,26 +43,31 @@ def pool_of(model) -> object:
     return model.graph_pool
 
 
-def warm(fn: Callable[[], torch.Tensor], model) -> torch.Tensor:
-    """fn run eagerly on the model's capture stream, after the work queued before it."""
+@contextlib.contextmanager
+def on_capture_stream(model):
+    """The model's capture stream current, after the work queued before; that work's stream
+    waits for it after."""
     side = stream_of(model)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = fn()
+        yield
     torch.cuda.current_stream().wait_stream(side)
-    return out
+
+
+def warm(fn: Callable[[], torch.Tensor], model) -> torch.Tensor:
+    """fn run eagerly on the model's capture stream."""
+    with on_capture_stream(model):
+        return fn()
 
 
 def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
     """fn's CUDA work captured, not run, on the model's capture stream into its pool:
     (the graph, fn's output, which each replay rewrites). Warm fn up first (`warm`)."""
-    side = stream_of(model)
-    side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.stream(side):
+        with on_capture_stream(model):
             # thread_local: a CUDA call of another thread (the text pipeline's, a user's) cannot spoil it
             graph.capture_begin(pool=pool_of(model), capture_error_mode="thread_local")
             try:
@@ -71,7 +77,6 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
     finally:
         if collecting:
             gc.enable()
-    torch.cuda.current_stream().wait_stream(side)
     return graph, out
 
 

@@ -116,8 +116,7 @@ class StaticGreedy(StaticLoop):
         return self.done
 
     def run(self, t: int) -> None:
-        """Steps t .. t+block-1."""
-        self.cache.t = t + self.block
+        """Steps t .. t+block-1 (the position itself advances on the device)."""
         if self.cache.use_graph:
             self.steps()
         else:
@@ -178,7 +177,6 @@ class StaticBeam(StaticLoop):
 
     def run(self, t: int, forced: bool) -> None:
         """Step t; `forced`: some sentence is at its limit from here on."""
-        self.cache.t = t + 1
         if self.cache.use_graph:
             self.steps[forced]()
         else:
