@@ -54,14 +54,14 @@ MAX_LEN = MAX_POSITIONS
 MAX_LENGTH_PENALTY = 10.0
 
 MAX_SENTENCES = 512
-# On CUDA a batch is sized for the GPU: on one H100 with the student-6-1 in fp16,
-# greedy went 20k words/s at the CPU sizes, 107k at 32k tokens and no faster at
-# 64k or 128k (1.3-2.7 GB of GPU memory); beam 4 went 6k at the CPU sizes and
-# 26k at 8k tokens, i.e. 32k / beam: a beam step has beam rows per sentence, so
-# both the tokens and the sentences are divided by the beam, the rows a step
-# decodes stay about greedy's.
-GPU_MAX_TOKENS = 32768
-GPU_MAX_SENTENCES = 4096
+# On CUDA a batch is sized for the GPU: on one H200 with the student-6-1 in fp16
+# (docs/bench/gpu.md), greedy went 92k words/s at 8k tokens, 288k at 32k and 362k
+# at 64k; beam 4 went 56k at 8k tokens, 73k at 16k and 79k at 32k. A beam step has
+# beam rows per sentence, so both the tokens and the sentences are divided by the
+# beam, the rows a step decodes stay about greedy's. (On the H100 before the
+# host-side work, greedy stopped growing at 32k: 1.3-2.7 GB of GPU memory at 32k-128k.)
+GPU_MAX_TOKENS = 65536
+GPU_MAX_SENTENCES = 8192
 
 
 def max_tokens_for(beam: int, device: str = "cpu") -> int:

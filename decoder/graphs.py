@@ -6,10 +6,11 @@ decoder captures one graph per batch shape, so with it every batch of a
 throughput run stopped the host, then cudaMalloc'd its K/V cache and
 activations afresh. `capture` calls the graph's own capture_begin/capture_end
 instead (as vLLM and ReaLHF do), on one side stream and into one memory pool
-per model that every graph shares: one batch decodes at a time per model, and
-each replay's output is used before the next replay, so graphs may reuse each
-other's intermediates' memory. The collector is paused meanwhile: a finaliser
-run mid-capture must not free memory into the graph.
+per model that every graph shares (held open by a graph kept with the model):
+one batch decodes at a time per model, and each replay's output is used before
+the next replay, so graphs may reuse each other's intermediates' memory. The
+collector is paused meanwhile: a finaliser run mid-capture must not free memory
+into the graph.
 
 A capture must not be the first run of its work on its stream (cuBLAS makes its
 handle and workspace then): the states run a batch's first step (or block of
@@ -37,10 +38,30 @@ def stream_of(model) -> "torch.cuda.Stream":
 
 
 def pool_of(model) -> object:
-    """The model's graph memory pool, made on first use."""
+    """The model's graph memory pool, made on first use with a graph that holds it open.
+
+    The caching allocators (the device's and, in torch 2.11, the pinned host memory's) count
+    the graphs captured into a pool. When a batch's graphs were freed, the count fell to 0 and
+    the pool stayed listed until the cache was emptied, which `torch.cuda.graph` did before
+    every capture and `capture` does not: the next capture into it hit an internal assert
+    (`use_count > 0`, torch 2.11 on an H200), and every run decoded without graphs after its
+    first batch. `torch.cuda.MemPool` holds the device's count only; a one-kernel graph
+    captured into the pool first and kept with the model holds both."""
     if model.graph_pool is None:
-        model.graph_pool = torch.cuda.graph_pool_handle()
+        pool, anchor = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+        with on_capture_stream(model):
+            anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                one_kernel()
+            finally:
+                anchor.capture_end()
+        model.graph_pool, model.graph_anchor = pool, anchor
     return model.graph_pool
+
+
+def one_kernel() -> None:
+    """The anchor graph's work: a graph without a kernel warns on capture."""
+    torch.zeros(1, device="cuda")
 
 
 @contextlib.contextmanager
@@ -67,9 +88,10 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
     collecting = gc.isenabled()
     gc.disable()
     try:
+        pool = pool_of(model)
         with on_capture_stream(model):
             # thread_local: a CUDA call of another thread (the text pipeline's, a user's) cannot spoil it
-            graph.capture_begin(pool=pool_of(model), capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 out = fn()
             finally:

@@ -149,7 +149,8 @@ class Model:
         self.dec_norm = Norm(w, "decoder.layer_norm", a.layer_norm_eps, self.dtype)
         # (rows, source length, beam, cache length) -> a StaticCache to reuse (decoder/cache.py static_cache)
         self.static_states: OrderedDict = OrderedDict()
-        self.graph_pool = self.graph_stream = None  # CUDA: its graphs' memory pool and stream (decoder/graphs.py)
+        # CUDA: its graphs' memory pool, the graph that holds it open, their stream (decoder/graphs.py)
+        self.graph_pool = self.graph_anchor = self.graph_stream = None
         self.graphs_failed = False  # a capture failed here: steps run eagerly (graphs.Captured)
 
     def embed(self, ids, start: int = 0):

@@ -184,3 +184,20 @@ def test_each_row_warms_up_on_every_line_before_its_timed_passes(monkeypatch):
     a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1, ablate=[])
     bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
     assert calls == [20, 20, 20]
+
+
+def test_a_row_whose_graph_capture_failed_says_it_ran_eagerly():
+    """On the H200 (2026-11-26) every greedy and beam row after a failed capture ran eagerly and
+    the table did not say so: a row records it and the table names it."""
+    from types import SimpleNamespace
+
+    def go(ls):
+        return list(ls)
+    lines = ["a b c", "d e"]
+    for failed in (False, True):
+        go.translator = SimpleNamespace(model=SimpleNamespace(graphs_failed=failed))
+        r = {**row("throughput", "ours fp16", 32768, 1), **bench_gpu.timed(go, lines, lines, 1)}
+        assert r.get("graphs_failed", False) is failed
+        rows = [r, *ROWS[1:]]
+        md = bench_gpu.to_markdown(rows, bench_gpu.summary(rows, None, {}), None, "head")
+        assert ("| ours fp16 (graph capture failed: eager) | 32768 |" in md) is failed

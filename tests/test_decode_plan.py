@@ -181,7 +181,7 @@ def test_batch_defaults_per_device():
     assert (max_tokens_for(1), max_sentences_for(1)) == (MAX_TOKENS, MAX_SENTENCES)
     assert (max_tokens_for(4), max_sentences_for(4)) == (BEAM_MAX_TOKENS, MAX_SENTENCES)
     assert (max_tokens_for(1, "cuda"), max_sentences_for(1, "cuda")) == (GPU_MAX_TOKENS, GPU_MAX_SENTENCES)
-    assert (max_tokens_for(4, "cuda:1"), max_sentences_for(4, "cuda")) == (8192, 1024)  # 8k: measured at beam 4
+    assert (max_tokens_for(4, "cuda:1"), max_sentences_for(4, "cuda")) == (16384, 2048)  # 16k: measured at beam 4
     assert max_tokens_for(64, "cuda") >= 256 and max_sentences_for(64, "cuda") >= 16
 
 

@@ -53,11 +53,12 @@ def cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     for name in ("synchronize", "empty_cache", "graph"):
         monkeypatch.setattr(torch.cuda, name, fake.refuse(name))
+    monkeypatch.setattr(graphs, "one_kernel", lambda: fake.calls.append(("kernel",)))
     return fake
 
 
 def model():
-    return SimpleNamespace(graph_pool=None, graph_stream=None)
+    return SimpleNamespace(graph_pool=None, graph_anchor=None, graph_stream=None)
 
 
 def test_capture_records_into_the_models_pool_without_waiting_or_emptying_the_cache(cuda):
@@ -70,10 +71,21 @@ def test_capture_records_into_the_models_pool_without_waiting_or_emptying_the_ca
     graph, out = graphs.capture(step, m)
     assert runs == [False] and torch.equal(out, torch.ones(2))  # the collector paused while capturing
     begin = [c for c in cuda.calls if c[0] == "begin"]
-    assert begin == [("begin", m.graph_pool, "thread_local", False)] and gc.isenabled()
+    assert begin[-1] == ("begin", m.graph_pool, "thread_local", False) and gc.isenabled()
     assert cuda.calls[-2][0] == "end"
     graphs.capture(step, m)
-    assert [c for c in cuda.calls if c[0] == "begin"][1][1] is m.graph_pool  # one pool for all its graphs
+    assert [c[1] for c in cuda.calls if c[0] == "begin"][-1] is m.graph_pool  # one pool for all its graphs
+
+
+def test_the_models_pool_is_held_open_by_a_graph_captured_first_and_kept(cuda):
+    # the allocators drop a pool's count to 0 with its last graph, and a capture into it then fails
+    m = model()
+    graphs.capture(lambda: torch.ones(2), m)
+    graphs.capture(lambda: torch.ones(2), m)
+    assert cuda.calls[:4] == [("wait",), ("begin", m.graph_pool, "thread_local", False), ("kernel",),
+                              ("end", False)]  # the anchor: the pool's first graph, a kernel in it
+    assert isinstance(m.graph_anchor, cuda.CUDAGraph)
+    assert [c for c in cuda.calls if c[0] == "kernel"] == [("kernel",)]  # one anchor per model
 
 
 def test_capture_is_closed_and_the_collector_restored_when_the_step_fails(cuda):

@@ -94,6 +94,7 @@ def ours_go(model_dir, threads, batch1: bool = False, **kw):
         # it to one thread for this process: ours at 2 threads in a head-to-head ran on one
         torch.set_num_threads(threads)
         return [tr.translate([x])[0] for x in ls] if batch1 else tr.translate(ls)
+    go.translator = tr  # for what a row records of how it ran (tools/bench_gpu.py timed)
     try:
         yield go
     finally:
