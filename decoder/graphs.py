@@ -50,6 +50,7 @@ def pool_of(model) -> object:
     if model.graph_pool is None:
         pool, anchor = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
         with on_capture_stream(model):
+            one_kernel()  # its warm-up: a kernel's first launch (lazy module loading) is not captured
             anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 one_kernel()

@@ -82,10 +82,10 @@ def test_the_models_pool_is_held_open_by_a_graph_captured_first_and_kept(cuda):
     m = model()
     graphs.capture(lambda: torch.ones(2), m)
     graphs.capture(lambda: torch.ones(2), m)
-    assert cuda.calls[:4] == [("wait",), ("begin", m.graph_pool, "thread_local", False), ("kernel",),
-                              ("end", False)]  # the anchor: the pool's first graph, a kernel in it
+    assert cuda.calls[:5] == [("wait",), ("kernel",), ("begin", m.graph_pool, "thread_local", False), ("kernel",),
+                              ("end", False)]  # the anchor, warmed up: the pool's first graph, a kernel in it
     assert isinstance(m.graph_anchor, cuda.CUDAGraph)
-    assert [c for c in cuda.calls if c[0] == "kernel"] == [("kernel",)]  # one anchor per model
+    assert len([c for c in cuda.calls if c[0] == "kernel"]) == 2  # one anchor per model
 
 
 def test_capture_is_closed_and_the_collector_restored_when_the_step_fails(cuda):
