@@ -225,6 +225,12 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="decoder/normalise.py: sacremoses' rules compiled once, each run only on a line that "
                  "holds a literal all its matches contain; the same output, 8.5x faster on 10,000 Bible lines "
                  "(0.48 to 0.056 s, EPYC core): a tenth of a GPU throughput pass was normalisation"),
+    Optimisation("ramp_chunks", False, "chunks ramping up from 2,048 lines", "ramp_chunks", True, False,
+                 "every chunk `chunk_lines` (20,000) lines: the first batch waits for a whole chunk's encoding",
+                 "cuda",
+                 detail="the first chunk 2,048 lines (`pipeline.RAMP_FIRST`), each next twice the last up to "
+                 "`chunk_lines`, so the first batch starts sooner and the next chunk's encoding overlaps the "
+                 "decoding; smaller sorting pools at the start. Not measured on a GPU yet"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
                  detail="process-wide and irreversible (decoder/runtime.py)"),
@@ -469,6 +475,7 @@ class Plan:
     fused_qkv: bool
     pipeline: bool
     fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
+    ramp_chunks: bool           # the text pipeline's chunks ramp up from pipeline.RAMP_FIRST lines
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)

@@ -19,7 +19,7 @@ from .batching import make_batches, padded, restore
 from .cache import new_state
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
-from .pipeline import Text, run
+from .pipeline import RAMP_FIRST, Text, run
 from .quant import Probe, int8_pays, probe as time_probe
 from .runtime import retain_freed_memory
 from .search import Outputs, Search
@@ -258,7 +258,7 @@ class Translator:
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
         return run(lines, self.opts.chunk_lines, self._encode, self._compute,
-                   overlap=self.plan.pipeline)
+                   overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None)
 
     def translate(self, lines: Iterable[str]) -> list[str]:
         return list(self.translate_stream(lines))

@@ -191,6 +191,25 @@ def test_results_independent_of_batch_size_and_token_budget(model_dir, fast, lin
     assert tr.translate(lines) == fast.translate(lines)
 
 
+def test_chunks_ramp_up_from_the_first_size_and_keep_every_line_in_order():
+    from decoder.pipeline import chunks
+    lines = [str(i) for i in range(40)]
+    ramped = list(chunks(lines, 16, first=2))
+    assert [len(c) for c in ramped] == [2, 4, 8, 16, 10] and sum(ramped, []) == lines
+    assert [len(c) for c in chunks(lines, 16)] == [16, 16, 8]
+    assert [len(c) for c in chunks(["ab"] * 20, 16, max_chars=6, first=2)] == [2] + [3] * 6  # characters still cut
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_ramping_chunks_keeps_the_outputs(model_dir, fast, lines, pipeline, monkeypatch):
+    from decoder import translator
+    monkeypatch.setattr(translator, "RAMP_FIRST", 3)
+    tr = Translator(model_dir, ramp_chunks=True, chunk_lines=20, pipeline=pipeline)
+    sizes, encode = [], tr._encode
+    monkeypatch.setattr(tr, "_encode", lambda c: sizes.append(len(c)) or encode(c))
+    assert tr.translate(lines) == fast.translate(lines) and sizes == [3, 6, 12, 19]
+
+
 def test_beam_results_independent_of_batch_size(model_dir, srcs):
     a = Translator(model_dir, beam=3, max_sentences=1).translate_ids(srcs[:10])
     b = Translator(model_dir, beam=3).translate_ids(srcs[:10])

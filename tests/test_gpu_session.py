@@ -60,4 +60,24 @@ def test_speed_and_bench_stage_options_are_the_tools():
     opts[opts.index("--ablate") + 1] = ablate  # the script's default list
     a = parse_args(opts)
     assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2
-    assert a.ablate == ["graph_steps", "graph_reuse", "fast_normaliser", "graph_attention"]
+    assert a.ablate == ["graph_steps", "graph_reuse", "graph_attention", "ramp_chunks"]
+
+
+def test_a_data_tarball_is_unpacked_where_data_is_absent(tmp_path):
+    """A device call's carry is capped: data/ may come as build/carry/data.tar.xz (3 MB against 16)."""
+    import tarfile
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "tools" / "gpu_session.sh").write_text(open(SCRIPT).read())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "marker.txt").write_text("corpus\n")
+    (tree / "build" / "carry").mkdir(parents=True)
+    with tarfile.open(tree / "build" / "carry" / "data.tar.xz", "w:xz") as t:
+        t.add(tmp_path / "data", arcname="data")
+    py = tmp_path / "py"  # a python that says yes to every check and does nothing
+    py.write_text("#!/bin/sh\nexit 0\n")
+    py.chmod(0o755)
+    r = subprocess.run(["bash", str(tree / "tools" / "gpu_session.sh"), "build"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PY": str(py), "OUT": str(tmp_path / "out")})
+    assert r.returncode == 0, r.stderr
+    assert (tree / "data" / "marker.txt").read_text() == "corpus\n"

@@ -11,9 +11,9 @@
 # (stage, seconds, exit status), the bench's tables and summary, the trainer's and the distillation's
 # reports. Stages are independent where they can be: bench uses BENCH_MODEL, else the train stage's
 # model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
-# Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present), TRAIN_MINUTES (2.5),
+# Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present, unpacked from build/carry/data.tar.xz if only that is), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
-# BENCH_ABLATE (the switches also measured flipped, --ablate: graph_steps,graph_reuse,fast_normaliser,graph_attention),
+# BENCH_ABLATE (the switches also measured flipped, --ablate: graph_steps,graph_reuse,graph_attention,ramp_chunks),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
 set -uo pipefail
@@ -23,7 +23,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-session}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
-BENCH_ABLATE=${BENCH_ABLATE-graph_steps,graph_reuse,fast_normaliser,graph_attention}  # switches measured flipped too ("": none)
+BENCH_ABLATE=${BENCH_ABLATE-graph_steps,graph_reuse,graph_attention,ramp_chunks}  # switches measured flipped too ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 STUDENT=$ROOT/runs/gpu-student
 ALL=(build test speed train bench distill)
@@ -36,6 +36,8 @@ $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/d
   echo "error: torch sees no CUDA GPU here; tools/gpu_session.sh is for a GPU machine" >&2; exit 2; }
 mkdir -p "$OUT"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# data/ may come as build/carry/data.tar.xz (3 MB against 16: what a call carries may be capped)
+if [ ! -d "$ROOT/data" ] && [ -f "$ROOT/build/carry/data.tar.xz" ]; then tar -xJf "$ROOT/build/carry/data.tar.xz" -C "$ROOT"; fi
 if [ -z "${KIT_DATA_DIR:-}" ] && [ -d "$ROOT/data" ]; then export KIT_DATA_DIR=$ROOT/data; fi
 
 say() { echo "[gpu_session $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log" >&2; }
