@@ -24,6 +24,13 @@ def test_cuda_fp32_greedy_equals_cpu(model_dir):
 
 
 @cuda
+def test_cuda_runs_fp16_at_gpu_sized_batches_by_default(model_dir):
+    from decoder.cliargs import GPU_MAX_SENTENCES, GPU_MAX_TOKENS
+    tr = Translator(model_dir, device="cuda")
+    assert (tr.precision, tr.opts.max_tokens, tr.opts.max_sentences) == ("fp16", GPU_MAX_TOKENS, GPU_MAX_SENTENCES)
+
+
+@cuda
 def test_cuda_fp16_greedy_and_beam_keep_one_line_per_input(model_dir):
     lines = synthetic_corpus(30, seed=2) + ["", "the dog " * 800]
     for beam in (1, 4):
