@@ -46,22 +46,27 @@ def test_cuda_cache_equals_no_cache_in_fp32(model_dir):
     assert sum(x == y for x, y in zip(a, b)) >= 9
 
 
+def default_and_variant(model_dir, lines, beam, **variant):
+    """(the default fp16 decoder's outputs, `variant`'s, whether a capture of the default's failed)."""
+    default = Translator(model_dir, device="cuda", precision="fp16", beam=beam)
+    out = default.translate(lines)
+    other = Translator(model_dir, device="cuda", precision="fp16", beam=beam, **variant).translate(lines)
+    return out, other, default.model.graphs_failed
+
+
 @cuda
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_graph_replay_equals_eager_steps(model_dir, beam):
-    lines = synthetic_corpus(20, seed=4)
-    graphed = Translator(model_dir, device="cuda", precision="fp16", beam=beam)
-    a = graphed.translate(lines)
-    b = Translator(model_dir, device="cuda", precision="fp16", beam=beam, cuda_graphs=False,
-                   static_shapes=True).translate(lines)
-    assert a == b and not graphed.model.graphs_failed  # same kernels, replayed instead of launched
+    a, b, failed = default_and_variant(model_dir, synthetic_corpus(20, seed=4), beam, cuda_graphs=False,
+                                       static_shapes=True)
+    assert a == b and not failed  # same kernels, replayed instead of launched
 
 
 @cuda
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_every_batch_of_a_run_is_captured_after_the_last_ones_graphs_are_freed(model_dir, beam):
-    # batches past graph_reuse's 16 rows drop their graphs while their outputs are still unread;
-    # a pool that closed with them failed the next capture (H200, torch 2.11)
+    # batches past graph_reuse's 16 rows free their graphs; once a pool's last graph was freed,
+    # the next capture into it failed (H200, torch 2.11: the allocators' use_count assert)
     lines = synthetic_corpus(300, seed=9)
     tr = Translator(model_dir, device="cuda", precision="fp16", beam=beam, max_sentences=32)
     first = tr.translate(lines)
@@ -71,11 +76,8 @@ def test_cuda_every_batch_of_a_run_is_captured_after_the_last_ones_graphs_are_fr
 @cuda
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_whole_search_steps_in_graphs_equal_one_graph_for_the_decoder_step(model_dir, beam):
-    lines = synthetic_corpus(20, seed=6)
-    whole = Translator(model_dir, device="cuda", precision="fp16", beam=beam)
-    a = whole.translate(lines)
-    b = Translator(model_dir, device="cuda", precision="fp16", beam=beam, graph_steps=False).translate(lines)
-    assert a == b and not whole.model.graphs_failed  # the same ops, the bookkeeping captured with the step
+    a, b, failed = default_and_variant(model_dir, synthetic_corpus(20, seed=6), beam, graph_steps=False)
+    assert a == b and not failed  # the same ops, the bookkeeping captured with the step
 
 
 @cuda
