@@ -80,11 +80,23 @@ def test_gpu_busy_is_the_union_of_kernel_intervals_over_the_wall():
     assert bench_gpu.busy_fraction([], 100) == 0.0 and bench_gpu.busy_fraction([(0, 1)], 0) == 0.0
 
 
+def test_kernel_shares_rank_the_kernels_by_gpu_time():
+    events = [("flash_fwd", 0, 30), ("gemm", 30, 40), ("flash_fwd", 40, 70), ("norm", 70, 75), ("gemm", 75, 80)]
+    top = bench_gpu.kernel_shares(events, n=2)
+    assert top == [{"kernel": "flash_fwd", "calls": 2, "us": 60.0, "share": 0.75},
+                   {"kernel": "gemm", "calls": 2, "us": 15.0, "share": 0.1875}]
+    assert bench_gpu.kernel_shares([]) == []
+
+
 def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
     s = bench_gpu.summary(ROWS, 0.42, {})
     prof = {"batch": 32768, "gpu_busy": 0.42, "kernel_s": 1.0, "wall_s": 2.4, "busy_under_profiler": 0.3,
             "kernels": 1000}
     md = bench_gpu.to_markdown(ROWS, s, prof, "head")
+    assert "GPU time by kernel" not in md  # a profile without them (older JSON)
+    prof["top_kernels"] = [{"kernel": "flash_fwd", "calls": 2, "us": 6000.0, "share": 0.75}]
+    md = bench_gpu.to_markdown(ROWS, s, prof, "head")
+    assert "| `flash_fwd` | 2 | 6.0 | 75% |" in md
     assert "| ours fp16 | 32768 | **120,000** | 2.00 |" in md
     assert "| ours fp16 | default | 20,000 | 0.33 |" in md
     assert "| ct2 float16 | 65536 | out of memory |" in md

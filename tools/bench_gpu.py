@@ -110,11 +110,25 @@ def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
     return round(min(union_length(intervals) / wall, 1.0), 4) if wall > 0 else 0.0
 
 
-def kernel_intervals(prof) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every CUDA kernel a torch.profiler run saw (copies and memsets out)."""
+def kernel_events(prof) -> list[tuple[str, float, float]]:
+    """(name, start, end), in microseconds, of every CUDA kernel a torch.profiler run saw (copies and
+    memsets out)."""
     from torch.autograd import DeviceType
-    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
             if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
+
+
+def kernel_shares(events: list[tuple[str, float, float]], n: int = 8) -> list[dict]:
+    """The n kernels with the most GPU time, each with its calls and share of all kernels' time:
+    where the GPU's time goes (on the H100, cuDNN's flash attention was a third of it)."""
+    us: dict = {}
+    calls: dict = {}
+    for name, a, b in events:
+        us[name] = us.get(name, 0.0) + (b - a)
+        calls[name] = calls.get(name, 0) + 1
+    total = sum(us.values()) or 1.0
+    top = sorted(us, key=lambda k: -us[k])[:n]
+    return [{"kernel": k, "calls": calls[k], "us": round(us[k], 1), "share": round(us[k] / total, 4)} for k in top]
 
 
 def profile_busy(go, lines: list[str], wall_s: float) -> dict:
@@ -127,11 +141,12 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
         go(lines)
         torch.cuda.synchronize()
         profiled = time.perf_counter() - t
-    iv = kernel_intervals(prof)
+    events = kernel_events(prof)
+    iv = [(a, b) for _, a, b in events]
     kernel_s = union_length(iv) / 1e6
     return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
             "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
-            "kernels": len(iv)}
+            "kernels": len(iv), "top_kernels": kernel_shares(events)}
 
 
 # -- the engines: each a context giving go(lines) -> hypotheses for one (group, batch size) ------------
@@ -312,6 +327,11 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
                   f"{prof['wall_s']:.2f} s pass; {100 * prof['busy_under_profiler']:.0f}% of the profiled pass, "
                   f"{prof['kernels']:,} kernels). "
                   f"{NOT_PROFILED}.")
+        if prof.get("top_kernels"):
+            md += ["", "GPU time by kernel, that row (share of all kernels' time):", "",
+                   "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
+            md += [f"| `{k['kernel'][:100]}` | {k['calls']:,} | {k['us'] / 1000:.1f} | {100 * k['share']:.0f}% |"
+                   for k in prof["top_kernels"]]
     return "\n".join(md) + "\n"
 
 
