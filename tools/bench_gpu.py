@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -42,8 +43,9 @@ CT2_TYPES = ("float16", "int8_float16")
 ENGINES = ("ours", "ct2", "hf")
 # group -> engine -> batch sizes, in order. ours and CTranslate2: padded source tokens a batch (ours'
 # None: the decoder's own default for the device); transformers: sentences a batch. The ranges bracket
-# what the last H100 run found best (ours 32k, CTranslate2 32k, transformers 256 greedy; 8k for beam 4)
-# and keep the whole run near 7 minutes on an H100 at 10,000 lines.
+# what the GPU runs found best (H200: ours 64k greedy and 32k beam 4, CTranslate2 8k-16k; H100:
+# transformers 256 greedy), ours one size past its best; ours and CTranslate2, one pass a row and the
+# --ablate rows, took 4 minutes on the H200.
 SWEEPS = {
     "throughput": {"ours": (None, 8192, 16384, 32768, 65536, 131072), "ct2": (8192, 16384, 32768, 65536),
                    "hf": (128, 256, 512)},
@@ -121,14 +123,13 @@ def kernel_events(prof) -> list[tuple[str, float, float]]:
 def kernel_shares(events: list[tuple[str, float, float]], n: int = 8) -> list[dict]:
     """The n kernels with the most GPU time, each with its calls and share of all kernels' time:
     where the GPU's time goes (on the H100, cuDNN's flash attention was a third of it)."""
-    us: dict = {}
-    calls: dict = {}
+    us, calls = Counter(), Counter()
     for name, a, b in events:
-        us[name] = us.get(name, 0.0) + (b - a)
-        calls[name] = calls.get(name, 0) + 1
+        us[name] += b - a
+        calls[name] += 1
     total = sum(us.values()) or 1.0
-    top = sorted(us, key=lambda k: -us[k])[:n]
-    return [{"kernel": k, "calls": calls[k], "us": round(us[k], 1), "share": round(us[k] / total, 4)} for k in top]
+    return [{"kernel": k, "calls": calls[k], "us": round(t, 1), "share": round(t / total, 4)}
+            for k, t in us.most_common(n)]
 
 
 def profile_busy(go, lines: list[str], wall_s: float) -> dict:
