@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 counts: Counter = Counter()  # reads per kind since the last reset
@@ -63,9 +64,21 @@ class Later:
         self.event.record()
 
     def tolist(self) -> list:
+        self.wait()
+        return self.host.tolist()
+
+    def until(self, stop: int) -> list[list[int]]:
+        """Each row of a (rows, T) tensor up to its first `stop` (all of it without one). A row
+        at a time: the text pipeline's thread runs this while the decoding thread waits for the
+        GIL, and one `tolist` of the whole batch holds it for milliseconds (4x slower, too)."""
+        self.wait()
+        a = self.host.numpy()
+        ends = np.where((a == stop).any(1), (a == stop).argmax(1), a.shape[1])  # (rows,)
+        return [row[:n].tolist() for row, n in zip(a, ends.tolist())]
+
+    def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
 
 
 def later(t: torch.Tensor, kind: str) -> Later:

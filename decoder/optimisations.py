@@ -231,6 +231,17 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the first chunk 2,048 lines (`pipeline.RAMP_FIRST`), each next twice the last up to "
                  "`chunk_lines`, so the first batch starts sooner and the next chunk's encoding overlaps the "
                  "decoding; smaller sorting pools at the start. Not measured on a GPU yet"),
+    Optimisation("short_gil_interval", True, "the GPU-feeding thread takes the GIL back within 0.2 ms",
+                 "switch_interval", 0.0002, None,
+                 "Python's switch interval of 5 ms: the decoding thread waits up to that for the GIL after "
+                 "each op and each wait for the GPU while a text thread runs Python", "cuda",
+                 detail="while the text pipeline's threads run (decoder/pipeline.py `run`), "
+                 "`sys.setswitchinterval(0.0002)`, restored after. The thread that feeds the GPU gives the "
+                 "GIL up in every torch call and every wait for the GPU, and a thread running Python (the next "
+                 "chunk's normalisation, a batch's detokenisation) hands it back only at its switch interval: "
+                 "a loop waiting on the GPU every 2.4 ms beside Text.encode was busy 42% of its time at 5 ms, "
+                 "80% at 0.2 ms (`python -m tools.bench_gil`, docs/bench/gil.md). CUDA only: on 2 CPU cores, "
+                 "whose steps are long, it measured 0.98x"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
                  detail="process-wide and irreversible (decoder/runtime.py)"),
@@ -476,6 +487,7 @@ class Plan:
     pipeline: bool
     fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
     ramp_chunks: bool           # the text pipeline's chunks ramp up from pipeline.RAMP_FIRST lines
+    switch_interval: float | None  # sys.setswitchinterval while the text pipeline's threads run (None: Python's)
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)
@@ -562,13 +574,15 @@ CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
+# switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
+CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}
 
 
 def _allowed(name: str, device: str, k: Kernels) -> bool:
-    if name == "cuda_graphs":
+    if name in CUDA_ONLY:
         return device == "cuda"
     if name in CPU_ONLY:
         return device == "cpu" and (k.cpu or name not in SAME_WITHOUT_OPS)

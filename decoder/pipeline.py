@@ -7,6 +7,7 @@ so the Python of sacremoses overlaps with the matrix products.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -133,13 +134,15 @@ def chunks(lines: Iterable[str], n: int, max_chars: int = CHUNK_CHARS, first: in
 
 
 def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap: bool = True,
-        first: int | None = None) -> Iterator[str]:
+        first: int | None = None, switch_interval: float | None = None) -> Iterator[str]:
     """Chunked pipeline; yields one output per input line, in input order.
 
     pre(list[str]) -> state; compute(state, post_submit) -> finalize() -> list[str];
     compute hands each finished batch to `post_submit(fn, *args)` (a worker
     thread when overlapping) and returns a callable that assembles the chunk.
     `first`: the chunks ramp up from that many lines (`chunks`).
+    `switch_interval`: Python's thread switch interval while the threads run
+    (switch short_gil_interval), restored after; process-wide, as Python has one.
     """
     if not overlap:
         for c in chunks(lines, n, first=first):
@@ -147,7 +150,7 @@ def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap:
         return
     it = chunks(lines, n, first=first)
     read_pre = lambda: (lambda c: None if c is None else pre(c))(next(it, None))  # noqa: E731
-    with ThreadPoolExecutor(1, thread_name_prefix="pre") as pre_pool, \
+    with switch_interval_of(switch_interval), ThreadPoolExecutor(1, thread_name_prefix="pre") as pre_pool, \
             ThreadPoolExecutor(1, thread_name_prefix="post") as post_pool:
         fut = pre_pool.submit(read_pre)
         while True:
@@ -156,6 +159,18 @@ def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap:
                 return
             fut = pre_pool.submit(read_pre)  # read + encode the next chunk meanwhile
             yield from compute(state, post_pool.submit)()
+
+
+@contextlib.contextmanager
+def switch_interval_of(seconds: float | None):
+    """sys.setswitchinterval(seconds) inside, the interval before restored after; None: unchanged."""
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 class _Done:

@@ -327,7 +327,7 @@ def greedy_device(state, limits, s: Search, vocab=None, lims=None) -> Outputs:
             state.keep(keep, keep)
             sent, limits, tokens, done = sent[keep], limits[keep], tokens[keep], done[keep]
     rows = hostsync.later(out[:, :t + 1], "outputs")
-    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
+    return Outputs(lambda: rows.until(eos_id))
 
 
 class Finals:

@@ -49,7 +49,7 @@ def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
         if hostsync.item(loop.done.all(), "finished?"):
             break
     rows, eos_id = hostsync.later(loop.out[:, :t + block], "outputs"), s.eos_id
-    return Outputs(lambda: [row[:row.index(eos_id)] for row in rows.tolist()])
+    return Outputs(lambda: rows.until(eos_id))
 
 
 def beam_static(state, limits, s: Search, lims: list[int]) -> Outputs:

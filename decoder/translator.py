@@ -267,7 +267,8 @@ class Translator:
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
         return run(lines, self.opts.chunk_lines, self._encode, self._compute,
-                   overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None)
+                   overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None,
+                   switch_interval=self.plan.switch_interval)
 
     def translate(self, lines: Iterable[str]) -> list[str]:
         return list(self.translate_stream(lines))

@@ -62,6 +62,13 @@ def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
     assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).kernels
 
 
+def test_the_short_gil_interval_resolves_on_cuda_only():
+    assert resolve(Switches(), device="cuda", kernels=BOTH).switch_interval == 0.0002
+    assert resolve(Switches(short_gil_interval=False), device="cuda", kernels=BOTH).switch_interval is None
+    cpu = resolve(Switches(), device="cpu", kernels=BOTH)
+    assert cpu.switch_interval is None and "short_gil_interval" not in cpu.runs
+
+
 def test_sync_interval_is_a_plan_setting_on_any_device():
     assert resolve(Switches(), device="cpu", kernels=BOTH, sync_every=8).sync_every == 8
     assert resolve(Switches(), device="cuda", kernels=BOTH, sync_every=1).sync_every == 1
@@ -339,6 +346,13 @@ def test_later_keeps_a_cpu_tensor_and_counts_one_read():
     t = torch.tensor([[4, 2], [7, 1]])
     got = hostsync.later(t, "outputs")
     assert got.tolist() == [[4, 2], [7, 1]] and hostsync.total() == 1
+
+
+def test_later_gives_each_row_up_to_its_first_stop_token():
+    t = torch.tensor([[5, 6, 2, 7, 2], [2, 0, 0, 0, 0], [9, 8, 7, 6, 5], [4, 2, 2, 2, 2]])
+    rows = hostsync.later(t, "outputs").until(2)
+    assert rows == [[5, 6], [], [9, 8, 7, 6, 5], [4]]  # a row without one: all of it
+    assert all(type(x) is int for row in rows for x in row)
 
 
 def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monkeypatch):

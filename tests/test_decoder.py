@@ -1,5 +1,7 @@
 """Lean decoder: every optimisation switch leaves the tokens unchanged."""
+import dataclasses
 import random
+import sys
 
 import pytest
 import torch
@@ -208,6 +210,51 @@ def test_ramping_chunks_keeps_the_outputs(model_dir, fast, lines, pipeline, monk
     sizes, encode = [], tr._encode
     monkeypatch.setattr(tr, "_encode", lambda c: sizes.append(len(c)) or encode(c))
     assert tr.translate(lines) == fast.translate(lines) and sizes == [3, 6, 12, 19]
+
+
+def test_the_pipeline_threads_run_at_the_given_switch_interval_and_it_is_restored():
+    from decoder.pipeline import run
+    before, seen = sys.getswitchinterval(), []
+
+    def pre(c):
+        seen.append(("pre", sys.getswitchinterval()))
+        return c
+
+    def post(s):
+        seen.append(("post", sys.getswitchinterval()))
+        return s.upper()
+
+    def compute(c, submit):
+        futs = [submit(post, s) for s in c]
+        return lambda: [f.result() for f in futs]
+    lines = [f"line {i}" for i in range(7)]
+    assert list(run(lines, 3, pre, compute, switch_interval=0.0002)) == [s.upper() for s in lines]
+    assert {k for k, _ in seen} == {"pre", "post"} and [v for _, v in seen] == pytest.approx([0.0002] * len(seen))
+    assert sys.getswitchinterval() == before
+    early = run(lines, 3, pre, compute, switch_interval=0.0002)
+    next(early)
+    assert sys.getswitchinterval() == pytest.approx(0.0002)
+    early.close()  # a reader that stops early
+    assert sys.getswitchinterval() == before
+
+    def fails(c, submit):
+        raise ValueError("a chunk failed")
+    with pytest.raises(ValueError, match="a chunk failed"):
+        list(run(lines, 3, pre, fails, switch_interval=0.0002))
+    assert sys.getswitchinterval() == before
+    seen.clear()
+    assert list(run(lines, 3, pre, compute)) == [s.upper() for s in lines]
+    assert {v for _, v in seen} == {before}  # None: Python's own
+
+
+def test_the_translator_runs_its_pipeline_at_the_plans_switch_interval(model_dir, fast, lines, monkeypatch):
+    tr = Translator(model_dir)
+    assert tr.plan.switch_interval is None  # a CPU plan (short_gil_interval is CUDA's)
+    monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, switch_interval=0.0003))
+    seen, encode = [], tr._encode
+    monkeypatch.setattr(tr, "_encode", lambda c: seen.append(sys.getswitchinterval()) or encode(c))
+    assert tr.translate(lines) == fast.translate(lines)
+    assert seen and seen == pytest.approx([0.0003] * len(seen))
 
 
 def test_beam_results_independent_of_batch_size(model_dir, srcs):
