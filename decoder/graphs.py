@@ -14,9 +14,10 @@ into the graph.
 
 A capture must not be the first run of its work on its stream (cuBLAS makes its
 handle and workspace then): the states run a batch's first step (or block of
-steps) eagerly through `warm`, on the same stream, and capture at the second.
-So no step is run twice, and a batch that ends within its first block captures
-nothing.
+steps) eagerly through `warm`, on the same stream, and capture at the second
+(greedy's block graph right after the first, `Captured.ahead`, while the GPU
+still runs it). So no step is run twice, and a batch whose cap allows one block
+only captures nothing.
 """
 from __future__ import annotations
 
@@ -122,12 +123,20 @@ class Captured:
             if not self.warmed:
                 self.warmed = True
                 return warm(self.fn, self.model)
-            try:
-                self.graph, self.out = capture(self.fn, self.model)
-            except RuntimeError as e:  # nothing ran while capturing: the step runs now, eagerly
-                self.model.graphs_failed = True
-                print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",
-                      file=sys.stderr, flush=True)
+            if not self.ahead():  # nothing ran while capturing: the step runs now, eagerly
                 return self.fn()
         self.graph.replay()
         return self.out
+
+    def ahead(self) -> bool:
+        """Captures fn now if it has been warmed up and not captured yet, so that the host
+        captures while the GPU still runs the warm-up (switch capture_ahead) rather than after
+        the host has waited for it; whether a graph is ready to replay."""
+        if self.graph is None and self.warmed and not self.model.graphs_failed:
+            try:
+                self.graph, self.out = capture(self.fn, self.model)
+            except RuntimeError as e:
+                self.model.graphs_failed = True
+                print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",
+                      file=sys.stderr, flush=True)
+        return self.graph is not None

@@ -401,6 +401,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
                  "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
                  "one step a graph"),
+    Optimisation("capture_ahead", True, "the greedy block's graph captured while the GPU runs the warm-up",
+                 "capture_ahead", True, False, "captured at the second block, after the host's read of the first "
+                 "has waited for the GPU: the GPU idle while the host captures", "cuda",
+                 needs=lambda o: o.graph_steps,
+                 detail="with graph_steps, greedy: a batch's first block of steps runs eagerly (the warm-up), then "
+                 "its graph is captured at once, before the read of the first block's finished rows, so the "
+                 "host's capture (a few ms for 8 steps) overlaps the GPU's encoder and warm-up; a batch whose "
+                 "cap allows one block only captures nothing. Not measured on a GPU yet"),
     Optimisation("graph_attention", False, "decode-step attention kernel in the fixed-shape state",
                  "static_attend", True, False, "`scaled_dot_product_attention` over the whole cache with a -inf "
                  "bias past the position (cuDNN's flash attention on a GPU: a third of the H100's GPU time)", "cuda",
@@ -508,6 +516,7 @@ class Plan:
     cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
     static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
     graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
+    capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
@@ -620,8 +629,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         slots["static_keep"], slots["static_attend"] = 0, False
         runs -= {"graph_reuse", "graph_attention"}
     if slots["state"] != "static" or (loop == "beam" and slots["project_topk"]):
-        slots["graph_steps"] = False  # the fixed-address beam step takes its top-k from the logits
-        runs.discard("graph_steps")
+        # the fixed-address beam step takes its top-k from the logits
+        slots["graph_steps"] = slots["capture_ahead"] = False
+        runs -= {"graph_steps", "capture_ahead"}
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)

@@ -46,6 +46,8 @@ def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
     for t in range(0, T, block):
         with state.phase("decode steps"):
             loop.run(t)
+            if t == 0 and T > block and s.plan.capture_ahead:
+                loop.capture_ahead()
         if hostsync.item(loop.done.all(), "finished?"):
             break
     rows, eos_id = hostsync.later(loop.out[:, :t + block], "outputs"), s.eos_id
@@ -114,6 +116,12 @@ class StaticGreedy(StaticLoop):
             c.tokens.copy_(nxt)
             c.pos.add_(1)
         return self.done
+
+    def capture_ahead(self) -> None:
+        """The block's graph captured now, behind the warm-up block the GPU is running, where
+        the next block would capture it only after the host's read had waited for that."""
+        if self.cache.use_graph:
+            self.steps.ahead()
 
     def run(self, t: int) -> None:
         """Steps t .. t+block-1 (the position itself advances on the device)."""

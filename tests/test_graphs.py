@@ -172,13 +172,41 @@ def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(kw, mon
 
 
 @trained
-def test_a_batch_ending_within_its_first_block_captures_nothing(monkeypatch):
+@pytest.mark.parametrize("kw", [dict(sync_every=64, capture_ahead=False),  # a block longer than any output
+                                dict(sync_every=8, max_len_a=0.0, max_len_b=8)])  # a cap of one block
+def test_a_batch_ending_within_its_first_block_captures_nothing(kw, monkeypatch):
     seen = on_cpu_with_graphs(monkeypatch)
-    tr = Translator(MODEL, static_shapes=True, sync_every=64)  # a block longer than any output
+    tr = Translator(MODEL, static_shapes=True, **kw)
+    with open(SRC, encoding="utf-8") as fh:
+        srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
+    caps = {k: v for k, v in kw.items() if k.startswith("max_len")}
+    assert tr.translate_ids(srcs) == Translator(MODEL, **caps).translate_ids(srcs)
+    assert seen == {"warm": [id(tr.model)], "capture": []}
+
+
+@trained
+@pytest.mark.parametrize("ahead", [True, False])
+def test_capture_ahead_captures_the_greedy_block_before_the_first_read(ahead, monkeypatch):
+    seen, events = on_cpu_with_graphs(monkeypatch), []
+    fake_capture, item = graphs.capture, hostsync.item
+    monkeypatch.setattr(graphs, "capture", lambda fn, m: (events.append("capture"), fake_capture(fn, m))[1])
+    monkeypatch.setattr(hostsync, "item", lambda t, kind: (events.append("read"), item(t, kind))[1])
+    tr = Translator(MODEL, static_shapes=True, sync_every=3, capture_ahead=ahead)
+    assert tr.plan.capture_ahead == ahead
     with open(SRC, encoding="utf-8") as fh:
         srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
     assert tr.translate_ids(srcs) == Translator(MODEL).translate_ids(srcs)
-    assert seen == {"warm": [id(tr.model)], "capture": []}
+    assert events.count("capture") == 1 and len(seen["warm"]) == 1
+    assert ("capture" in events[:events.index("read")]) == ahead  # ahead: while the GPU runs the warm-up
+
+
+def test_capture_ahead_resolves_with_greedy_graph_steps_only():
+    from decoder.optimisations import Kernels, Switches, resolve
+    both = Kernels(cpu=True, cuda=True)
+    assert resolve(Switches(), device="cuda", kernels=both).capture_ahead
+    assert not resolve(Switches(graph_steps=False), device="cuda", kernels=both).capture_ahead
+    assert not resolve(Switches(cuda_graphs=False), device="cuda", kernels=both).capture_ahead
+    assert not resolve(Switches(), device="cpu", kernels=both).capture_ahead  # no fixed-shape state there
 
 
 # -- graph_steps: greedy's whole step on the fixed-shape state, a block of steps a run -------------
