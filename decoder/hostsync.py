@@ -3,7 +3,7 @@
 On CUDA a read (`.tolist()`, `int(t)`, `bool(t.any())`) waits for every kernel
 queued before it: the host stops issuing work and the GPU then idles while it
 catches up. The searches (decoder/search.py), the states (decoder/cache.py)
-and `Translator.start_ids` read only through this module, so the tests can
+and the Translator's batch steps read only through this module, so the tests can
 count the reads a batch makes (`reset`, `counts`): the device-style loops
 (plan.sync_every > 1) make one per `sync_every` steps plus a few per batch.
 On CPU a read is a memory access, so the count is all it costs.

@@ -401,6 +401,13 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
                  "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
                  "one step a graph"),
+    Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
+                 False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",
+                 detail="Translator.each_batch: batch k+1's padding, copy to the GPU, encoder (and shortlist) are "
+                 "queued before batch k's search starts, so when k's last read returns the GPU already has k+1's "
+                 "encoder output and the host goes straight to its search; one more batch's encoder output "
+                 "held. CUDA only (a CPU runs the same work in the same order either way). Not measured on a "
+                 "GPU yet"),
     Optimisation("capture_ahead", True, "the greedy block's graph captured while the GPU runs the warm-up",
                  "capture_ahead", True, False, "captured at the second block, after the host's read of the first "
                  "has waited for the GPU: the GPU idle while the host captures", "cuda",
@@ -517,6 +524,7 @@ class Plan:
     static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
     graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
     capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
+    encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
@@ -584,7 +592,7 @@ CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
-CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval"})
+CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

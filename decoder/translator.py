@@ -198,10 +198,14 @@ class Translator:
             return self.pool.submit(srcs).result()
         return self.start_ids(srcs).result()
 
-    @torch.inference_mode()
     def start_ids(self, srcs: list[list[int]]) -> Outputs:
         """translate_ids, its outputs read where `.result()` is called: on CUDA the host
         goes on to the next batch while their copy is under way."""
+        return self.search_batch(self.encode_batch(srcs))
+
+    @torch.inference_mode()
+    def encode_batch(self, srcs: list[list[int]]) -> "Encoded":
+        """One batch's inputs on the device and its encoder run (on CUDA: queued)."""
         o, c = self.opts, self.cfg
         src = hostsync.to_device(padded(srcs, c.pad_id), self.model.device)  # (B, S)
         lims = self.limits([len(s) for s in srcs])  # (B,) built on the host: no read to find its max
@@ -212,8 +216,13 @@ class Translator:
         if self.shortlist is not None:  # one candidate set and one sliced projection per batch
             vocab = self.shortlist.candidates(src)  # (C,)
             out = self.model.output_rows(vocab, len(srcs) * o.beam)
-        state = new_state(self.model, enc, mask, o.beam, max(lims), out, self.phase)
-        return self.search.start(state, limits, lims, vocab)
+        return Encoded(enc, mask, limits, lims, vocab, out)
+
+    @torch.inference_mode()
+    def search_batch(self, e: "Encoded") -> Outputs:
+        """An encoded batch searched (decoder/search.py); its outputs as `start_ids` gives them."""
+        state = new_state(self.model, e.enc, e.mask, self.opts.beam, max(e.lims), e.out, self.phase)
+        return self.search.start(state, e.limits, e.lims, e.vocab)
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it
@@ -254,7 +263,8 @@ class Translator:
             # every batch of the chunk is queued first, so the workers never wait on the parent
             futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
         else:
-            futs = [submit(self.detokenise, self.start_ids([srcs[idx[j]] for j in b])) for b in batches]
+            futs = [submit(self.detokenise, out) for out in self.each_batch([[srcs[idx[j]] for j in b]
+                                                                                for b in batches])]
 
         def finish() -> list[str]:
             done = restore(batches, [f.result() for f in futs], len(idx))
@@ -263,6 +273,18 @@ class Translator:
                 out[i] = s
             return out
         return finish
+
+    def each_batch(self, batches: list[list[list[int]]]) -> Iterator[Outputs]:
+        """Each batch's outputs, in order. With plan.encode_ahead the next batch is encoded
+        before this one's search: on CUDA its inputs' copy and encoder are queued behind this
+        batch's work, so the GPU has them when the search's last read returns."""
+        if not self.plan.encode_ahead:
+            yield from map(self.start_ids, batches)
+            return
+        ahead = self.encode_batch(batches[0]) if batches else None
+        for nxt in batches[1:] + [None]:
+            this, ahead = ahead, None if nxt is None else self.encode_batch(nxt)
+            yield self.search_batch(this)
 
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
@@ -284,6 +306,17 @@ class Translator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclass
+class Encoded:
+    """A batch between `Translator.encode_batch` and `Translator.search_batch`."""
+    enc: torch.Tensor           # (B, S, d) encoder output
+    mask: torch.Tensor          # its padding mask
+    limits: torch.Tensor        # (B,) on the device: most target tokens, </s> included
+    lims: list[int]             # the same on the host
+    vocab: torch.Tensor | None  # (C,) the shortlist's candidates, or None
+    out: object | None          # the shortlist's sliced output projection, or None
 
 
 def shares(lines: list[str], n: int) -> list[tuple[int, int]]:

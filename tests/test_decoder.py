@@ -257,6 +257,20 @@ def test_the_translator_runs_its_pipeline_at_the_plans_switch_interval(model_dir
     assert seen and seen == pytest.approx([0.0003] * len(seen))
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_encode_ahead_encodes_the_next_batch_before_this_ones_search(model_dir, lines, beam, monkeypatch):
+    want = Translator(model_dir, beam=beam, max_sentences=4).translate(lines)
+    tr = Translator(model_dir, beam=beam, max_sentences=4)
+    assert not tr.plan.encode_ahead  # a CPU plan (encode_ahead is CUDA's)
+    monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, encode_ahead=True))
+    events, encode, search = [], tr.encode_batch, tr.search_batch
+    monkeypatch.setattr(tr, "encode_batch", lambda b: (events.append("encode"), encode(b))[1])
+    monkeypatch.setattr(tr, "search_batch", lambda e: (events.append("search"), search(e))[1])
+    assert tr.translate(lines) == want
+    n = events.count("search")
+    assert n > 2 and events == ["encode"] + ["encode", "search"] * (n - 1) + ["search"]
+
+
 def test_beam_results_independent_of_batch_size(model_dir, srcs):
     a = Translator(model_dir, beam=3, max_sentences=1).translate_ids(srcs[:10])
     b = Translator(model_dir, beam=3).translate_ids(srcs[:10])
