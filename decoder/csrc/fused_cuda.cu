@@ -110,7 +110,12 @@ __global__ void decode_attention_kernel(const T* q, const T* k, const T* v, cons
   const float inv = mx == -INFINITY ? NAN : 1.f / sum;  // every key masked: NaN, as SDPA gives
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
-    for (int64_t j = 0; j < T_; ++j) acc += p[j] * float(vb[j * vs2 + d]);
+    for (int64_t j = 0; j < T_; ++j) {
+      // a masked key weighs 0: its value is not read (the fixed-shape state masks the cache past
+      // the position, so a step reads only the values written so far). Uniform over the block.
+      const float pj = p[j];
+      if (pj != 0.f) acc += pj * float(vb[j * vs2 + d]);
+    }
     out[bhq * D + d] = T(acc * inv);
   }
 }
