@@ -155,7 +155,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     monkeypatch.setattr(bench_gpu, "CT2_TYPES", ("float16",))  # int8_float16: one more compute type string
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "fused_relu"])
+                           ablate=["fast_normaliser", "fused_relu"], chunked=2)
     rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
     assert prof is None
     names = {r["engine"] for r in rows}
@@ -166,6 +166,11 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
         ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
         assert [(r["group"], r["batch"]) for r in ablated] == [
             ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
+    # --chunked: ours at that size with the text in chunks of 2 lines, with and without short_gil_interval
+    top = bench_gpu.best(rows, "throughput", "ours")
+    chunked = [(r["engine"], r["batch"], r["lines"]) for r in rows if "chunks of" in r["engine"]]
+    assert chunked == [(f"{bench_gpu.ABLATION} chunks of 2 lines", top["batch"], 6),
+                       (f"{bench_gpu.ABLATION} chunks of 2 lines, without short_gil_interval", top["batch"], 6)]
     assert all(bench_gpu.best(rows, g, "ours")["engine"] == "ours fp16" for g in ("throughput", "batch1"))
     assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}
@@ -193,7 +198,7 @@ def test_each_row_warms_up_on_every_line_before_its_timed_passes(monkeypatch):
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (512,)}})
     src = [f"a b c {i}" for i in range(20)]
-    a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1, ablate=[])
+    a = argparse.Namespace(model="m", engines=["ours"], passes=2, beam_lines=1, batch1_lines=1, ablate=[], chunked=0)
     bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
     assert calls == [20, 20, 20]
 

@@ -11,7 +11,10 @@ defaults: one row at its own batch default, one per swept size. Our best
 throughput row then runs once more under torch.profiler: the time the GPU ran
 our CUDA kernels (the union of their intervals) over that row's wall is
 `gpu_busy`. CTranslate2 and transformers are not profiled: CTranslate2's
-kernels are not visible to torch.profiler at all.
+kernels are not visible to torch.profiler at all. The lines are one chunk of
+the text pipeline; --chunked adds ours in chunks of that many lines, as a run
+of more than `chunk_lines` lines reads them (the next chunk encoded beside the
+decoding), and --ablate ours with single switches flipped.
 
 Writes PREFIX.md and PREFIX.json (every row of every sweep) and the summary
 (one object in a list, as tools.bench's summary.json: the same ratio keys plus
@@ -250,6 +253,28 @@ def ablation_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list
     return out
 
 
+def chunked_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[dict]:
+    """Ours at its best throughput size with the text read in chunks of --chunked lines, as every
+    run of more than `chunk_lines` (20,000) lines is: the next chunk's encoding runs beside the
+    decoding (the bench's lines are otherwise one chunk, encoded before any decoding). Then the
+    same without short_gil_interval: what that switch is worth where the encoding thread is busy."""
+    top = best(rows, "throughput", "ours")
+    if not a.chunked or top is None:
+        return []
+    s, r = lines["throughput"]
+    out = []
+    for label, kw in (("", {}), (", without short_gil_interval", {"short_gil_interval": False})):
+        name = f"{ABLATION} chunks of {a.chunked} lines{label}"
+        with eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw) as go:
+            row = timed(go, s, r, a.passes)
+        log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
+            f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
+            f"ours in one chunk)")
+        out.append({"group": "throughput", "engine": name, "lines": len(s), "words": sum(len(x.split()) for x in s),
+                    "batch": top["batch"], **row})
+    return out
+
+
 def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tuple[list[dict], dict | None]:
     """Every engine's sweep in every group, then the --ablate rows: (rows, our best throughput row's
     profile; None off CUDA)."""
@@ -270,7 +295,7 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
                     return row
                 rows += [{"group": group, "engine": name, "lines": len(s), "words": words, **row}
                          for row in sweep(run, SWEEPS[group][name.split()[0]])]
-        rows += ablation_rows(a, eng, lines, rows, log)
+        rows += ablation_rows(a, eng, lines, rows, log) + chunked_rows(a, eng, lines, rows, log)
         top = best(rows, "throughput", "ours")
         if top is not None and device == "cuda":
             with eng.ours("throughput", top["batch"]) as go:
@@ -347,6 +372,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ablate", default="", metavar="SWITCHES",
                    help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
                         "from its default at our best throughput and batch-1 sizes, a row each")
+    p.add_argument("--chunked", type=cliargs.int_range(0), default=2500, metavar="LINES",
+                   help="two more rows of ours at its best throughput size, the text read in chunks of this many "
+                        "lines (with and without short_gil_interval), as a run longer than one chunk reads it; "
+                        "0: none")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
@@ -357,8 +386,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [x for x in a.ablate if x not in BY_NAME]
     if unknown:
         p.error(f"--ablate: unknown switch {unknown[0]!r}; the switches are in python -m decoder --help")
-    if a.ablate and "ours" not in a.engines:
-        p.error("--ablate needs ours among --engines")
+    if (a.ablate or a.chunked) and "ours" not in a.engines:
+        a.chunked = 0  # ours' rows only
+        if a.ablate:
+            p.error("--ablate needs ours among --engines")
     bad = [x for x in a.engines if x not in ENGINES]
     if bad or not a.engines:
         p.error(f"--engines: unknown engine {bad[0]!r}; choose from {', '.join(ENGINES)}" if bad else
