@@ -431,6 +431,19 @@ def test_cuda_kernels_match_references(dtype):
 
 
 @needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_decode_attention_never_reads_the_value_of_a_masked_key(dtype):
+    # the fixed-shape state masks its cache past the position: a step reads only what was written
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 1, 64, generator=g).to("cuda", dtype) if i == 0 else
+               torch.randn(3, 2, 24, 64, generator=g).to("cuda", dtype) for i in range(3))
+    mask = (torch.arange(24)[None] <= torch.tensor([0, 9, 23])[:, None])[:, None, None, :].cuda()  # (3, 1, 1, 24)
+    poisoned = v.masked_fill(~mask.transpose(-1, -2), float("nan"))  # every masked key's value NaN
+    got = torch.ops.decoder_ops.decode_attention(q, k, poisoned, mask)
+    close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), mask).to(dtype), dtype)
+
+
+@needs_cuda_kernels
 def test_a_beam_wider_than_the_cuda_top_k_kernel_takes_the_reference():
     # the kernel keeps at most 16 candidates; beam 9 asks for 18
     g = torch.Generator().manual_seed(5)
