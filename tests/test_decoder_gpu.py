@@ -86,8 +86,8 @@ def test_cuda_whole_search_steps_in_graphs_equal_one_graph_for_the_decoder_step(
 def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
     # many batches, over chunks (the text threads busy beside the decoding), graphs captured per batch
     from decoder.optimisations import BY_NAME
-    lines = synthetic_corpus(400, seed=10)
-    kw = dict(device="cuda", precision="fp16", beam=beam, max_sentences=48, chunk_lines=150)
+    lines = synthetic_corpus(240, seed=10)
+    kw = dict(device="cuda", precision="fp16", beam=beam, max_sentences=32, chunk_lines=100)
     default = Translator(model_dir, **kw)
     flipped = Translator(model_dir, **kw, **{switch: not BY_NAME[switch].default})
     a, b = default.translate(lines), flipped.translate(lines)
