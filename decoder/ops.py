@@ -348,11 +348,13 @@ def default_build_dir() -> str:
 
 
 def _stale(so: str) -> bool:
-    """Whether `so` is missing or older than a file of csrc."""
+    """Whether `so` is missing or older than one of its sources or csrc's headers. Not the
+    CUDA file, which it is not built from: an edit there left the CPU library "stale" for
+    ever, since ninja then rebuilt nothing, and every process announced a build."""
     if not os.path.exists(so):
         return True
-    newest = max(os.path.getmtime(os.path.join(_HERE, f)) for f in os.listdir(_HERE))
-    return os.path.getmtime(so) < newest
+    inputs = [f for f in os.listdir(_HERE) if f in SOURCES or f.endswith(".h")]
+    return os.path.getmtime(so) < max(os.path.getmtime(os.path.join(_HERE, f)) for f in inputs)
 
 
 def _check_int8_linear(op: str, x, wq_t) -> None:

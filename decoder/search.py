@@ -16,7 +16,8 @@ memory access, and these are the measured fastest); `greedy_device` and
 `beam_device` keep that bookkeeping on the device and read it every
 `sync_every` steps, plus the outputs once per batch (CUDA: each read stops the
 host until the GPU has caught up), which they hand over unread (`Outputs`). Every
-read goes through decoder/hostsync.py.
+read goes through decoder/hostsync.py. Which loop runs a batch is decided once
+per plan in decoder/loops.py.
 """
 from __future__ import annotations
 
@@ -41,24 +42,6 @@ class Search:
     length_penalty: float = 1.0
     shrink_ratio: float = 0.25  # finished rows leave once this fraction has finished
     no_repeat_ngram: int = 0    # >0: no n-gram of this size twice (fairseq's no_repeat_ngram_size)
-
-    def run(self, state, limits, lims: list[int], vocab=None) -> list[list[int]]:
-        """limits (B,) on the state's device, the same as Python ints `lims`. The loop
-        is the plan's: beam or greedy, one-row for one sentence where it has that
-        state, the device-style loops where the host reads every few steps."""
-        return self.start(state, limits, lims, vocab).result()
-
-    def start(self, state, limits, lims: list[int], vocab=None) -> "Outputs":
-        """`run` whose outputs the device-style loops leave on their way to the host."""
-        p = self.plan
-        if p.graph_steps:  # decoder/static_steps.py builds on this module's pieces
-            from .static_steps import beam_static, greedy_static
-            return (beam_static if p.loop == "beam" else greedy_static)(state, limits, self, lims)
-        if p.loop == "beam":
-            return Outputs.of((beam_search if p.sync_every == 1 else beam_device)(state, limits, self, vocab, lims))
-        if p.state_for(len(lims)) == "one_row":
-            return Outputs.of([greedy_one(state, lims[0], self, vocab)])
-        return Outputs.of((greedy if p.sync_every == 1 else greedy_device)(state, limits, self, vocab, lims))
 
 
 class Outputs:

@@ -17,6 +17,7 @@ from . import hostsync, modeldir, ops
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
 from .cache import new_state
+from .loops import loop_of
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
 from .pipeline import RAMP_FIRST, Text, run
@@ -147,6 +148,7 @@ class Translator:
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
                              length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
                              no_repeat_ngram=o.no_repeat_ngram)
+        self.loop = loop_of(self.plan)  # which search loop runs a batch, decided once
         self.shortlist = self.model = self.pool = None
         if o.workers > 1:
             if self.device != "cpu":
@@ -222,7 +224,7 @@ class Translator:
     def search_batch(self, e: "Encoded") -> Outputs:
         """An encoded batch searched (decoder/search.py); its outputs as `start_ids` gives them."""
         state = new_state(self.model, e.enc, e.mask, self.opts.beam, max(e.lims), e.out, self.phase)
-        return self.search.start(state, e.limits, e.lims, e.vocab)
+        return self.loop(self.search, state, e.limits, e.lims, e.vocab)
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it

@@ -306,6 +306,7 @@ class FakeState:
                                                   (4, 2, False), (2, 0, True)])
 @pytest.mark.parametrize("every", [2, 8])
 def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(beam, ngram, shortlist, every):
+    from decoder.loops import loop_of
     from decoder.search import Search
     B, V = 13, 11
     vocab = torch.tensor([0, 2, 3, 5, 6, 7, 8, 10]) if shortlist else None  # </s> (2) among the candidates
@@ -320,7 +321,8 @@ def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(bea
         step = state.step
         state.step = lambda *a, **k: (steps.__setitem__(0, steps[0] + 1), step(*a, **k))[1]
         hostsync.reset()
-        runs[sync] = search.run(state, torch.tensor(lims), lims, vocab), steps[0], hostsync.total()
+        got = loop_of(plan)(search, state, torch.tensor(lims), lims, vocab).result()
+        runs[sync] = got, steps[0], hostsync.total()
     (want, steps1, reads1), (got, steps, reads) = runs[1], runs[every]
     assert got == want and all(isinstance(x, int) for row in got for x in row)
     assert reads <= math.ceil(steps / every) + (1 if beam == 1 else 2) + (2 if shortlist and beam > 1 else 0)

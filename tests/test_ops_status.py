@@ -137,3 +137,23 @@ def test_loading_the_library_from_a_build_folder_with_a_stale_lock_returns(tmp_p
     r = subprocess.run([sys.executable, "-c", f"from decoder import ops; ops.build_library({str(build)!r})"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and "removed a stale build lock" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_cpu_library_is_stale_after_its_sources_or_headers_change_not_the_cuda_file(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for name in ("fused_cpu.cpp", "checks.h", "fused_cuda.cu"):
+        (csrc / name).write_text("")
+        os.utime(csrc / name, (100, 100))
+    so = tmp_path / "decoder_ops.so"
+    monkeypatch.setattr(ops, "_HERE", str(csrc))
+    assert ops._stale(str(so))  # not built yet
+    so.write_text("")
+    os.utime(so, (200, 200))
+    assert not ops._stale(str(so))
+    os.utime(csrc / "fused_cuda.cu", (300, 300))  # an edit of the CUDA kernels: no CPU rebuild announced
+    assert not ops._stale(str(so))
+    for name in ("checks.h", "fused_cpu.cpp"):
+        os.utime(csrc / name, (300, 300))
+        assert ops._stale(str(so)), name
+        os.utime(csrc / name, (100, 100))
