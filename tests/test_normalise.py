@@ -44,6 +44,25 @@ def test_fast_normaliser_gives_sacremoses_output(text, lang, flags):
     assert MosesPunct(plain)(text) == plain.normalize(text)
 
 
+SHARED: dict = {}  # one fast normaliser per language across examples: its rules kept per character set
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(texts, min_size=1, max_size=6), lang=st.sampled_from(LANGS))
+def test_one_normaliser_gives_sacremoses_output_line_after_line(lines, lang):
+    plain = MosesPunctNormalizer(lang=lang, **{o: True for o in OPTIONS})
+    fast = SHARED.setdefault(lang, MosesPunct(plain))
+    assert fast.by_chars is not None  # the rules looked for depend on the line's non-ASCII characters
+    assert [fast(t) for t in lines] == [plain.normalize(t) for t in lines]
+
+
+def test_a_replacement_that_brings_a_new_non_ascii_character_makes_every_line_look_for_every_rule():
+    n = MosesPunctNormalizer(lang="en")
+    n.substitutions = [("x", "„")] + list(n.substitutions)  # a later rule looks for „
+    fast = MosesPunct(n)
+    assert fast.by_chars is None and fast("a x") == n.normalize("a x") == 'a "'
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=texts)
 def test_a_rule_without_its_trigger_in_the_line_leaves_it_unchanged(text):
