@@ -243,6 +243,15 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "a loop waiting on the GPU every 2.4 ms beside Text.encode was busy 42% of its time at 5 ms, "
                  "80% at 0.2 ms (`python -m tools.bench_gil`, docs/bench/gil.md). CUDA only: on 2 CPU cores, "
                  "whose steps are long, it measured 0.98x"),
+    Optimisation("decode_ahead", True, "the next chunk decoded while this chunk's outputs are handed out",
+                 "decode_ahead", True, False, "the decoding waits at every chunk's end while its last batch is "
+                 "detokenised and its lines are written", "cuda",
+                 detail="decoder/pipeline.py: the decoding runs in a thread of its own, and when a chunk is done "
+                 "and the next is already read and encoded (the usual case: the text thread reads ahead), the "
+                 "next one's batches start before this one's outputs are collected and handed to the writer; a "
+                 "next chunk not yet read (a pipe's writer waiting for its answer) is waited for after the "
+                 "outputs are out. Only a run of several chunks (more than `chunk_lines` lines) has chunk ends "
+                 "to hide. CUDA only. Not measured on a GPU yet (`tools.bench_gpu --chunked`)"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
                  detail="process-wide and irreversible (decoder/runtime.py)"),
@@ -504,6 +513,7 @@ class Plan:
     fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
     ramp_chunks: bool           # the text pipeline's chunks ramp up from pipeline.RAMP_FIRST lines
     switch_interval: float | None  # sys.setswitchinterval while the text pipeline's threads run (None: Python's)
+    decode_ahead: bool          # the text pipeline decodes the next chunk while this one's outputs go out
     retain_memory: bool
     int8_fused: bool
     int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)
@@ -593,7 +603,7 @@ CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
-CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead"})
+CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

@@ -134,7 +134,8 @@ def chunks(lines: Iterable[str], n: int, max_chars: int = CHUNK_CHARS, first: in
 
 
 def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap: bool = True,
-        first: int | None = None, switch_interval: float | None = None) -> Iterator[str]:
+        first: int | None = None, switch_interval: float | None = None,
+        decode_ahead: bool = False) -> Iterator[str]:
     """Chunked pipeline; yields one output per input line, in input order.
 
     pre(list[str]) -> state; compute(state, post_submit) -> finalize() -> list[str];
@@ -143,6 +144,8 @@ def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap:
     `first`: the chunks ramp up from that many lines (`chunks`).
     `switch_interval`: Python's thread switch interval while the threads run
     (switch short_gil_interval), restored after; process-wide, as Python has one.
+    `decode_ahead`: compute runs in a thread of its own, and the next chunk, where
+    it is already read, is computed while this one's outputs are handed out.
     """
     if not overlap:
         for c in chunks(lines, n, first=first):
@@ -153,12 +156,37 @@ def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap:
     with switch_interval_of(switch_interval), ThreadPoolExecutor(1, thread_name_prefix="pre") as pre_pool, \
             ThreadPoolExecutor(1, thread_name_prefix="post") as post_pool:
         fut = pre_pool.submit(read_pre)
+        if decode_ahead:
+            yield from _decoded_ahead(fut, lambda: pre_pool.submit(read_pre), compute, post_pool.submit)
+            return
         while True:
             state = fut.result()
             if state is None:
                 return
             fut = pre_pool.submit(read_pre)  # read + encode the next chunk meanwhile
             yield from compute(state, post_pool.submit)()
+
+
+def _decoded_ahead(fut, read_next: Callable, compute: Callable, post_submit: Callable) -> Iterator[str]:
+    """`run`'s loop with compute in a thread of its own. When a chunk is computed and the next
+    is already read and encoded, the next one's compute starts before this one's outputs are
+    handed out: on a GPU, the decoding goes on while the outputs are written. A next chunk not
+    yet read is waited for only after the outputs are out: a pipe's writer may be waiting for
+    them before it writes more."""
+    with ThreadPoolExecutor(1, thread_name_prefix="decode") as decode_pool:
+        job = None
+        while True:
+            if job is None:
+                state = fut.result()
+                if state is None:
+                    return
+                fut, job = read_next(), decode_pool.submit(compute, state, post_submit)
+            finish, job = job.result(), None
+            if fut.done():
+                state = fut.result()
+                if state is not None:
+                    fut, job = read_next(), decode_pool.submit(compute, state, post_submit)
+            yield from finish()
 
 
 @contextlib.contextmanager

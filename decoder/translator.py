@@ -292,7 +292,7 @@ class Translator:
         """One output per input line, in order, produced chunk by chunk."""
         return run(lines, self.opts.chunk_lines, self._encode, self._compute,
                    overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None,
-                   switch_interval=self.plan.switch_interval)
+                   switch_interval=self.plan.switch_interval, decode_ahead=self.plan.decode_ahead)
 
     def translate(self, lines: Iterable[str]) -> list[str]:
         return list(self.translate_stream(lines))

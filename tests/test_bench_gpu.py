@@ -166,11 +166,11 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
         ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
         assert [(r["group"], r["batch"]) for r in ablated] == [
             ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
-    # --chunked: ours at that size with the text in chunks of 2 lines, with and without short_gil_interval
+    # --chunked: ours at that size with the text in chunks of 2 lines, by default and with two switches off
     top = bench_gpu.best(rows, "throughput", "ours")
     chunked = [(r["engine"], r["batch"], r["lines"]) for r in rows if "chunks of" in r["engine"]]
-    assert chunked == [(f"{bench_gpu.ABLATION} chunks of 2 lines", top["batch"], 6),
-                       (f"{bench_gpu.ABLATION} chunks of 2 lines, without short_gil_interval", top["batch"], 6)]
+    assert chunked == [(f"{bench_gpu.ABLATION} chunks of 2 lines{x}", top["batch"], 6)
+                       for x in ("", ", without short_gil_interval", ", without decode_ahead")]
     assert all(bench_gpu.best(rows, g, "ours")["engine"] == "ours fp16" for g in ("throughput", "batch1"))
     assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}

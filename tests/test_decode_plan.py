@@ -63,13 +63,14 @@ def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
 
 
 def test_the_gpu_feeding_switches_resolve_on_cuda_only():
+    names = {"short_gil_interval", "encode_ahead", "decode_ahead"}
     cuda = resolve(Switches(), device="cuda", kernels=BOTH)
-    assert cuda.switch_interval == 0.0002 and cuda.encode_ahead
-    off = resolve(Switches(short_gil_interval=False, encode_ahead=False), device="cuda", kernels=BOTH)
-    assert off.switch_interval is None and not off.encode_ahead
+    assert cuda.switch_interval == 0.0002 and cuda.encode_ahead and cuda.decode_ahead
+    off = resolve(Switches(**{n: False for n in names}), device="cuda", kernels=BOTH)
+    assert off.switch_interval is None and not off.encode_ahead and not off.decode_ahead
     cpu = resolve(Switches(), device="cpu", kernels=BOTH)
-    assert cpu.switch_interval is None and not cpu.encode_ahead
-    assert {"short_gil_interval", "encode_ahead"} <= cuda.runs and not {"short_gil_interval", "encode_ahead"} & cpu.runs
+    assert cpu.switch_interval is None and not cpu.encode_ahead and not cpu.decode_ahead
+    assert names <= cuda.runs and not names & cpu.runs
 
 
 def test_sync_interval_is_a_plan_setting_on_any_device():

@@ -2,6 +2,8 @@
 import dataclasses
 import random
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -245,6 +247,81 @@ def test_the_pipeline_threads_run_at_the_given_switch_interval_and_it_is_restore
     seen.clear()
     assert list(run(lines, 3, pre, compute)) == [s.upper() for s in lines]
     assert {v for _, v in seen} == {before}  # None: Python's own
+
+
+def upper_compute(log):
+    """A pipeline compute that upper-cases its chunk in post tasks, logging where and when it ran."""
+    def compute(c, submit):
+        log.append(("compute", c[0], threading.current_thread().name))
+        futs = [submit(str.upper, s) for s in c]
+        return lambda: [f.result() for f in futs]
+    return compute
+
+
+def test_decode_ahead_computes_the_next_chunk_while_this_ones_outputs_go_out():
+    from decoder.pipeline import run
+    lines = [f"line {i}" for i in range(10)]
+    started = {c: threading.Event() for c in ("line 0", "line 3", "line 6", "line 9")}
+    names: list = []
+    compute = upper_compute(names)
+
+    def marked(c, submit):  # a chunk takes longer than reading the next one, as a GPU's does
+        started[c[0]].set()
+        time.sleep(0.05)
+        return compute(c, submit)
+    out = []
+    for s in run(lines, 3, lambda c: c, marked, decode_ahead=True):
+        if s in ("LINE 0", "LINE 3", "LINE 6"):  # a chunk's first output: the next one is under way
+            assert started[lines[lines.index(s.lower()) + 3]].wait(10), s
+        out.append(s)
+    assert out == [s.upper() for s in lines]
+    assert len(names) == 4 and all(name.startswith("decode") for _, _, name in names)
+
+
+def test_decode_ahead_hands_a_chunk_out_before_waiting_for_the_next_lines():
+    # a pipe's writer sends the next lines only once it has the answer to the ones before
+    from decoder.pipeline import run
+    answered = threading.Event()
+
+    def writer():
+        yield from ["a", "b"]
+        assert answered.wait(10), "the decoder waited for lines before answering the ones it had"
+        yield "c"
+    got = []
+    for s in run(writer(), 2, lambda c: c, upper_compute([]), decode_ahead=True):
+        got.append(s)
+        answered.set()
+    assert got == ["A", "B", "C"]
+
+
+def test_decode_ahead_raises_what_the_decoding_raised_and_stops_when_the_reader_does():
+    from decoder.pipeline import run
+
+    def fails(c, submit):
+        if c[0] == "x 3":
+            raise ValueError("chunk 2 failed")
+        return lambda: c
+    lines = [f"x {i}" for i in range(9)]
+    got = []
+    with pytest.raises(ValueError, match="chunk 2 failed"):
+        for s in run(lines, 3, lambda c: c, fails, decode_ahead=True):
+            got.append(s)
+    assert got == lines[:3]  # the first chunk's outputs, none lost or shifted
+    early = run(lines, 3, lambda c: c, upper_compute([]), decode_ahead=True)
+    assert next(early) == "X 0"
+    early.close()
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_the_translator_decoding_ahead_gives_the_same_outputs(model_dir, lines, beam, monkeypatch):
+    want = Translator(model_dir, beam=beam).translate(lines)
+    tr = Translator(model_dir, beam=beam, chunk_lines=7)
+    assert not tr.plan.decode_ahead  # a CPU plan (decode_ahead is CUDA's)
+    monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, decode_ahead=True))
+    names, compute = [], tr._compute
+    monkeypatch.setattr(tr, "_compute", lambda *a: names.append(threading.current_thread().name) or compute(*a))
+    assert tr.translate(lines) == want
+    assert len(names) > 2 and all(n.startswith("decode") for n in names)
 
 
 def test_the_translator_runs_its_pipeline_at_the_plans_switch_interval(model_dir, fast, lines, monkeypatch):

@@ -82,7 +82,8 @@ def test_cuda_whole_search_steps_in_graphs_equal_one_graph_for_the_decoder_step(
 
 @cuda
 @pytest.mark.parametrize("beam", [1, 4])
-@pytest.mark.parametrize("switch", ["capture_ahead", "encode_ahead", "short_gil_interval", "graph_attention"])
+@pytest.mark.parametrize("switch", ["capture_ahead", "encode_ahead", "decode_ahead", "short_gil_interval",
+                                    "graph_attention"])
 def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
     # many batches, over chunks (the text threads busy beside the decoding), graphs captured per batch
     from decoder.optimisations import BY_NAME

@@ -257,13 +257,15 @@ def chunked_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[
     """Ours at its best throughput size with the text read in chunks of --chunked lines, as every
     run of more than `chunk_lines` (20,000) lines is: the next chunk's encoding runs beside the
     decoding (the bench's lines are otherwise one chunk, encoded before any decoding). Then the
-    same without short_gil_interval: what that switch is worth where the encoding thread is busy."""
+    same without short_gil_interval and without decode_ahead: what those switches are worth where
+    the encoding thread is busy and chunks end."""
     top = best(rows, "throughput", "ours")
     if not a.chunked or top is None:
         return []
     s, r = lines["throughput"]
     out = []
-    for label, kw in (("", {}), (", without short_gil_interval", {"short_gil_interval": False})):
+    for label, kw in (("", {}), (", without short_gil_interval", {"short_gil_interval": False}),
+                      (", without decode_ahead", {"decode_ahead": False})):
         name = f"{ABLATION} chunks of {a.chunked} lines{label}"
         with eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw) as go:
             row = timed(go, s, r, a.passes)
@@ -373,9 +375,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
                         "from its default at our best throughput and batch-1 sizes, a row each")
     p.add_argument("--chunked", type=cliargs.int_range(0), default=2500, metavar="LINES",
-                   help="two more rows of ours at its best throughput size, the text read in chunks of this many "
-                        "lines (with and without short_gil_interval), as a run longer than one chunk reads it; "
-                        "0: none")
+                   help="three more rows of ours at its best throughput size, the text read in chunks of this "
+                        "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
+                        "longer than one chunk reads it; 0: none")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
