@@ -278,8 +278,8 @@ def chunked_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[
 
 
 def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tuple[list[dict], dict | None]:
-    """Every engine's sweep in every group, then the --ablate rows: (rows, our best throughput row's
-    profile; None off CUDA)."""
+    """Every engine's sweep in every group, our best throughput row profiled, then the --ablate and
+    --chunked rows: (rows, the profile; None off CUDA)."""
     lines = {"throughput": (src, ref), "beam4": (src[:a.beam_lines], ref[:a.beam_lines]),
              "batch1": (src[:a.batch1_lines], ref[:a.batch1_lines])}
     rows, prof = [], None
@@ -297,12 +297,15 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
                     return row
                 rows += [{"group": group, "engine": name, "lines": len(s), "words": words, **row}
                          for row in sweep(run, SWEEPS[group][name.split()[0]])]
-        rows += ablation_rows(a, eng, lines, rows, log) + chunked_rows(a, eng, lines, rows, log)
         top = best(rows, "throughput", "ours")
-        if top is not None and device == "cuda":
+        if top is not None and device == "cuda":  # before the extra rows: a run cut short still has it
             with eng.ours("throughput", top["batch"]) as go:
                 go(src[:64])
                 prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
+            log(f"profile    ours fp16 batch {_label(top['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
+                f"{prof['kernels']:,} kernels; " + ", ".join(f"{k['share']:.0%} {k['kernel'][:60]}"
+                                                             for k in prof["top_kernels"]))
+        rows += ablation_rows(a, eng, lines, rows, log) + chunked_rows(a, eng, lines, rows, log)
     return rows, prof
 
 
