@@ -88,6 +88,13 @@ def test_kernel_shares_rank_the_kernels_by_gpu_time():
     assert bench_gpu.kernel_shares([]) == []
 
 
+def test_the_profile_goes_to_the_log_in_one_line():
+    events = [("flash_fwd", 0.0, 30.0), ("gemm", 30.0, 40.0), ("flash_fwd", 40.0, 50.0)]
+    prof = {"batch": 65536, "gpu_busy": 0.4213, "kernels": 25218, "top_kernels": bench_gpu.kernel_shares(events)}
+    assert bench_gpu.profile_line(prof) == ("profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels; "
+                                            "80% flash_fwd, 20% gemm")
+
+
 def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
     s = bench_gpu.summary(ROWS, 0.42, {})
     prof = {"batch": 32768, "gpu_busy": 0.42, "kernel_s": 1.0, "wall_s": 2.4, "busy_under_profiler": 0.3,

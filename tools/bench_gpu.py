@@ -302,11 +302,16 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
             with eng.ours("throughput", top["batch"]) as go:
                 go(src[:64])
                 prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
-            log(f"profile    ours fp16 batch {_label(top['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
-                f"{prof['kernels']:,} kernels; " + ", ".join(f"{k['share']:.0%} {k['kernel'][:60]}"
-                                                             for k in prof["top_kernels"]))
+            log(profile_line(prof))
         rows += ablation_rows(a, eng, lines, rows, log) + chunked_rows(a, eng, lines, rows, log)
     return rows, prof
+
+
+def profile_line(prof: dict) -> str:
+    """The profile in the log: busy share, kernels and where their time went."""
+    top = ", ".join(f"{k['share']:.0%} {k['kernel'][:60]}" for k in prof["top_kernels"])
+    return (f"profile    ours fp16 batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
+            f"{prof['kernels']:,} kernels; {top}")
 
 
 def _label(size) -> str:
