@@ -34,7 +34,7 @@ from .modeldir import first_line
 def stream_of(model) -> "torch.cuda.Stream":
     """The model's capture stream, made on first use: warm-ups and captures run on it."""
     if model.graph_stream is None:
-        model.graph_stream = torch.cuda.Stream()
+        model.graph_stream = torch.cuda.Stream(device=model.device)  # the model's GPU, not the current one
     return model.graph_stream
 
 
@@ -63,18 +63,18 @@ def pool_of(model) -> object:
 
 def one_kernel() -> None:
     """The anchor graph's work: a graph without a kernel warns on capture."""
-    torch.zeros(1, device="cuda")
+    torch.zeros(1, device="cuda")  # run on the capture stream: its GPU is the current device then
 
 
 @contextlib.contextmanager
 def on_capture_stream(model):
-    """The model's capture stream current, after the work queued before; that work's stream
-    waits for it after."""
-    side = stream_of(model)
-    side.wait_stream(torch.cuda.current_stream())
+    """The model's capture stream current (and its GPU the current device), after the work
+    queued before on the model's GPU; that work's stream waits for it after."""
+    side, main = stream_of(model), torch.cuda.current_stream(model.device)
+    side.wait_stream(main)
     with torch.cuda.stream(side):
         yield
-    torch.cuda.current_stream().wait_stream(side)
+    main.wait_stream(side)
 
 
 def warm(fn: Callable[[], torch.Tensor], model) -> torch.Tensor:

@@ -61,7 +61,7 @@ class Later:
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.host.copy_(t, non_blocking=True)
         self.event = torch.cuda.Event(blocking=True)  # its waiter sleeps (GIL released), not spins
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(t.device))  # the copy's stream: t's GPU, not the current
 
     def tolist(self) -> list:
         self.wait()

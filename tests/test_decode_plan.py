@@ -381,16 +381,18 @@ def test_later_on_cuda_queues_a_pinned_copy_and_waits_for_it_only_when_read(monk
         def __init__(self, blocking=False):
             log.append(("event", blocking))
 
-        def record(self):
-            log.append(("record",))
+        def record(self, stream=None):
+            log.append(("record", stream))
 
         def synchronize(self):
             log.append(("wait",))
-    src = SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(2, 3), dtype=torch.long)
+    src = SimpleNamespace(device=SimpleNamespace(type="cuda", index=1), shape=(2, 3), dtype=torch.long)
     monkeypatch.setattr(torch, "empty", Host)
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     got = hostsync.later(src, "outputs")
-    assert log == [("empty", (2, 3), True), ("copy", True), ("event", True), ("record",)]  # queued, not waited for
+    # queued, not waited for; the event behind the copy on the tensor's GPU, whichever is current
+    assert log == [("empty", (2, 3), True), ("copy", True), ("event", True), ("record", ("stream of", src.device))]
     assert got.tolist() == [1] and log[4:] == [("wait",), ("read",)]
 
 

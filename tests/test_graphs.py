@@ -32,11 +32,14 @@ class FakeCuda:
                 cuda.calls.append(("end", gc.isenabled()))
 
         class Stream:
+            def __init__(self, device=None):
+                self.device = device
+
             def wait_stream(self, other):
                 cuda.calls.append(("wait",))
 
         self.CUDAGraph, self.Stream = Graph, Stream
-        self.current_stream = Stream
+        self.current_stream = lambda device=None: (cuda.calls.append(("current", device)), Stream(device))[1]
         self.stream = lambda s: contextlib.nullcontext()
         self.graph_pool_handle = lambda: object()
 
@@ -57,8 +60,8 @@ def cuda(monkeypatch):
     return fake
 
 
-def model():
-    return SimpleNamespace(graph_pool=None, graph_anchor=None, graph_stream=None)
+def model(device="cuda:1"):
+    return SimpleNamespace(graph_pool=None, graph_anchor=None, graph_stream=None, device=device)
 
 
 def test_capture_records_into_the_models_pool_without_waiting_or_emptying_the_cache(cuda):
@@ -82,8 +85,9 @@ def test_the_models_pool_is_held_open_by_a_graph_captured_first_and_kept(cuda):
     m = model()
     graphs.capture(lambda: torch.ones(2), m)
     graphs.capture(lambda: torch.ones(2), m)
-    assert cuda.calls[:5] == [("wait",), ("kernel",), ("begin", m.graph_pool, "thread_local", False), ("kernel",),
-                              ("end", False)]  # the anchor, warmed up: the pool's first graph, a kernel in it
+    calls = [c for c in cuda.calls if c[0] != "current"]
+    assert calls[:5] == [("wait",), ("kernel",), ("begin", m.graph_pool, "thread_local", False), ("kernel",),
+                         ("end", False)]  # the anchor, warmed up: the pool's first graph, a kernel in it
     assert isinstance(m.graph_anchor, cuda.CUDAGraph)
     assert len([c for c in cuda.calls if c[0] == "kernel"]) == 2  # one anchor per model
 
@@ -102,6 +106,8 @@ def test_warm_up_runs_on_the_capture_stream_and_each_model_keeps_its_own(cuda):
     assert torch.equal(graphs.warm(lambda: torch.zeros(3), m), torch.zeros(3))
     first, pool = graphs.stream_of(m), graphs.pool_of(m)
     assert first is not None and graphs.stream_of(m) is first and graphs.pool_of(m) is pool
+    # the model's GPU, whichever is current: its stream, and the work before it on that GPU waited for
+    assert first.device == "cuda:1" and {c[1] for c in cuda.calls if c[0] == "current"} == {"cuda:1"}
     other = model()
     assert graphs.stream_of(other) is not first and graphs.pool_of(other) is not pool
 
