@@ -28,7 +28,9 @@ def test_default_preset_on_cuda_takes_the_gpu_budgets_and_cpu_is_unchanged():
     assert cpu == DistillConfig()
     assert (gpu.teacher_minutes, gpu.student_minutes) == (DEVICE_DEFAULTS["cuda"]["teacher_minutes"],
                                                           DEVICE_DEFAULTS["cuda"]["student_minutes"])
-    assert gpu.teacher_minutes + gpu.student_minutes <= 15  # 20 minutes end to end, with room for the rest
+    # about 12 minutes end to end (the 20-minute target with room), so a lent 15-minute GPU session,
+    # its start and build included, can measure the whole run
+    assert gpu.teacher_minutes + gpu.student_minutes <= 9.5
     assert DistillConfig.from_preset("default", device="cuda", teacher_minutes=30).teacher_minutes == 30  # given wins
     assert DistillConfig.from_preset("wmt", device="cuda") == DistillConfig.from_preset("wmt", device="cpu")
 

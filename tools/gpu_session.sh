@@ -6,7 +6,7 @@
 #   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
 #   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
 #   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~8 min)
-#   distill  the default `make distill` path (python -m student.distill), timed      (target 20 min)
+#   distill  the default `make distill` path (python -m student.distill), timed      (~12 min; target 20)
 # Everything it writes goes under $OUT (default runs/gpu-session): one log per stage, timings.tsv
 # (stage, seconds, exit status), the bench's tables and summary, the trainer's and the distillation's
 # reports. Stages are independent where they can be: bench uses BENCH_MODEL, else the train stage's

@@ -133,11 +133,12 @@ PRESETS = {
 # --teacher-set). CPU: teacher-tiny, measured (docs/training.md: 17.9 test BLEU in 1,500 steps on 2 cores).
 # CUDA, chosen from evidence, not yet measured: teacher-big learned nothing useful in its budget on the
 # H100 (dev BLEU 3.0 after 1,040 steps of 3,072 tokens: 184 M parameters, 3 epochs of 29k pairs);
-# teacher-base (d 512, 6+6 layers, 48 M) has a quarter of its FLOPs a token, so with the trainer's GPU
-# batches (24k tokens; student-6-1 ran at 155k tokens/s, teacher-base estimated at 60-100k) 9 minutes
-# are some 30-60 epochs of the Bible corpus (about 0.9 M target tokens); dropout 0.3 because that many
-# epochs of 29k pairs overfit a model of that size (Araabi & Monz 2020, "Optimizing Transformer for
-# low-resource NMT": 0.3 best at this data size). Its d 512 and 6 encoder layers map onto student-6-1
+# teacher-base (d 512, 6+6 layers, 48 M) costs about 1.8x student-6-1's training FLOPs a token, and
+# student-6-1 trained at 330-420k tokens/s on the H200 (bf16, 24k-token batches; docs/bench/gpu.md), so
+# teacher-base should run at 150-230k on an H100 or H200: 6 minutes are some 60-90 epochs of the Bible
+# corpus (about 0.9 M target tokens), more than the CPU teacher's 27 (24.6 test BLEU); dropout 0.3 because
+# that many epochs of 29k pairs overfit a model of that size (Araabi & Monz 2020, "Optimizing Transformer
+# for low-resource NMT": 0.3 best at this data size). Its d 512 and 6 encoder layers map onto student-6-1
 # (student/train/init.py), so the student starts from it.
 # Re-measure: tools/gpu_session.sh runs the default `make distill` on a GPU and records its report.
 AUTO_TEACHER = {
@@ -146,14 +147,17 @@ AUTO_TEACHER = {
 }
 
 # What the `default` preset changes per device kind (DistillConfig's own values are the CPU's).
-# CUDA: the target is the whole `make distill` in 20 minutes on one H100: teacher 9 + student 5
-# training minutes, the rest for evaluations, the distillation (29k lines, beam 4, GPU batches),
-# export and report. student-6-1 (the GPU benchmark's model) starts from teacher-base's weights.
-# None: the trainer's GPU sizes (student/train/sizing.py). Checkpoints every 200 steps, not 100:
-# at 8x the CPU's tokens a step, a 580 MB teacher-base checkpoint every 100 steps costs budget.
+# CUDA: the target is the whole `make distill` in 20 minutes on one H100; the budgets are sized so that
+# it ends in about 12, which a lent GPU session (15 minutes of machine time, start and build included)
+# can measure end to end: teacher 6 + student 3 training minutes, the rest for evaluations, the
+# distillation (29k lines, beam 4, GPU batches), export and report. student-6-1 (the GPU benchmark's
+# model) starts from teacher-base's weights; at ~300k tokens/s, 3 minutes are some 60 epochs of the
+# distilled corpus. None: the trainer's GPU sizes (student/train/sizing.py). Checkpoints every 200
+# steps, not 100: at 8x the CPU's tokens a step, a 580 MB teacher-base checkpoint every 100 steps
+# costs budget.
 DEVICE_DEFAULTS = {
     "cpu": {},
-    "cuda": dict(teacher_minutes=9.0, student_minutes=5.0, student_preset="student-6-1", save_every=200),
+    "cuda": dict(teacher_minutes=6.0, student_minutes=3.0, student_preset="student-6-1", save_every=200),
 }
 
 
