@@ -411,6 +411,15 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
                  "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
                  "one step a graph"),
+    Optimisation("refill_rows", True, "finished greedy rows refilled with the chunk's next sentences",
+                 "refill_rows", True, False, "each batch decoded until its longest output ends, its finished rows "
+                 "fed <pad>", "cuda", needs=lambda o: o.graph_steps,
+                 detail="with graph_steps, greedy (decoder/refill.py): a chunk's sentences stream through one "
+                 "fixed-shape state of max_tokens/16 rows (4,096 on a GPU), each row at its own position; every "
+                 "`sync_every` steps the finished rows' outputs leave and the next sentences, encoded ahead in "
+                 "the usual batches, take their rows. One graph a chunk; the steps are as many as the chunk's "
+                 "tokens need at that width (the Bible's 10,000 lines: about 200 against 504 at 64k-token "
+                 "batches, half of whose rows' steps fed <pad>). Not measured on a GPU yet"),
     Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
                  False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",
                  detail="Translator.each_batch: batch k+1's padding, copy to the GPU, encoder (and shortlist) are "
@@ -535,6 +544,7 @@ class Plan:
     static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
     graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
     capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
+    refill_rows: bool           # graph_steps, greedy: a chunk's sentences through one state, rows refilled
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
@@ -571,7 +581,8 @@ class Plan:
         return (f"{self.loop} loop, {self.state} state" + (", one-row state at 1 sentence" if self.one_row else "")
                 + f", CUDA graphs {'on' if self.cuda_graphs else 'off'}"
                 + (f", whole {self.loop} steps {self.sync_every if self.loop == 'greedy' else 1} a graph"
-                   if self.graph_steps else "") + f", host reads {reads}"
+                   if self.graph_steps else "") + (", rows refilled" if self.refill_rows else "")
+                + f", host reads {reads}"
                 + (f"; {' '.join(diff)}" if diff else "") + self.ops_summary())
 
     def ops_summary(self) -> str:
@@ -651,6 +662,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         # the fixed-address beam step takes its top-k from the logits
         slots["graph_steps"] = slots["capture_ahead"] = False
         runs -= {"graph_steps", "capture_ahead"}
+    if not slots["graph_steps"] or loop != "greedy":
+        slots["refill_rows"] = False
+        runs.discard("refill_rows")
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import hostsync, modeldir, ops
+from . import hostsync, modeldir, ops, refill
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
 from .cache import new_state
@@ -264,6 +264,12 @@ class Translator:
         if self.pool is not None:
             # every batch of the chunk is queued first, so the workers never wait on the parent
             futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
+        elif self.plan.refill_rows and refill.applies(len(idx), o.max_tokens, o.max_sentences):
+            groups, futs = [], []  # the sentences finished in a block, detokenised while the next runs
+            for ids, out in self.refilled([srcs[i] for i in idx], batches):
+                groups.append(ids)
+                futs.append(submit(self.detokenise, out))
+            batches = groups
         else:
             futs = [submit(self.detokenise, out) for out in self.each_batch([[srcs[idx[j]] for j in b]
                                                                                 for b in batches])]
@@ -275,6 +281,15 @@ class Translator:
                 out[i] = s
             return out
         return finish
+
+    @torch.inference_mode()
+    def refilled(self, srcs: list[list[int]], batches: list[list[int]]) -> Iterator[tuple[list[int], Outputs]]:
+        """Greedy outputs of `srcs`, encoded in `batches` (index lists), through one state whose
+        finished rows take the next sentences (decoder/refill.py): (indices, Outputs) a block at a time."""
+        o = self.opts
+        caps = self.limits([len(x) for x in srcs]).tolist()
+        yield from refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
+                                   o.max_tokens, o.max_sentences, self.phase)
 
     def each_batch(self, batches: list[list[list[int]]]) -> Iterator[Outputs]:
         """Each batch's outputs, in order. With plan.encode_ahead the next batch is encoded

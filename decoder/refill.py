@@ -1,0 +1,233 @@
+"""Greedy decoding with finished rows refilled (switch refill_rows): continuous batching.
+
+A fixed-shape batch (decoder/static_steps.py `greedy_static`) decodes until its
+longest output ends, its finished rows fed <pad> meanwhile. On the Bible's
+first 10,000 training lines at the GPU's 64k-token batches that is half of
+the rows' steps, and the batches' few rows (682-2,427: the budget counts source
+tokens) make each step a few latency-bound kernels: 504 steps in all, each one
+slower than its arithmetic. Here a chunk's sentences stream through one
+fixed-shape state of many rows (`rows_for`): each row has its own position,
+and every `block` steps the host reads which rows have finished, sends their
+outputs on their way (hostsync.later) and puts the next sentences, encoded
+ahead in the usual length-sorted batches, into their rows. One graph serves the
+whole chunk: no capture per batch, and the steps are as many as the chunk's
+tokens need at the state's width.
+
+A row's computation is the same as in a batch of its own (its position, its
+source, its cache), so the tokens are greedy_static's (tests/test_refill.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from . import hostsync
+from .cache import DecoderState, StaticCache
+from .fused import heads, merge
+from .search import Outputs, Search
+from .static_steps import StaticGreedy
+
+# The state's rows: max_tokens // ROW_TOKENS (4,096 at the GPU's 64k), at most max_sentences.
+# Its positions (rows x (source + target cap)) at most POSITION_BUDGET x max_tokens: K/V of
+# 16 x 64k positions are 2 GB a decoder layer at d 512 in fp16.
+ROW_TOKENS = 16
+POSITION_BUDGET = 16
+# chunks of at most this many sentences, or states of at most this many rows (batch 1, the
+# latency mode), keep the per-batch loop and graph_reuse's kept states
+MIN_SENTENCES = 16
+
+
+def applies(sentences: int, max_tokens: int, max_sentences: int) -> bool:
+    """Whether a chunk of this many sentences is refilled at these batch settings."""
+    return sentences > MIN_SENTENCES and min(max_sentences, max_tokens // ROW_TOKENS) > MIN_SENTENCES
+
+
+def rows_for(max_tokens: int, max_sentences: int, source: int, cap: int) -> int:
+    """Rows of a state whose longest source has `source` tokens and longest output `cap`."""
+    return max(1, min(max_sentences, max_tokens // ROW_TOKENS, POSITION_BUDGET * max_tokens // (source + cap)))
+
+
+def segments(batches: list[list[int]], lengths: list[int], caps: list[int], max_tokens: int,
+             max_sentences: int) -> list[tuple[int, int]]:
+    """(first, end) runs of `batches` (length-sorted, longest first) that share one state: a
+    new one starts where the rows allowed at least double (a chunk's few long lines would
+    otherwise hold every later sentence to their narrow state)."""
+    out, first, rows = [], 0, None
+    for i, b in enumerate(batches):
+        n = rows_for(max_tokens, max_sentences, max(lengths[j] for j in b), max(caps[j] for j in b))
+        if rows is not None and n >= 2 * rows:
+            out.append((first, i))
+            first = i
+        if rows is None or first == i:
+            rows = n
+    if batches:
+        out.append((first, len(batches)))
+    return out
+
+
+class RefillCache(StaticCache):
+    """StaticCache with a position per row and rows that take new sentences (`place`):
+    the position embedding, the K/V write and the mask past the position are each row's."""
+
+    def __init__(self, model, rows: int, source: int, max_len: int):
+        d, dev = model.d, model.emb.device
+        enc = torch.zeros(rows, source, d, dtype=model.dtype, device=dev)  # (N, S, d) no sentence yet
+        mask = torch.zeros(rows, 1, 1, source, dtype=torch.bool, device=dev)  # (N, 1, 1, S)
+        mask[..., 0] = True  # an empty row attends to one (zero) key: finite, never used
+        super().__init__(model, enc, mask, 1, max_len, graphs=model.plan.cuda_graphs)
+        # the cross K/V as buffers of their own, (N, S, d) each, written row by row by `place`
+        self.cross_rows = [(torch.zeros_like(enc), torch.zeros_like(enc)) for _ in model.dec_layers]
+        self.cross = [(heads(k, model.n_heads), heads(v, model.n_heads)) for k, v in self.cross_rows]
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)  # (N,) each row's position
+        self.position_mask = _row_attend_mask if self.plan.static_attend else _row_bias_mask
+        self.write_at = None
+
+    def _run(self):
+        N, h = self.kv.shape[2], self.kv.shape[3]
+        self.write_at = self.pos.view(N, 1, 1, 1).expand(N, h, 1, self.kv.shape[-1])  # (N, h, 1, hd)
+        return super()._run()
+
+    def self_attend(self, i: int, attn, y):
+        q, k, v = attn.project_qkv(y)
+        kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
+        N, h = kc.shape[:2]
+        kc.scatter_(2, self.write_at, k.view(N, h, 1, -1))
+        vc.scatter_(2, self.write_at, v.view(N, h, 1, -1))
+        return merge(self.attend(heads(q, h), kc, vc, self.bias))
+
+    def place(self, slots: torch.Tensor, k_v: list, mask: torch.Tensor) -> None:
+        """Rows `slots` (n,) take new sentences: per decoder layer their cross (k, v) (n, S', d),
+        their key mask (n, 1, 1, S'); position 0 (the searches' loop resets the rest)."""
+        S = mask.shape[-1]
+        for (kb, vb), (k, v) in zip(self.cross_rows, k_v):
+            kb[slots, :S] = k
+            vb[slots, :S] = v
+        self.mask[slots] = False
+        self.mask[slots, :, :, :S] = mask
+        self.pos[slots] = 0
+
+
+def _row_bias_mask(positions, pos, x):
+    """(N, 1, 1, T) for SDPA: 0 up to each row's position, -inf after it."""
+    past = positions[None, :] > pos[:, None]  # (N, T)
+    return torch.zeros(past.shape, dtype=x.dtype, device=x.device).masked_fill_(past, float("-inf"))[:, None, None]
+
+
+def _row_attend_mask(positions, pos, x):
+    """(N, 1, 1, T) for the decode-step attention kernel: True up to each row's position."""
+    return (positions[None, :] <= pos[:, None])[:, None, None]
+
+
+class RefillGreedy(StaticGreedy):
+    """StaticGreedy's block of whole steps with a position per row: a finished row's position
+    stops, and its <pad> goes to the last column of `out`, past every cap, which no read uses."""
+
+    def __init__(self, state, s: Search, block: int):
+        N = state.cache.pos.shape[0]
+        super().__init__(state, torch.ones(N, dtype=torch.long, device=state.cache.pos.device), s, block)
+        self.out = torch.full((N, self.out.shape[1] + 1), self.pad, dtype=torch.long, device=self.out.device)
+        self.spare = self.out.shape[1] - 1
+        self.done.fill_(True)  # every row empty until `place`
+
+    def _steps(self):
+        c = self.cache
+        for _ in range(self.block):
+            nxt = self.head(c._run())  # (N,)
+            nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
+            nxt = torch.where(self.done, self.pad, nxt)
+            self.out.scatter_(1, torch.where(self.done, self.spare, c.pos)[:, None], nxt[:, None])
+            self.done |= nxt == self.eos
+            c.tokens.copy_(nxt)
+            c.pos.add_(self.done.logical_not())
+        return self.done
+
+    def place(self, slots: torch.Tensor, k_v: list, mask: torch.Tensor, limits: torch.Tensor) -> None:
+        """Rows `slots` start new sentences (RefillCache.place) of these caps (n,)."""
+        self.cache.place(slots, k_v, mask)
+        self.limits[slots] = limits
+        self.cache.tokens[slots] = self.start
+        self.done[slots] = False
+        self.out[slots] = self.pad
+
+
+@dataclass
+class Pending:
+    """An encoded batch whose sentences wait for rows: their ids in the chunk, the batch's
+    cross K/V per decoder layer (B, S, d), key mask (B, 1, 1, S), caps (B,); `next` the first
+    not yet placed."""
+    ids: list[int]
+    k_v: list
+    mask: torch.Tensor
+    limits: torch.Tensor
+    next: int = 0
+
+
+def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs: list[list[int]],
+             caps: list[int], max_tokens: int, max_sentences: int, phase) -> Iterator[tuple[list[int], Outputs]]:
+    """Greedy outputs of the sentences `srcs` (source ids with </s>) in `batches` (index lists,
+    length-sorted, longest first): (the indices finished in a block, their Outputs), block by block.
+    `encode(list of source ids)` -> decoder/translator.py Encoded; `caps` each sentence's cap."""
+    lengths = [len(x) for x in srcs]
+    for first, end in segments(batches, lengths, caps, max_tokens, max_sentences):
+        part = batches[first:end]
+        every = [j for b in part for j in b]  # the longest first where sorted; any order works
+        source, cap = max(lengths[j] for j in every), max(caps[j] for j in every)
+        rows = min(rows_for(max_tokens, max_sentences, source, cap), len(every))
+        yield from _segment(model, s, encode, part, srcs, rows, source, cap, phase)
+
+
+def _segment(model, s, encode, batches, srcs, rows, source, cap, phase):
+    block = s.plan.sync_every
+    cache = RefillCache(model, rows, source, -(-cap // block) * block)
+    loop = RefillGreedy(DecoderState(model, cache, None, phase), s, block)
+    todo, queue = deque(batches), deque()
+    owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
+    blocks = 0
+    while True:
+        _refill(loop, encode, srcs, model, todo, queue, owner, rows)
+        if (owner < 0).all():
+            return
+        with phase("decode steps"):
+            loop.run(0)
+            if blocks == 0 and s.plan.capture_ahead:
+                loop.capture_ahead()
+        blocks += 1
+        done = hostsync.to_cpu(loop.done, "finished?").numpy()
+        fin = np.flatnonzero(done & (owner >= 0))
+        if fin.size:
+            out = hostsync.later(loop.out.index_select(0, _on(fin, model)), "outputs")
+            yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
+            owner[fin] = -1
+
+
+def _refill(loop, encode, srcs, model, todo, queue, owner, rows) -> None:
+    """The free rows take the next waiting sentences; a batch is encoded whenever fewer than a
+    state's worth of sentences wait, so the next one's encoder is queued behind this block."""
+    free = np.flatnonzero(owner < 0)
+    while free.size and (queue or todo):
+        if not queue:
+            queue.append(_pending(encode, srcs, todo.popleft(), model))
+        p = queue[0]
+        n = min(free.size, len(p.ids) - p.next)
+        take = _on(np.arange(p.next, p.next + n), model)
+        loop.place(_on(free[:n], model), [(k.index_select(0, take), v.index_select(0, take)) for k, v in p.k_v],
+                   p.mask.index_select(0, take), p.limits.index_select(0, take))
+        owner[free[:n]] = p.ids[p.next:p.next + n]
+        free, p.next = free[n:], p.next + n
+        if p.next == len(p.ids):
+            queue.popleft()
+    if todo and sum(len(p.ids) - p.next for p in queue) < rows:
+        queue.append(_pending(encode, srcs, todo.popleft(), model))
+
+
+def _pending(encode, srcs, batch: list[int], model) -> Pending:
+    e = encode([srcs[j] for j in batch])
+    return Pending(batch, [L.cross.project_kv(e.enc) for L in model.dec_layers], e.mask, e.limits)
+
+
+def _on(a: np.ndarray, model) -> torch.Tensor:
+    return hostsync.to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), model.emb.device)

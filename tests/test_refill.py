@@ -1,0 +1,125 @@
+"""decoder/refill.py: a chunk's greedy sentences through one fixed-shape state whose finished
+rows take the next sentences. On CPU the fixed-shape state runs eagerly (static_shapes),
+the same ops a GPU captures: the tokens, the steps, the host reads, the segments."""
+import os
+
+import pytest
+
+from decoder import Translator, hostsync, refill, static_steps
+from decoder.optimisations import Kernels, Switches, resolve
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
+MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
+trained = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json")),
+                             reason="trained fixture tests/fixtures/bible-tiny is absent")
+
+
+def source_lines(n: int) -> list[str]:
+    with open(SRC, encoding="utf-8") as fh:
+        return [line.rstrip("\n") for line in fh][:n]
+
+
+def counted_blocks(monkeypatch) -> list:
+    runs = []
+    run = static_steps.StaticGreedy.run
+    monkeypatch.setattr(static_steps.StaticGreedy, "run", lambda self, t: (runs.append(self), run(self, t))[1])
+    return runs
+
+
+# small batches, so that a state of max_tokens/16 rows is refilled many times
+SMALL = dict(max_tokens=1024, max_sentences=64)
+
+
+@trained
+@pytest.mark.parametrize("kw", [dict(sync_every=1), dict(sync_every=3), dict(sync_every=8),
+                                dict(sync_every=4, max_len_a=0.0, max_len_b=1),  # each sentence one forced </s>
+                                dict(sync_every=4, graph_attention=True),
+                                dict(sync_every=5, sort=False)])
+def test_refilled_rows_give_the_per_batch_tokens_in_input_order(kw):
+    lines = source_lines(150)
+    lines[3] = lines[77] = ""  # empty lines stay empty and hold their place
+    per_batch = Translator(MODEL, static_shapes=True, refill_rows=False, **SMALL, **kw)
+    tr = Translator(MODEL, static_shapes=True, **SMALL, **kw)
+    assert tr.plan.refill_rows and not per_batch.plan.refill_rows
+    assert tr.translate(lines) == per_batch.translate(lines)
+    caps = {k: v for k, v in kw.items() if k.startswith("max_len")}
+    assert tr.translate(lines) == Translator(MODEL, **caps).translate(lines)  # the incremental state's
+
+
+@trained
+def test_a_refilled_state_runs_fewer_steps_than_its_batches(monkeypatch):
+    lines = source_lines(300)
+    per_batch = Translator(MODEL, static_shapes=True, refill_rows=False, sync_every=4, **SMALL)
+    tr = Translator(MODEL, static_shapes=True, sync_every=4, **SMALL)
+    runs = counted_blocks(monkeypatch)
+    per_batch.translate(lines)
+    batch_blocks = len(runs)
+    runs.clear()
+    out = tr.translate(lines)
+    states = {id(r) for r in runs}
+    assert len(states) == 1  # one state (and one graph) for the whole chunk
+    rows = refill.rows_for(SMALL["max_tokens"], SMALL["max_sentences"], 1, 1)
+    tokens = sum(len(tr.text.sp.encode(x)) + 1 for x in out)  # about the steps the outputs took
+    assert len(runs) < batch_blocks
+    assert len(runs) * 4 * rows >= tokens  # no fewer row-steps than the tokens written
+
+
+@trained
+def test_a_refilled_chunk_reads_the_finished_rows_once_a_block(monkeypatch):
+    tr = Translator(MODEL, static_shapes=True, sync_every=4, **SMALL)
+    runs = counted_blocks(monkeypatch)
+    hostsync.reset()
+    tr.translate(source_lines(120))
+    assert hostsync.counts["finished?"] == len(runs)
+    assert 0 < hostsync.counts["outputs"] <= len(runs)  # the rows finished in a block, one copy
+    assert set(hostsync.counts) == {"finished?", "outputs"}
+
+
+@trained
+@pytest.mark.parametrize("n,kw", [(refill.MIN_SENTENCES, {}),  # a chunk of few sentences
+                                  (40, dict(max_sentences=1)),  # batch 1: the latency mode's kept graphs
+                                  (40, dict(max_tokens=16 * refill.MIN_SENTENCES))])  # a state of 16 rows
+def test_few_sentences_or_rows_keep_the_per_batch_loop(n, kw, monkeypatch):
+    tr = Translator(MODEL, static_shapes=True, sync_every=4, **kw)
+    monkeypatch.setattr(refill, "refilled", lambda *a, **k: pytest.fail("refilled"))
+    lines = source_lines(n)
+    assert tr.translate(lines) == Translator(MODEL).translate(lines)
+    assert refill.applies(17, 65536, 8192) and not refill.applies(16, 65536, 8192)
+
+
+def test_rows_follow_the_token_budget_and_narrow_for_long_sentences():
+    assert refill.rows_for(65536, 8192, 96, 154) == 4096  # the GPU's default: max_tokens / 16
+    assert refill.rows_for(65536, 1024, 96, 154) == 1024  # at most max_sentences
+    assert refill.rows_for(65536, 8192, 1000, 1023) == 16 * 65536 // 2023  # positions bounded
+    assert refill.rows_for(16, 8192, 1000, 1023) == 1
+
+
+def test_a_long_first_batch_gets_a_narrow_state_of_its_own():
+    lengths = [1000, 900, 40, 40, 39, 30, 20]
+    caps = [min(int(1.5 * n) + 10, 1023) for n in lengths]
+    batches = [[0], [1], [2, 3], [4, 5], [6]]
+    segs = refill.segments(batches, lengths, caps, 65536, 8192)
+    assert segs == [(0, 2), (2, 5)]  # the rows allowed jump at batch 2; 40 -> 20 tokens does not double them
+    assert refill.segments([[2, 3], [4, 5], [6]], lengths, caps, 65536, 8192) == [(0, 3)]
+    assert refill.segments([], [], [], 65536, 8192) == []
+
+
+@trained
+def test_a_chunk_with_a_long_line_first_decodes_in_two_states(monkeypatch):
+    lines = source_lines(80)
+    lines[10] = " ".join(lines[:12])  # one line far longer than the rest
+    kw = dict(static_shapes=True, sync_every=4, max_tokens=2048, max_sentences=64)
+    runs = counted_blocks(monkeypatch)
+    got = Translator(MODEL, **kw).translate(lines)
+    assert len({id(r) for r in runs}) == 2
+    assert got == Translator(MODEL, **{**kw, "refill_rows": False}).translate(lines)
+
+
+def test_refill_resolves_with_the_greedy_whole_step_graphs_only():
+    both = Kernels(cpu=True, cuda=True)
+    assert resolve(Switches(), device="cuda", kernels=both).refill_rows
+    assert not resolve(Switches(), device="cuda", kernels=both, beam=4).refill_rows
+    assert not resolve(Switches(graph_steps=False), device="cuda", kernels=both).refill_rows
+    assert not resolve(Switches(shortlist=True), device="cuda", kernels=both).refill_rows
+    assert not resolve(Switches(), device="cpu", kernels=both).refill_rows  # no fixed-shape state there
+    assert resolve(Switches(), device="cpu", kernels=both, static_shapes=True).refill_rows
