@@ -67,6 +67,11 @@ class Later:
         self.wait()
         return self.host.tolist()
 
+    def array(self) -> np.ndarray:
+        """The host copy as a numpy array (shares its memory)."""
+        self.wait()
+        return self.host.numpy()
+
     def until(self, stop: int) -> list[list[int]]:
         """Each row of a (rows, T) tensor up to its first `stop` (all of it without one). A row
         at a time: the text pipeline's thread runs this while the decoding thread waits for the

@@ -181,32 +181,40 @@ def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs:
 
 
 def _segment(model, s, encode, batches, srcs, rows, source, cap, phase):
+    """One state's blocks. The host reads block i's finished rows while block i+1 runs, so the
+    GPU always has a block queued: rows refilled after that read run from block i+2 on, and
+    their finished flag counts from there (`ready`); until then it is their last sentence's."""
     block = s.plan.sync_every
     cache = RefillCache(model, rows, source, -(-cap // block) * block)
     loop = RefillGreedy(DecoderState(model, cache, None, phase), s, block)
     todo, queue = deque(batches), deque()
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
-    blocks = 0
+    ready = np.zeros(rows, dtype=np.int64)  # (N,) the first block whose finished flag is owner's
+    snaps, issued = deque(), 0  # (block, its finished flags on their way to the host)
+    _refill(loop, encode, srcs, model, todo, queue, owner, ready, 0)
     while True:
-        _refill(loop, encode, srcs, model, todo, queue, owner, rows)
-        if (owner < 0).all():
+        while len(snaps) < 2 and (owner >= 0).any():
+            with phase("decode steps"):
+                loop.run(0)
+                if issued == 0 and s.plan.capture_ahead:
+                    loop.capture_ahead()
+            snaps.append((issued, hostsync.later(loop.done, "finished?")))
+            issued += 1
+        if not snaps:
             return
-        with phase("decode steps"):
-            loop.run(0)
-            if blocks == 0 and s.plan.capture_ahead:
-                loop.capture_ahead()
-        blocks += 1
-        done = hostsync.to_cpu(loop.done, "finished?").numpy()
-        fin = np.flatnonzero(done & (owner >= 0))
+        i, flags = snaps.popleft()
+        fin = np.flatnonzero(flags.array() & (owner >= 0) & (ready <= i))
         if fin.size:
             out = hostsync.later(loop.out.index_select(0, _on(fin, model)), "outputs")
             yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
             owner[fin] = -1
+        _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued)
 
 
-def _refill(loop, encode, srcs, model, todo, queue, owner, rows) -> None:
-    """The free rows take the next waiting sentences; a batch is encoded whenever fewer than a
-    state's worth of sentences wait, so the next one's encoder is queued behind this block."""
+def _refill(loop, encode, srcs, model, todo, queue, owner, ready, first: int) -> None:
+    """The free rows take the next waiting sentences, from block `first` on; a batch is encoded
+    whenever fewer than a state's worth of sentences wait, so the next one's encoder is queued
+    behind the blocks in flight."""
     free = np.flatnonzero(owner < 0)
     while free.size and (queue or todo):
         if not queue:
@@ -217,10 +225,11 @@ def _refill(loop, encode, srcs, model, todo, queue, owner, rows) -> None:
         loop.place(_on(free[:n], model), [(k.index_select(0, take), v.index_select(0, take)) for k, v in p.k_v],
                    p.mask.index_select(0, take), p.limits.index_select(0, take))
         owner[free[:n]] = p.ids[p.next:p.next + n]
+        ready[free[:n]] = first
         free, p.next = free[n:], p.next + n
         if p.next == len(p.ids):
             queue.popleft()
-    if todo and sum(len(p.ids) - p.next for p in queue) < rows:
+    if todo and sum(len(p.ids) - p.next for p in queue) < owner.size:
         queue.append(_pending(encode, srcs, todo.popleft(), model))
 
 
