@@ -418,7 +418,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "fixed-shape state of max_tokens/16 rows (4,096 on a GPU), each row at its own position; every "
                  "`sync_every` steps the finished rows' outputs leave and the next sentences, encoded ahead in "
                  "the usual batches, take their rows. One graph a chunk; the steps are as many as the chunk's "
-                 "tokens need at that width (the Bible's 10,000 lines: about 200 against 504 at 64k-token "
+                 "tokens need at that width (the Bible's 10,000 lines: 160 against 504 at 64k-token "
                  "batches, half of whose rows' steps fed <pad>). Not measured on a GPU yet"),
     Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
                  False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",

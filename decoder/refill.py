@@ -7,9 +7,10 @@ the rows' steps, and the batches' few rows (682-2,427: the budget counts source
 tokens) make each step a few latency-bound kernels: 504 steps in all, each one
 slower than its arithmetic. Here a chunk's sentences stream through one
 fixed-shape state of many rows (`rows_for`): each row has its own position,
-and every `block` steps the host reads which rows have finished, sends their
-outputs on their way (hostsync.later) and puts the next sentences, encoded
-ahead in the usual length-sorted batches, into their rows. One graph serves the
+and after every `block` steps the host reads which rows have finished (while
+the next block runs), sends their outputs on their way (hostsync.later) and
+puts the next sentences, encoded ahead in the usual length-sorted batches,
+into their rows. One graph serves the
 whole chunk: no capture per batch, and the steps are as many as the chunk's
 tokens need at the state's width.
 
