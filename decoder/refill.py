@@ -10,9 +10,9 @@ fixed-shape state of many rows (`rows_for`): each row has its own position,
 and after every `block` steps the host reads which rows have finished (while
 the next block runs), sends their outputs on their way (hostsync.later) and
 puts the next sentences, encoded ahead in the usual length-sorted batches,
-into their rows. One graph serves the
-whole chunk: no capture per batch, and the steps are as many as the chunk's
-tokens need at the state's width.
+into their rows. One graph serves the whole chunk: no capture per batch, and
+the steps are as many as the chunk's tokens need at the state's width, or its
+longest output's, which starts first.
 
 A row's computation is the same as in a batch of its own (its position, its
 source, its cache), so the tokens are greedy_static's (tests/test_refill.py).

@@ -123,3 +123,15 @@ def test_refill_resolves_with_the_greedy_whole_step_graphs_only():
     assert not resolve(Switches(shortlist=True), device="cuda", kernels=both).refill_rows
     assert not resolve(Switches(), device="cpu", kernels=both).refill_rows  # no fixed-shape state there
     assert resolve(Switches(), device="cpu", kernels=both, static_shapes=True).refill_rows
+
+
+@trained
+def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path):
+    import json
+    from tools import decode_steps
+    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "120", "--max-tokens", "1024",
+                              "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
+    per_batch, refilled = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == [64]
+    assert refilled["same_outputs"] == "120 of 120"
+    assert "| refilled rows |" in (tmp_path / "s.md").read_text()

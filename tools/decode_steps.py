@@ -1,0 +1,94 @@
+"""How many decode steps a greedy run takes, per batch against refilled rows (switch refill_rows).
+
+    python -m tools.decode_steps --model DIR --src FILE [--lines 10000] [--max-tokens 65536]
+        [--max-sentences 8192] [--sync-every 8] [--out PREFIX]
+
+On a GPU a step of a few thousand rows is a few dozen kernels whose time hardly
+depends on the rows, so the steps, not the rows, are what a throughput run
+costs there. This counts them on any machine: the fixed-shape state the GPU's
+graphs replay runs eagerly here (static shapes), at the GPU's batch settings by
+default, once with a state per batch (`--no-refill-rows`) and once with the
+chunk's sentences streaming through one state (decoder/refill.py). For each:
+steps, row-steps (rows x steps: what a compute-bound device pays), the states'
+rows, and whether every output is the same. The wall time is this machine's,
+not a GPU's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from decoder import Translator, cliargs, static_steps
+from decoder.machine import describe, one_line
+
+from .bench import read
+
+
+def count(model: str, lines: list[str], refill: bool, **kw) -> tuple[dict, list[str]]:
+    """One run's steps, row-steps and state widths (StaticGreedy's blocks counted), and its outputs."""
+    blocks: list[tuple[int, int]] = []  # (rows, steps) of each block run
+    run = static_steps.StaticGreedy.run
+
+    def counted(loop, t):
+        blocks.append((loop.cache.tokens.shape[0], loop.block))
+        return run(loop, t)
+    static_steps.StaticGreedy.run = counted
+    try:
+        tr = Translator(model, static_shapes=True, refill_rows=refill, **kw)
+        start = time.perf_counter()
+        out = tr.translate(lines)
+        wall = time.perf_counter() - start
+    finally:
+        static_steps.StaticGreedy.run = run
+    return {"refill_rows": refill, "steps": sum(s for _, s in blocks), "row_steps": sum(r * s for r, s in blocks),
+            "rows": sorted({r for r, _ in blocks}), "wall_s": round(wall, 2)}, out
+
+
+def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
+    out = [f"Machine: {machine}", "", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), "",
+           "| loop | steps | row-steps | states' rows | same outputs | wall here (s) |", "|---|---:|---:|---|---|---:|"]
+    out += [f"| {'refilled rows' if r['refill_rows'] else 'a state per batch'} | {r['steps']:,} | {r['row_steps']:,} | "
+            f"{', '.join(map(str, r['rows']))} | {r['same_outputs']} | {r['wall_s']} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.decode_steps", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="model dir")
+    p.add_argument("--src", required=True, help="source lines")
+    p.add_argument("--lines", type=cliargs.positive_int, default=10000, help="first N lines")
+    p.add_argument("--max-tokens", type=cliargs.positive_int, default=cliargs.GPU_MAX_TOKENS,
+                   help="padded source tokens a batch (the GPU's greedy default)")
+    p.add_argument("--max-sentences", type=cliargs.positive_int, default=cliargs.GPU_MAX_SENTENCES,
+                   help="sentences a batch (the GPU's greedy default)")
+    p.add_argument("--sync-every", type=cliargs.positive_int, default=8, help="steps a block (the GPU's)")
+    p.add_argument("--threads", type=cliargs.positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", help="also write PREFIX.md and PREFIX.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    lines = read(a.src)[:a.lines]
+    settings = {"lines": len(lines), "max_tokens": a.max_tokens, "max_sentences": a.max_sentences,
+                "sync_every": a.sync_every}
+    kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every, threads=a.threads)
+    (per_batch, want), (refilled, got) = (count(a.model, lines, r, **kw) for r in (False, True))
+    per_batch["same_outputs"] = "-"
+    refilled["same_outputs"] = f"{sum(x == y for x, y in zip(want, got)):,} of {len(lines):,}"
+    machine = one_line(describe())
+    md = to_markdown([per_batch, refilled], machine, settings)
+    print(md, end="")
+    if a.out:
+        with open(a.out + ".md", "w", encoding="utf-8") as fh:
+            fh.write(md)
+        with open(a.out + ".json", "w", encoding="utf-8") as fh:
+            json.dump({"machine": machine, "settings": settings, "rows": [per_batch, refilled]}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
