@@ -4,6 +4,8 @@ the same ops a GPU captures: the tokens, the steps, the host reads, the segments
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from decoder import Translator, hostsync, refill, static_steps
 from decoder.optimisations import Kernels, Switches, resolve
@@ -135,3 +137,19 @@ def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path):
     assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == [64]
     assert refilled["same_outputs"] == "120 of 120"
     assert "| refilled rows |" in (tmp_path / "s.md").read_text()
+
+
+@trained
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(picks=st.lists(st.integers(0, 200), min_size=17, max_size=60), every=st.integers(1, 9),
+       max_tokens=st.sampled_from([17 * 16, 512, 2048]), max_sentences=st.integers(17, 80),
+       a=st.sampled_from([0.0, 0.5, 1.5]), b=st.integers(1, 12), sort=st.booleans())
+def test_any_lines_blocks_caps_and_widths_give_the_per_batch_tokens(picks, every, max_tokens, max_sentences,
+                                                                      a, b, sort):
+    pool = source_lines(200) + [""]  # an empty line stays empty, in its place
+    lines = [pool[i] for i in picks]
+    kw = dict(static_shapes=True, sync_every=every, max_tokens=max_tokens, max_sentences=max_sentences,
+              max_len_a=a, max_len_b=b, sort=sort)
+    tr = Translator(MODEL, **kw)
+    assert tr.plan.refill_rows
+    assert tr.translate(lines) == Translator(MODEL, **kw, refill_rows=False).translate(lines)
