@@ -103,6 +103,10 @@ class MosesPunct:
             text = self.remove_control(text)
         return text.strip()
 
+    def many(self, lines: list[str]) -> list[str]:
+        """Each line normalised: what a process of the pipeline's pool runs on its share."""
+        return [self(s) for s in lines]
+
 
 def _non_ascii(text: str) -> str:
     return "".join(c for c in text if not c.isascii())

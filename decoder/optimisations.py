@@ -420,6 +420,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "the usual batches, take their rows. One graph a chunk; the steps are as many as the chunk's "
                  "tokens need at that width (the Bible's 10,000 lines: 160 against 504 at 64k-token "
                  "batches, half of whose rows' steps fed <pad>). Not measured on a GPU yet"),
+    Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
+                 "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
+                 "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
+                 detail="decoder/pipeline.py NormalisePool: the fast normaliser (pure Python, ~4.5 us a line) in "
+                 "half the machine's cores' processes, at most 8 and none below 4 cores, each on a share of the "
+                 "chunk's lines; the workers import neither torch nor the model. The first chunk's normalisation "
+                 "is on the wall before any decoding, and a later chunk's took the GIL from the thread that feeds "
+                 "the GPU. CUDA only (a CPU's cores decode). Not measured on a GPU yet"),
     Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
                  False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",
                  detail="Translator.each_batch: batch k+1's padding, copy to the GPU, encoder (and shortlist) are "
@@ -546,6 +554,7 @@ class Plan:
     capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
     refill_rows: bool           # graph_steps, greedy: a chunk's sentences through one state, rows refilled
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
+    normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
@@ -614,7 +623,7 @@ CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
-CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead"})
+CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes"})
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}

@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .modeldir import CONFIG, ModelConfig, ModelDirError, moses_options
-from .normalise import MosesPunct
+from .normalise import MosesPunct, moses_punct
 from .textio import line_cap
 
 # anything a line-based reader could split on must not leave the decoder
@@ -31,6 +33,9 @@ ENCODE_CHARS = 1 << 20
 # encoded (H200, 10,000 lines in one chunk: about 0.1 s of a 0.72 s pass, estimated); 2,048
 # lines are about one GPU batch at 64k tokens of Bible sentences.
 RAMP_FIRST = 2048
+# switch normalise_processes: groups of at least this many lines go to the pool, in a share for each
+# process (fewer are normalised here: a round trip to a process costs ~0.1-0.2 ms, decoder/workers.py)
+POOL_LINES = 256
 
 
 def make_normaliser(cfg: ModelConfig, fast: bool = True) -> Callable[[str], str] | None:
@@ -47,6 +52,58 @@ def make_normaliser(cfg: ModelConfig, fast: bool = True) -> Callable[[str], str]
     return MosesPunct(mpn) if fast else mpn.normalize
 
 
+def normalise_processes(cores: int) -> int:
+    """The normaliser's processes on a machine of `cores` cores (switch normalise_processes): half
+    of them, at most 8, leaving the rest to the decoding, SentencePiece and detokenising threads;
+    none below 4 cores, where a process would take a core from the decoding."""
+    return 0 if cores < 4 else min(8, cores // 2)
+
+
+class NormalisePool:
+    """The model's fast normaliser (Moses, pure Python: the text pipeline's thread held the
+    GIL for it, about 4.5 us a line) in worker processes (decoder/workers.py, which restarts
+    a dead one, falls back to this process and never outlives it), each on a contiguous share
+    of the lines. The workers import neither torch nor the model. One pool per process and
+    normaliser (`shared`), as a process has one GIL: every Translator of it uses that one."""
+
+    def __init__(self, lang: str, options: dict, n: int):
+        from .workers import WorkerPool
+        self.pool = WorkerPool(partial(moses_punct, lang, **options), n)
+
+    @classmethod
+    def shared(cls, cfg: ModelConfig, n: int) -> "NormalisePool":
+        """This process's pool for cfg's normaliser, started on first use."""
+        norm = cfg.normaliser
+        lang, options = norm.get("src_lang", cfg.src_lang), moses_options(norm)
+        key = (lang, tuple(sorted(options.items())), n)
+        with _POOLS_LOCK:
+            if key not in _POOLS:
+                _POOLS[key] = cls(lang, options, n)
+            return _POOLS[key]
+
+    def many(self, lines: list[str]) -> list[str]:
+        jobs = [self.pool.submit(lines[lo:hi], "many") for lo, hi in shares(lines, max(self.pool.n, 1))]
+        return [s for job in jobs for s in job.result()]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+_POOLS: dict = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shares(lines: list[str], n: int) -> list[tuple[int, int]]:
+    """(lo, hi) of n contiguous runs of lines with about equal characters (none empty)."""
+    total, cuts, acc = sum(map(len, lines)) or 1, [0], 0
+    for i, line in enumerate(lines):
+        acc += len(line)
+        if len(cuts) < n and acc * n >= total * len(cuts) and i + 1 < len(lines):
+            cuts.append(i + 1)
+    cuts.append(len(lines))
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
 class Text:
     """Lines <-> token ids for one model dir."""
 
@@ -57,6 +114,7 @@ class Text:
         # 1-thread worker starts none, and under a process limit a refused thread aborted the process
         self.sp = spm.SentencePieceProcessor(model_file=spm_path, num_threads=torch.get_num_threads())
         self.normalise = make_normaliser(cfg, fast_normaliser)
+        self.pool: NormalisePool | None = None  # the Translator's, where normalise_processes resolved
         self.max_source_tokens = max_source_tokens
         # what textio.read_lines caps the CLI's lines at, for lines handed over in memory
         self.max_line_chars = line_cap(max_source_tokens)
@@ -80,7 +138,9 @@ class Text:
         # so untruncated ids never exceed about ENCODE_CHARS tokens
         for group in _groups(keep, [min(len(lines[i]), self.max_line_chars) for i in keep], ENCODE_CHARS):
             texts = [lines[i][:self.max_line_chars] for i in group]
-            if self.normalise is not None:
+            if self.pool is not None and len(texts) >= POOL_LINES:
+                texts = self.pool.many(texts)
+            elif self.normalise is not None:
                 texts = [self.normalise(s) for s in texts]
             for i, ids in zip(group, self.sp.encode(texts)):
                 if len(ids) > limit:

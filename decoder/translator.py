@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -20,7 +21,7 @@ from .cache import new_state
 from .loops import loop_of
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
-from .pipeline import RAMP_FIRST, Text, run
+from .pipeline import RAMP_FIRST, NormalisePool, Text, normalise_processes, run, shares
 from .quant import Probe, int8_pays, probe as time_probe
 from .runtime import retain_freed_memory
 from .search import Outputs, Search
@@ -145,6 +146,9 @@ class Translator:
             retain_freed_memory()
         self.cfg = cfg
         self.text = Text(cfg, spm_path, cfg.arch.max_positions, fast_normaliser=self.plan.fast_normaliser)
+        n = normalise_processes(len(os.sched_getaffinity(0))) if self.plan.normalise_processes else 0
+        if n and self.text.normalise is not None:
+            self.text.pool = NormalisePool.shared(cfg, n)  # started now (once a process), while the model loads
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
                              length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
                              no_repeat_ngram=o.no_repeat_ngram)
@@ -334,14 +338,3 @@ class Encoded:
     lims: list[int]             # the same on the host
     vocab: torch.Tensor | None  # (C,) the shortlist's candidates, or None
     out: object | None          # the shortlist's sliced output projection, or None
-
-
-def shares(lines: list[str], n: int) -> list[tuple[int, int]]:
-    """(lo, hi) of n contiguous runs of lines with about equal characters (none empty)."""
-    total, cuts, acc = sum(map(len, lines)) or 1, [0], 0
-    for i, line in enumerate(lines):
-        acc += len(line)
-        if len(cuts) < n and acc * n >= total * len(cuts) and i + 1 < len(lines):
-            cuts.append(i + 1)
-    cuts.append(len(lines))
-    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]

@@ -115,3 +115,41 @@ def test_switch_fast_normaliser_picks_the_text_normaliser(tmp_path):
     assert getattr(plain.normalise, "__self__", None).__class__ is MosesPunctNormalizer
     line = "“Hello”  ( world ) …"
     assert fast.encode([line]) == plain.encode([line])
+
+
+# -- normalise_processes: the normaliser in worker processes ------------------------------------
+
+def test_normalise_processes_take_half_the_cores_and_leave_small_machines_alone():
+    from decoder.pipeline import normalise_processes
+    assert [normalise_processes(c) for c in (1, 2, 3, 4, 6, 16, 64)] == [0, 0, 0, 2, 3, 8, 8]
+
+
+def test_normaliser_processes_give_this_process_ids_in_order(monkeypatch):
+    from decoder import pipeline
+    from decoder.pipeline import POOL_LINES, NormalisePool
+    monkeypatch.setattr(pipeline, "_POOLS", {})  # this test's shared pool, closed at its end
+    cfg, _, spm_path = modeldir.load(os.path.join(HERE, "fixtures", "bible-tiny", "model"))
+    if not cfg.normaliser:
+        pytest.skip("the fixture model has no normaliser")
+    with open(os.path.join(HERE, "fixtures", "bible-tiny", "test.en"), encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:POOL_LINES] * 2
+    lines[7], lines[300] = "“Hello”  ( world ) …\x07", ""
+    here, pooled = Text(cfg, spm_path, 64), Text(cfg, spm_path, 64)
+    norm = cfg.normaliser
+    pooled.pool = NormalisePool(norm.get("src_lang", cfg.src_lang), modeldir.moses_options(norm), 2)
+    try:
+        assert pooled.pool.pool.n == 2 and len(pooled.pool.pool.pids()) == 2
+        assert pooled.encode(lines) == here.encode(lines)
+        assert pooled.encode(lines[:POOL_LINES - 1]) == here.encode(lines[:POOL_LINES - 1])  # below: here
+    finally:
+        pooled.pool.close()
+    assert NormalisePool.shared(cfg, 2) is NormalisePool.shared(cfg, 2)  # one a process and normaliser
+    NormalisePool.shared(cfg, 2).close()
+
+
+def test_normalise_processes_resolve_on_cuda_with_the_fast_normaliser_only():
+    from decoder.optimisations import Kernels, Switches, resolve
+    both = Kernels(cpu=True, cuda=True)
+    assert resolve(Switches(), device="cuda", kernels=both).normalise_processes
+    assert not resolve(Switches(fast_normaliser=False), device="cuda", kernels=both).normalise_processes
+    assert not resolve(Switches(), device="cpu", kernels=both).normalise_processes
