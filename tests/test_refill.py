@@ -153,3 +153,17 @@ def test_any_lines_blocks_caps_and_widths_give_the_per_batch_tokens(picks, every
     tr = Translator(MODEL, **kw)
     assert tr.plan.refill_rows
     assert tr.translate(lines) == Translator(MODEL, **kw, refill_rows=False).translate(lines)
+
+
+@trained
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_refilled_chunk_captures_its_block_once_and_replays_it(ahead, monkeypatch):
+    from test_graphs import on_cpu_with_graphs
+    seen = on_cpu_with_graphs(monkeypatch)
+    lines = source_lines(150)
+    tr = Translator(MODEL, static_shapes=True, sync_every=4, capture_ahead=ahead, **SMALL)
+    runs = counted_blocks(monkeypatch)
+    got = tr.translate(lines)
+    assert got == Translator(MODEL, **{k: v for k, v in SMALL.items()}).translate(lines)
+    assert len({id(r) for r in runs}) == 1 and len(runs) > 2
+    assert seen == {"warm": [id(tr.model)], "capture": [id(tr.model)]}  # one graph for the chunk
