@@ -174,9 +174,12 @@ def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
     bare = resolve(Switches(), device="cpu", kernels=NONE).summary()
     assert bare.endswith("; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step, attend_one, "
                          "write_kv_one"), bare
-    # CUDA: the static state attends with SDPA, so only the layer norms and the argmax are fused ops
+    # CUDA: the static state attends through the decode-step kernel (graph_attention), with the layer
+    # norms and the argmax; without graph_attention through SDPA
     cuda = resolve(Switches(), device="cuda", kernels=BOTH).summary("fp16")
-    assert cuda.endswith("; kernels: add_norm, argmax_in_step"), cuda
+    assert cuda.endswith("; kernels: add_norm, attend, argmax_in_step"), cuda
+    assert resolve(Switches(graph_attention=False), device="cuda", kernels=BOTH).summary("fp16").endswith(
+        "; kernels: add_norm, argmax_in_step")
     assert resolve(Switches(), device="cuda", kernels=Kernels(True, False)).summary("fp16").endswith(
         "; kernels: none; reference: add_norm, argmax_in_step")
     assert "; kernels: none" in resolve(Switches(**opt.all_off()), kernels=BOTH).summary()

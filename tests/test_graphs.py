@@ -342,8 +342,8 @@ def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam)
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:16]
     kw = dict(beam=beam, static_shapes=True, fused_project_topk=False)
-    sdpa = Translator(MODEL, **kw)
-    kernel = Translator(MODEL, graph_attention=True, **kw)
+    sdpa = Translator(MODEL, graph_attention=False, **kw)
+    kernel = Translator(MODEL, **kw)
     assert kernel.plan.static_attend and not sdpa.plan.static_attend and "attend" in dict(kernel.plan.bound)
     srcs = sdpa.text.encode(lines)
     assert kernel.translate_ids(srcs) == sdpa.translate_ids(srcs)
@@ -354,7 +354,9 @@ def test_graph_attention_resolves_on_the_fixed_shape_state_with_the_attention_ke
     from decoder.optimisations import Kernels, Switches, resolve
     both = Kernels(cpu=True, cuda=True)
     assert resolve(Switches(graph_attention=True), device="cuda", kernels=both).static_attend
-    assert not resolve(Switches(), device="cuda", kernels=both).static_attend  # off by default
+    assert resolve(Switches(), device="cuda", kernels=both).static_attend  # on by default
     assert not resolve(Switches(graph_attention=True, fused_attention=False), device="cuda",
                        kernels=both).static_attend
     assert not resolve(Switches(graph_attention=True), device="cpu", kernels=both).static_attend
+    # without the CUDA kernels its reference would read the whole cache, as SDPA does, in more kernels
+    assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).static_attend
