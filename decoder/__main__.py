@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from . import cliargs, lifecycle
+from . import cliargs, lifecycle, refill
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, first_line, is_allocation_failure
@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     cliargs.alias(p, "--max-tokens", p.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=None,
         help=f"padded source tokens per batch (default: CPU {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a beam; "
-             f"CUDA {GPU_MAX_TOKENS} / beam size; old name: --max-tokens)"))
+             f"CUDA {GPU_MAX_TOKENS} / beam size; old name: --max-tokens); CUDA greedy decodes a chunk through "
+             f"one state of N/{refill.ROW_TOKENS} rows (switch refill_rows)"))
     cliargs.alias(p, "--max-sentences", p.add_argument(
         "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=None,
         help=f"sentences per batch, at most (default: CPU {MAX_SENTENCES}; CUDA {GPU_MAX_SENTENCES} / beam size; "
