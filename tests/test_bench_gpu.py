@@ -93,6 +93,9 @@ def test_the_profile_goes_to_the_log_in_one_line():
     prof = {"batch": 65536, "gpu_busy": 0.4213, "kernels": 25218, "top_kernels": bench_gpu.kernel_shares(events)}
     assert bench_gpu.profile_line(prof) == ("profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels; "
                                             "80% flash_fwd, 20% gemm")
+    prof.update(steps=160, rows=[4096], row_steps=655360)  # the fixed-shape greedy loop's blocks, counted
+    assert bench_gpu.profile_line(prof) == ("profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels, "
+                                            "160 greedy steps of 4096 rows; 80% flash_fwd, 20% gemm")
 
 
 def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
@@ -225,3 +228,23 @@ def test_a_row_whose_graph_capture_failed_says_it_ran_eagerly():
         rows = [r, *ROWS[1:]]
         md = bench_gpu.to_markdown(rows, bench_gpu.summary(rows, None, {}), None, "head")
         assert ("| ours fp16 (graph capture failed: eager) | 32768 |" in md) is failed
+
+
+def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch):
+    """On CPU the profiler sees no kernels, but the fixed-shape loop's blocks are counted the same."""
+    import os
+    import warnings
+
+    from decoder import Translator
+    model = os.path.join(os.path.dirname(__file__), "fixtures", "bible-tiny", "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        pytest.skip("trained fixture tests/fixtures/bible-tiny is absent")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    tr = Translator(model, static_shapes=True, sync_every=4, max_tokens=1024, max_sentences=64)
+    with open(os.path.join(os.path.dirname(model), "test.en"), encoding="utf-8") as fh:
+        lines = [line.rstrip("\n") for line in fh][:60]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles none
+        prof = bench_gpu.profile_busy(tr.translate, lines, 1.0)
+    assert prof["rows"] == [60] and prof["steps"] > 0 and prof["steps"] % 4 == 0
+    assert prof["row_steps"] == 60 * prof["steps"]

@@ -140,7 +140,9 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     unprofiled wall (`wall_s`); busy_under_profiler: over the profiled wall, lower, as the profiler
     slows the host that feeds the GPU."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+    from .decode_steps import counted_blocks, steps_of
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks:
         t = time.perf_counter()
         go(lines)
         torch.cuda.synchronize()
@@ -150,7 +152,7 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     kernel_s = union_length(iv) / 1e6
     return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
             "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
-            "kernels": len(iv), "top_kernels": kernel_shares(events)}
+            "kernels": len(iv), "top_kernels": kernel_shares(events), **steps_of(blocks)}
 
 
 # -- the engines: each a context giving go(lines) -> hypotheses for one (group, batch size) ------------
@@ -310,8 +312,10 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
 def profile_line(prof: dict) -> str:
     """The profile in the log: busy share, kernels and where their time went."""
     top = ", ".join(f"{k['share']:.0%} {k['kernel'][:60]}" for k in prof["top_kernels"])
+    steps = (f", {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows"
+             if prof.get("steps") else "")  # the fixed-shape loops' (tools.decode_steps)
     return (f"profile    ours fp16 batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
-            f"{prof['kernels']:,} kernels; {top}")
+            f"{prof['kernels']:,} kernels{steps}; {top}")
 
 
 def _label(size) -> str:

@@ -16,6 +16,7 @@ not a GPU's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -26,9 +27,11 @@ from decoder.machine import describe, one_line
 from .bench import read
 
 
-def count(model: str, lines: list[str], refill: bool, **kw) -> tuple[dict, list[str]]:
-    """One run's steps, row-steps and state widths (StaticGreedy's blocks counted), and its outputs."""
-    blocks: list[tuple[int, int]] = []  # (rows, steps) of each block run
+@contextlib.contextmanager
+def counted_blocks():
+    """The (rows, steps) of each block of greedy steps the fixed-shape loops run meanwhile
+    (decoder/static_steps.py StaticGreedy, refilled or not), in a list."""
+    blocks: list[tuple[int, int]] = []
     run = static_steps.StaticGreedy.run
 
     def counted(loop, t):
@@ -36,14 +39,24 @@ def count(model: str, lines: list[str], refill: bool, **kw) -> tuple[dict, list[
         return run(loop, t)
     static_steps.StaticGreedy.run = counted
     try:
-        tr = Translator(model, static_shapes=True, refill_rows=refill, **kw)
+        yield blocks
+    finally:
+        static_steps.StaticGreedy.run = run
+
+
+def steps_of(blocks: list[tuple[int, int]]) -> dict:
+    return {"steps": sum(s for _, s in blocks), "row_steps": sum(r * s for r, s in blocks),
+            "rows": sorted({r for r, _ in blocks})}
+
+
+def count(model: str, lines: list[str], refill: bool, **kw) -> tuple[dict, list[str]]:
+    """One run's steps, row-steps and state widths, and its outputs."""
+    tr = Translator(model, static_shapes=True, refill_rows=refill, **kw)
+    with counted_blocks() as blocks:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
-    finally:
-        static_steps.StaticGreedy.run = run
-    return {"refill_rows": refill, "steps": sum(s for _, s in blocks), "row_steps": sum(r * s for r, s in blocks),
-            "rows": sorted({r for r, _ in blocks}), "wall_s": round(wall, 2)}, out
+    return {"refill_rows": refill, **steps_of(blocks), "wall_s": round(wall, 2)}, out
 
 
 def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
