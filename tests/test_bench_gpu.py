@@ -112,6 +112,10 @@ def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
     assert "| ct2 float16 | 65536 | out of memory |" in md
     assert "GPU busy" in md and "42%" in md and "torch.profiler does not see" in md
     assert "throughput_vs_ct2_best 2.0" in md
+    assert "greedy steps" not in md
+    prof.update(steps=500, rows=[4096], row_steps=2048000)
+    assert "1,000 kernels; 500 greedy steps of 4096 rows, 2.00 ms of kernels a step)" in \
+        bench_gpu.to_markdown(ROWS, s, prof, "head")
 
 
 def test_every_engine_has_a_sweep_in_every_group():

@@ -365,8 +365,10 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
         md.append(f"GPU busy, ours at its best throughput row (batch {_label(prof['batch'])}): "
                   f"{100 * prof['gpu_busy']:.0f}% ({prof['kernel_s']:.2f} s of CUDA kernels in a "
                   f"{prof['wall_s']:.2f} s pass; {100 * prof['busy_under_profiler']:.0f}% of the profiled pass, "
-                  f"{prof['kernels']:,} kernels). "
-                  f"{NOT_PROFILED}.")
+                  f"{prof['kernels']:,} kernels"
+                  + (f"; {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows, "
+                     f"{1000 * prof['kernel_s'] / prof['steps']:.2f} ms of kernels a step" if prof.get("steps") else "")
+                  + f"). {NOT_PROFILED}.")
         if prof.get("top_kernels"):
             md += ["", "GPU time by kernel, that row (share of all kernels' time):", "",
                    "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
