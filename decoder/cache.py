@@ -238,9 +238,13 @@ class StaticCache(IncrementalCache):
         q, k, v = attn.project_qkv(y)
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
         N, h = kc.shape[:2]
-        kc.index_copy_(2, self.pos, k.view(N, h, 1, -1))
-        vc.index_copy_(2, self.pos, v.view(N, h, 1, -1))
+        self.write(kc, k.view(N, h, 1, -1))
+        self.write(vc, v.view(N, h, 1, -1))
         return merge(self.attend(heads(q, h), kc, vc, self.bias))
+
+    def write(self, cache, x) -> None:
+        """x (N, h, 1, hd) into cache (N, h, T, hd) at the position."""
+        cache.index_copy_(2, self.pos, x)
 
     def cross_attend(self, i: int, attn, y):
         N = y.shape[0]

@@ -28,7 +28,7 @@ import torch
 
 from . import hostsync
 from .cache import DecoderState, StaticCache
-from .fused import heads, merge
+from .fused import heads
 from .search import Outputs, Search
 from .static_steps import StaticGreedy
 
@@ -92,13 +92,8 @@ class RefillCache(StaticCache):
         self.write_at = self.pos.view(N, 1, 1, 1).expand(N, h, 1, self.kv.shape[-1])  # (N, h, 1, hd)
         return super()._run()
 
-    def self_attend(self, i: int, attn, y):
-        q, k, v = attn.project_qkv(y)
-        kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
-        N, h = kc.shape[:2]
-        kc.scatter_(2, self.write_at, k.view(N, h, 1, -1))
-        vc.scatter_(2, self.write_at, v.view(N, h, 1, -1))
-        return merge(self.attend(heads(q, h), kc, vc, self.bias))
+    def write(self, cache, x) -> None:
+        cache.scatter_(2, self.write_at, x)  # each row at its own position
 
     def place(self, slots: torch.Tensor, k_v: list, mask: torch.Tensor) -> None:
         """Rows `slots` (n,) take new sentences: per decoder layer their cross (k, v) (n, S', d),
@@ -134,17 +129,11 @@ class RefillGreedy(StaticGreedy):
         self.spare = self.out.shape[1] - 1
         self.done.fill_(True)  # every row empty until `place`
 
-    def _steps(self):
-        c = self.cache
-        for _ in range(self.block):
-            nxt = self.head(c._run())  # (N,)
-            nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
-            nxt = torch.where(self.done, self.pad, nxt)
-            self.out.scatter_(1, torch.where(self.done, self.spare, c.pos)[:, None], nxt[:, None])
-            self.done |= nxt == self.eos
-            c.tokens.copy_(nxt)
-            c.pos.add_(self.done.logical_not())
-        return self.done
+    def record(self, nxt) -> None:
+        self.out.scatter_(1, torch.where(self.done, self.spare, self.cache.pos)[:, None], nxt[:, None])
+
+    def advance(self) -> None:
+        self.cache.pos.add_(self.done.logical_not())  # a finished row's position stops
 
     def place(self, slots: torch.Tensor, k_v: list, mask: torch.Tensor, limits: torch.Tensor) -> None:
         """Rows `slots` start new sentences (RefillCache.place) of these caps (n,)."""

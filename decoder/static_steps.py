@@ -111,11 +111,18 @@ class StaticGreedy(StaticLoop):
             nxt = self.head(c._run())  # (N,)
             nxt = torch.where(self.limits <= c.pos + 1, self.eos, nxt)
             nxt = torch.where(self.done, self.pad, nxt)
-            self.out.index_copy_(1, c.pos, nxt[:, None])
+            self.record(nxt)
             self.done |= nxt == self.eos
             c.tokens.copy_(nxt)
-            c.pos.add_(1)
+            self.advance()
         return self.done
+
+    def record(self, nxt) -> None:
+        """The step's tokens (N,) into `out` at the position."""
+        self.out.index_copy_(1, self.cache.pos, nxt[:, None])
+
+    def advance(self) -> None:
+        self.cache.pos.add_(1)
 
     def capture_ahead(self) -> None:
         """The block's graph captured now, behind the warm-up block the GPU is running, where
