@@ -388,10 +388,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ablate", default="", metavar="SWITCHES",
                    help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
                         "from its default at our best throughput and batch-1 sizes, a row each")
-    p.add_argument("--chunked", type=cliargs.int_range(0), default=2500, metavar="LINES",
+    p.add_argument("--chunked", type=cliargs.int_range(0), default=5000, metavar="LINES",
                    help="three more rows of ours at its best throughput size, the text read in chunks of this "
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
-                        "longer than one chunk reads it; 0: none")
+                        "longer than one chunk reads it; 0: none. With refill_rows each chunk's state ends with "
+                        "its longest output, so shorter chunks also add steps")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
