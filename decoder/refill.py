@@ -85,12 +85,8 @@ class RefillCache(StaticCache):
         self.cross = [(heads(k, model.n_heads), heads(v, model.n_heads)) for k, v in self.cross_rows]
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)  # (N,) each row's position
         self.position_mask = _row_attend_mask if self.plan.static_attend else _row_bias_mask
-        self.write_at = None
-
-    def _run(self):
-        N, h = self.kv.shape[2], self.kv.shape[3]
-        self.write_at = self.pos.view(N, 1, 1, 1).expand(N, h, 1, self.kv.shape[-1])  # (N, h, 1, hd)
-        return super()._run()
+        h, hd = self.kv.shape[3], self.kv.shape[-1]
+        self.write_at = self.pos.view(rows, 1, 1, 1).expand(rows, h, 1, hd)  # (N, h, 1, hd) a view of pos
 
     def write(self, cache, x) -> None:
         cache.scatter_(2, self.write_at, x)  # each row at its own position
