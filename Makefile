@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,baselines]"
 	# the fused C++ ops now, not in the first decode (20-45 s); prints whether they (and the CUDA
 	# kernels) loaded and if not why: then the PyTorch references run
-	$(VPY) -c "from decoder import ops; print(ops.describe())"
+	$(VPY) -c "from decoder import fused; print(fused.describe())"
 	touch $@
 
 # The submission image (the root Dockerfile); MODEL defaults to the latest exported

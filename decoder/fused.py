@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -147,6 +148,24 @@ def _cuda_kernels() -> bool:
             ops.cuda_refused(f"disagree with their references: {', '.join(bad)}")
         _cuda["ok"] = ok
     return ok
+
+
+def status() -> dict:
+    """ops.status() once the CUDA kernels, where they built, passed or failed their self-check."""
+    if ops.status()["cuda"]:
+        _cuda_kernels()
+    return ops.status()
+
+
+def describe() -> str:
+    """status() as the decoder's settings line and `make setup` print it:
+    'fused ops: cpu yes (avx512 kernels), cuda no (no GPU)', the cap named where one is set."""
+    s = status()
+    say = {k: "yes" if s[k] else f"no ({s[k + '_why']})" for k in ("cpu", "cuda")}
+    if s["cpu"]:
+        cap = os.environ.get(ops.ISA_CAP, "")
+        say["cpu"] += f" ({s['cpu_isa']} kernels{f', {ops.ISA_CAP}={cap}' if cap else ''})"
+    return f"fused ops: cpu {say['cpu']}, cuda {say['cuda']}"
 
 
 # -- the kernels' entries: the argument checks in Python, then the op (bad input must not rely

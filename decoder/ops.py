@@ -8,8 +8,9 @@ the host, which runs the same torch and glibc; the GPU image also loads its
 CUDA kernels, compiled ahead of time, from $DECODER_OPS_CUDA_LIBRARY). Where neither works
 `available()` is False and callers use the plain PyTorch reference
 (decoder/quant.py, decoder/fused.py), which the tests check the ops against;
-`describe()` says which of the CPU ops and CUDA kernels loaded and why not (the
-decoder's settings line and `make setup` print it).
+`status()` says which of the CPU ops and CUDA kernels loaded and why not
+(decoder/fused.py's `describe` prints it for the decoder's settings line and
+`make setup`, after the CUDA kernels' self-check).
 """
 from __future__ import annotations
 
@@ -62,24 +63,11 @@ def status() -> dict:
     """Whether the CPU ops and the CUDA kernels are loaded, and if not why, in a few
     words: {"cpu": bool, "cuda": bool, "cpu_why": str, "cuda_why": str} ("" when
     loaded), and "cpu_isa": the ISA the CPU kernels run (`kernel_isa`; "" when not
-    loaded). Builds them first if need be, and runs the CUDA kernels' self-check."""
+    loaded). Builds them first if need be. The build's outcome only: decoder/fused.py's
+    `status` runs the CUDA kernels' self-check first, which may refuse them."""
     available()
-    if _state.get("cuda"):
-        from . import fused  # the check that decides whether CUDA tensors take the kernels
-        fused._cuda_kernels()
     return {"cpu": _state["ok"], "cuda": bool(_state.get("cuda")), "cpu_why": _state.get("cpu_why", ""),
             "cuda_why": _state.get("cuda_why", ""), "cpu_isa": kernel_isa() if _state["ok"] else ""}
-
-
-def describe() -> str:
-    """status() as the decoder's settings line and `make setup` print it:
-    'fused ops: cpu yes (avx512 kernels), cuda no (no GPU)', the cap named where one is set."""
-    s = status()
-    say = {k: "yes" if s[k] else f"no ({s[k + '_why']})" for k in ("cpu", "cuda")}
-    if s["cpu"]:
-        cap = os.environ.get(ISA_CAP, "")
-        say["cpu"] += f" ({s['cpu_isa']} kernels{f', {ISA_CAP}={cap}' if cap else ''})"
-    return f"fused ops: cpu {say['cpu']}, cuda {say['cuda']}"
 
 
 # The ISA cap of our own kernels: the widest variant every MULTIVERSION kernel (and the

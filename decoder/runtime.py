@@ -42,7 +42,7 @@ def describe(tr, requested: str | None = None) -> str:
     where = (f"cuda {torch.cuda.get_device_name(tr.device)}" if tr.device.startswith("cuda")
              else f"cpu ISA {torch.backends.cpu.get_cpu_capability()}")
     why = getattr(tr, "auto_choice", lambda: None)() if requested == "auto" else None
-    from .ops import describe as fused_ops  # whether the C++/CUDA kernels built, and if not why
+    from .fused import describe as fused_ops  # whether the C++/CUDA kernels built (and passed their check)
     # the plan as resolved for this device (decoder/optimisations.py Plan.summary), and the batch sizes
     plan = f"; {tr.plan.summary(tr.precision)}; batches {tr.opts.max_tokens} tokens x {tr.opts.max_sentences}"
     return (f"decoder: precision {precision}, {par}, {where}; {fused_ops()}" + plan

@@ -169,7 +169,7 @@ def test_the_default_precision_is_fp32_on_cpu_and_fp16_on_cuda(monkeypatch, caps
 def test_cli_default_output_is_the_library_default_output_and_says_what_ran(model_dir):
     """Before, the CLI ran `auto` (int8 on this kind of CPU) and the library fp32, with no word."""
     import torch
-    from decoder import Translator, ops
+    from decoder import Translator, fused
     lines = ["the man sees a dog", "Él was old.", "a", "the king said unto them , the land"]
     r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
                        input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
@@ -177,7 +177,7 @@ def test_cli_default_output_is_the_library_default_output_and_says_what_ran(mode
     assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
     isa = torch.backends.cpu.get_cpu_capability()
     err = r.stderr.decode().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"decoder: precision fp32, 1 thread, cpu ISA {isa}; {ops.describe()}; "), err
+    assert len(err) == 1 and err[0].startswith(f"decoder: precision fp32, 1 thread, cpu ISA {isa}; {fused.describe()}; "), err
     # the plan as resolved for the CPU, and the CPU's batch sizes
     assert "; greedy loop, incremental state, one-row state at 1 sentence, CUDA graphs off, host reads every " \
            "step" in err[0] and err[0].endswith("; batches 1536 tokens x 512"), err

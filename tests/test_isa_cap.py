@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from decoder import machine, ops
+from decoder import fused, machine, ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
@@ -31,7 +31,7 @@ def test_kernels_run_the_widest_isa_the_cpu_and_the_cap_allow():
     levels = ops.ISA_LEVELS
     assert ops.kernel_isa() == levels[min(levels.index(cap), levels.index(cpu_best()))]
     assert ops.status()["cpu_isa"] == ops.kernel_isa()
-    assert f"cpu yes ({ops.kernel_isa()} kernels" in ops.describe()
+    assert f"cpu yes ({ops.kernel_isa()} kernels" in fused.describe()
     if ops.kernel_isa() != "avx512":  # our VNNI kernels are AVX-512: capped below it, none runs
         assert not ops.int8_gemm_available() and ops.int8_gemv_isa(2) <= 1
     assert ops.int8_gemm_wide_available() == (ops.kernel_isa() != "default")
@@ -69,7 +69,7 @@ def test_cap_names_the_levels_in_any_case_and_a_bad_value_warns():
 
 
 def test_a_bad_cap_is_one_warning_line_and_the_kernels_run_uncapped():
-    r = run(["-c", "from decoder import ops; assert ops.available(); print(ops.describe())"],
+    r = run(["-c", "from decoder import fused, ops; assert ops.available(); print(fused.describe())"],
             **{ops.ISA_CAP: "avx3"})
     assert r.returncode == 0, r.stderr
     warnings = [x for x in r.stderr.splitlines() if ops.ISA_CAP in x]

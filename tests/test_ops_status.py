@@ -1,5 +1,6 @@
 """A failed build of the fused ops is visible: decoder/ops.py says whether the CPU ops
-and the CUDA kernels are loaded and, if not, why; the decoder's settings line and
+and the CUDA kernels are loaded and, if not, why (decoder/fused.py `describe`, after the
+CUDA kernels' self-check); the decoder's settings line and
 `make setup` print it (issue 30: a C++20 construct once failed the build on older
 torch with one warning line, and every op then silently ran its slow reference)."""
 import os
@@ -13,7 +14,7 @@ import types
 import pytest
 import torch
 
-from decoder import ops
+from decoder import fused, ops
 from decoder.runtime import describe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ def test_settings_line_says_why_a_failed_build_left_the_ops_out(fresh, monkeypat
 
 def test_settings_line_says_the_ops_were_switched_off(fresh, monkeypatch):
     monkeypatch.setenv("DECODER_NO_CPP_OPS", "1")
-    assert ops.describe() == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)"
+    assert fused.describe() == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)"
 
 
 def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeypatch):
@@ -77,19 +78,34 @@ def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeyp
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.delenv(ops.ISA_CAP, raising=False)
     yes = f"cpu yes ({ops.kernel_isa()} kernels)"
-    assert ops.available() and ops.describe() == f"fused ops: {yes}, cuda no (no nvcc (CUDA_HOME))"
+    assert ops.available() and fused.describe() == f"fused ops: {yes}, cuda no (no nvcc (CUDA_HOME))"
 
     def nvcc_fails(*a, **k):
         raise RuntimeError("Error building extension 'decoder_ops_cuda'\nfused_cuda.cu(12): error: identifier x")
     monkeypatch.setattr(ops, "_state", {})
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
     monkeypatch.setattr(ops, "build_cuda_library", nvcc_fails)
-    assert ops.describe() == f"fused ops: {yes}, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
+    assert fused.describe() == f"fused ops: {yes}, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
 
+
+
+def test_settings_line_says_the_self_check_refused_cuda_kernels_that_built(fresh, monkeypatch, capsys):
+    # built and loaded, then wrong on this GPU: the clause says so, not "cuda yes"
+    monkeypatch.setattr(ops, "build_library", lambda *a, **k: None)
+    monkeypatch.setattr(ops, "_register_fakes", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "_build_cuda", lambda: True)
+    monkeypatch.setattr(fused, "_cuda", {})
+    monkeypatch.setattr(fused, "self_check", lambda device: ["argmax_rows"] if device == "cuda" else [])
+    monkeypatch.delenv(ops.ISA_CAP, raising=False)
+    assert ops.status()["cuda"]
+    assert fused.describe() == (f"fused ops: cpu yes ({ops.kernel_isa()} kernels), "
+                                "cuda no (disagree with their references: argmax_rows)")
+    assert "disagree with their references (argmax_rows)" in capsys.readouterr().err
 
 def test_make_setup_ends_by_printing_the_same_status_line():
     recipe = open(os.path.join(ROOT, "Makefile")).read().split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
-    code = re.findall(r'\$\(VPY\) -c "([^"]*decoder import ops[^"]*)"', recipe)
+    code = re.findall(r'\$\(VPY\) -c "([^"]*decoder import fused[^"]*)"', recipe)
     assert len(code) == 1, recipe
     r = subprocess.run([sys.executable, "-c", code[0]], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "PYTHONPATH": ROOT, "DECODER_NO_CPP_OPS": "1"})
