@@ -73,6 +73,19 @@ def _init(factory: Callable, cores) -> None:
         _start_error = f"{type(e).__name__}: {e}"
 
 
+def _unspawnable() -> str | None:
+    """Why a spawned worker could not start here, or None. Spawn re-runs the main program in
+    each child by its module name or else its file (multiprocessing.spawn), and a program read
+    from stdin has neither: every worker would die at start, each death read as a crash."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(os.path.join(mp.process.ORIGINAL_DIR or "", path)):
+        return None
+    return f"the main program, {path}, is not a file a spawned process can run"
+
+
 def _exit_with_parent() -> None:
     """Ends this worker when its parent process is gone (module docstring)."""
     parent = mp.parent_process()
@@ -147,11 +160,15 @@ class WorkerPool:
 
     def _start(self, n: int) -> Executor:
         """An executor of n worker processes; none (n == 0, or none can be started) = this process."""
+        if n > 0 and (why := _unspawnable()):
+            _warn(f"translation worker processes cannot start ({why}); translating in this process")
+            n = self.n = 0
         if n > 0:
             try:
                 return self._processes(n)
             except (OSError, RuntimeError) as e:  # fork or a thread refused (a process limit)
-                _warn(f"translation worker processes could not start ({e}); translating in this process")
+                why = " ".join(str(e).split("\n\n")[0].split()) or type(e).__name__  # its first paragraph
+                _warn(f"translation worker processes could not start ({why}); translating in this process")
                 self.n = 0
         self._local = self._factory()
         return _InProcess()

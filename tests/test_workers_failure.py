@@ -108,3 +108,33 @@ def test_workers_are_the_oom_killers_first_choice(model_dir):
         assert scores() == [500, 500] and int(open("/proc/self/oom_score_adj").read()) < 500
     finally:
         pool.close()
+
+
+POOL_PROGRAM = f"""import sys
+sys.path.insert(0, {ROOT!r})
+from functools import partial
+from decoder.workers import WorkerPool
+if __name__ == "__main__":
+    pool = WorkerPool(partial(str, "abcb"), 2)
+    print(pool.submit("b", "count").result(), pool.n)
+    pool.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "file", "-c"])
+def test_a_program_read_from_stdin_translates_in_process_with_one_clear_warning(how, tmp_path):
+    # spawn re-runs the main program in each worker; from stdin there is none to run, and every
+    # worker died at start, each death warned as "out of memory?" with a child's traceback
+    import subprocess
+    import sys
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_PROGRAM)
+    args = {"stdin": ["-"], "file": [str(script)], "-c": ["-c", POOL_PROGRAM]}[how]
+    r = subprocess.run([sys.executable, *args], input=POOL_PROGRAM if how == "stdin" else "", capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    if how == "stdin":
+        assert (r.stdout, r.stderr) == ("2 0\n", "warning: translation worker processes cannot start (the main "
+                                        "program, <stdin>, is not a file a spawned process can run); translating "
+                                        "in this process\n")
+    else:
+        assert (r.stdout, r.stderr) == ("2 2\n", "")
