@@ -132,6 +132,8 @@ def _kernel(t: torch.Tensor) -> bool:
 
 
 _cuda: dict = {}
+# kernels with a CUDA kernel of their own to fall back to: one that disagrees is refused alone
+OWN_FALLBACK = {"decode_attention_warp": "the block kernel"}
 
 
 def _cuda_kernels() -> bool:
@@ -141,6 +143,11 @@ def _cuda_kernels() -> bool:
     if ok is None:
         ok = ops.cuda_available()
         bad = self_check("cuda") if ok else []
+        for name in [b for b in bad if b in OWN_FALLBACK]:
+            print(f"warning: the CUDA kernel {name} disagrees with its reference; CUDA uses {OWN_FALLBACK[name]}",
+                  file=sys.stderr, flush=True)
+        _cuda["refused"] = frozenset(bad)
+        bad = [b for b in bad if b not in OWN_FALLBACK]
         if bad:
             print(f"warning: fused CUDA kernels disagree with their references ({', '.join(bad)}); "
                   f"CUDA uses the PyTorch reference", file=sys.stderr, flush=True)
@@ -148,6 +155,11 @@ def _cuda_kernels() -> bool:
             ops.cuda_refused(f"disagree with their references: {', '.join(bad)}")
         _cuda["ok"] = ok
     return ok
+
+
+def cuda_refused_alone() -> frozenset:
+    """The CUDA kernels of OWN_FALLBACK that their self-check refused while the others run."""
+    return frozenset(_cuda.get("refused", ())) & OWN_FALLBACK.keys() if _cuda_kernels() else frozenset()
 
 
 def status() -> dict:
@@ -256,6 +268,15 @@ def decode_attention_cuda(q, k, v, mask=None, rows=None):
         return decode_attention_reference(q, k, v, mask, rows)
     _check_attention(q, k, v, mask)
     return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
+
+
+def decode_attention_warp_cuda(q, k, v, mask=None, rows=None):
+    """decode_attention_cuda with a warp per row, head and query (switch warp_attention);
+    csrc/fused_cuda.cu runs the block kernel past the warp kernel's own limits."""
+    if rows is not None or k.shape[2] > CUDA_MAX_KEYS:
+        return decode_attention_reference(q, k, v, mask, rows)
+    _check_attention(q, k, v, mask)
+    return torch.ops.decoder_ops.decode_attention_warp(q, k, v, mask)
 
 
 def _check_attention(q, k, v, mask, rows=None):
@@ -402,14 +423,19 @@ CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_top
                                    shortlist_candidates=shortlist_candidates_reference)
 
 
+# switch warp_attention: the decode-step attention a warp per row and head
+CUDA_WARP_KERNELS = dataclasses.replace(CUDA_KERNELS, decode_attention=decode_attention_warp_cuda)
+
+
 @functools.lru_cache(maxsize=None)
-def bound(device: str, dtype: torch.dtype, loaded: bool) -> Ops:
+def bound(device: str, dtype: torch.dtype, loaded: bool, warp_attention: bool = False) -> Ops:
     """The ops on `device` ("cpu" | "cuda") for tensors of `dtype`, where that device's
     kernels are `loaded` (decoder/optimisations.py `Kernels`); the argmax kernels
-    compare in fp32, so other dtypes (float64) take torch's argmax."""
+    compare in fp32, so other dtypes (float64) take torch's argmax. `warp_attention`:
+    CUDA's decode-step attention from its warp kernel."""
     if not loaded or device not in ("cpu", "cuda"):
         return REFERENCE
-    o = CPU_KERNELS if device == "cpu" else CUDA_KERNELS
+    o = CPU_KERNELS if device == "cpu" else CUDA_WARP_KERNELS if warp_attention else CUDA_KERNELS
     if dtype not in _ARGMAX_DTYPES:
         o = dataclasses.replace(o, argmax_rows=argmax_rows_reference, linear_argmax=linear_argmax_reference)
     return o
@@ -488,6 +514,13 @@ def self_check(device, call=None) -> list[str]:
         mask = (torch.arange(9)[None] < torch.tensor([9, 4, 1])[:, None])[:, None, None, :].to(device)
         agree("decode_attention", [call("decode_attention", q, kv[0], kv[1], mask)],
               [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)], tol)
+        if torch.device(device).type == "cuda":  # every features-per-lane variant, keys past one warp
+            for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100)):
+                q, kv = rnd(B, H, Q, D, dtype=dt), rnd(2, B, H, T, D, dtype=dt)
+                mask = (torch.arange(T)[None] < torch.tensor([T, T // 2, 1][:B])[:, None])[:, None, None, :].to(device)
+                for m in (mask, None):
+                    agree("decode_attention_warp", [call("decode_attention_warp", q, kv[0], kv[1], m)],
+                          [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m)], tol)
         cache, ref = torch.zeros(2, 3, 2, 5, 8, device=device, dtype=dt), torch.zeros(2, 3, 2, 5, 8, device=device)
         qkv = rnd(3, 1, 48, dtype=dt)
         q_got = call("qkv_to_cache_", cache[0], cache[1], qkv, 2)

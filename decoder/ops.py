@@ -226,6 +226,10 @@ def _register_fakes() -> None:
     def _(q, k, v, mask):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("decoder_ops::decode_attention_warp")
+    def _(q, k, v, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("decoder_ops::one_row_layer")
     def _(x, y, w, kc, vc, ck, cv, t, isa, eps, epilogue_bias):
         return torch.empty_like(x), torch.empty_like(y)

@@ -109,6 +109,34 @@ def test_plan_binds_the_references_where_the_kernels_are_absent():
             p.block(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.long), 2)
 
 
+def test_warp_attention_binds_the_warp_kernel_unless_off_or_refused_alone():
+    on = resolve(Switches(), device="cuda", kernels=BOTH, precision="fp16")
+    assert "warp_attention" in on.runs and on.warp_attention and on.attend is fused.decode_attention_warp_cuda
+    off = resolve(Switches(warp_attention=False), device="cuda", kernels=BOTH, precision="fp16")
+    refused = resolve(Switches(), device="cuda", precision="fp16",
+                      kernels=Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_warp"})))
+    for p in (off, refused):  # the block kernel, every other CUDA kernel as before
+        assert "warp_attention" not in p.runs and not p.warp_attention
+        assert p.ops is fused.CUDA_KERNELS and p.attend is fused.decode_attention_cuda
+        assert {slot for slot, kernel in p.bound if kernel} == {slot for slot, kernel in on.bound if kernel}
+    cpu = resolve(Switches(), device="cpu", kernels=BOTH)
+    assert "warp_attention" not in cpu.runs and cpu.ops is fused.CPU_KERNELS
+
+
+@pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True),
+                                          (["decode_attention_warp", "argmax_rows"], False)])
+def test_a_self_check_refuses_the_warp_kernel_alone_or_every_cuda_kernel(bad, cuda_on, monkeypatch, capsys):
+    monkeypatch.setattr(fused, "_cuda", {})
+    monkeypatch.setattr(ops, "cuda_available", lambda: True)
+    monkeypatch.setattr(ops, "cuda_refused", lambda why: None)
+    monkeypatch.setattr(fused, "self_check", lambda device: bad)
+    assert fused._cuda_kernels() is cuda_on
+    assert fused.cuda_refused_alone() == ({"decode_attention_warp"} if cuda_on else set())
+    err = capsys.readouterr().err
+    assert "the CUDA kernel decode_attention_warp disagrees with its reference; CUDA uses the block kernel" in err
+    assert ("fused CUDA kernels disagree" in err) is not cuda_on
+
+
 def test_plan_binds_the_references_where_the_cpp_ops_are_switched_off(monkeypatch):
     monkeypatch.setattr(ops, "_state", {})  # as in a new process started with DECODER_NO_CPP_OPS=1
     monkeypatch.setattr(fused, "_cuda", {})
@@ -124,8 +152,8 @@ def test_plan_binds_the_kernels_of_its_device_where_they_are_loaded():
     assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.argmax is fused.argmax_rows_kernel
     assert cpu.block is fused.ngram_block_kernel and cpu.encoder_attend.args[0] is fused.CPU_KERNELS
     cuda = resolve(Switches(**FUSED_ARGMAX), device="cuda", beam=4, kernels=BOTH, precision="fp16")
-    assert cuda.ops is fused.CUDA_KERNELS and bound_ops(cuda) == {fused.CUDA_KERNELS}
-    assert cuda.attend is fused.decode_attention_cuda and cuda.argmax is fused.argmax_rows_kernel
+    assert cuda.ops is fused.CUDA_WARP_KERNELS and bound_ops(cuda) == {fused.CUDA_WARP_KERNELS}
+    assert cuda.attend is fused.decode_attention_warp_cuda and cuda.argmax is fused.argmax_rows_kernel
     # csrc/fused_cuda.cu has no encoder attention nor cross-attention store
     assert not cuda.ops.is_kernel("encoder_attention") and not cuda.ops.is_kernel("cross_store")
     assert cuda.ops.is_kernel("log_softmax_topk") and cuda.ops.log_softmax_topk is fused.log_softmax_topk_cuda

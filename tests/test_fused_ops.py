@@ -113,7 +113,7 @@ def kernels_unreachable(monkeypatch):
 
 
 OP_NAMES = ("add_bias_residual_layernorm", "add_bias_relu", "log_softmax_topk", "ngram_block_", "decode_attention",
-            "decode_attention_rows", "encoder_attention", "cross_arrange", "cross_attention", "qkv_to_cache_",
+            "decode_attention_rows", "decode_attention_warp", "encoder_attention", "cross_arrange", "cross_attention", "qkv_to_cache_",
             "argmax_rows", "linear_argmax", "int8_linear", "int8_linear_quantized", "int8_linear_prequantized",
             "int8_gemm_pack", "int8_gemm", "int8_gemv", "shortlist_candidates")
 
@@ -252,6 +252,11 @@ BAD_CALLS = [
                                                        torch.ones(3, 4, 5, 8)), "decode_attention"),
     ("attention mask", lambda: fused.decode_attention(torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8),
                                                       torch.ones(2, 4, 5, 8), torch.ones(2, 1, 1, 4, dtype=torch.bool)),
+     "mask must be bool"),
+    ("warp attention batch", lambda: fused.decode_attention_warp_cuda(torch.ones(2, 4, 1, 8), torch.ones(3, 4, 5, 8),
+                                                                      torch.ones(3, 4, 5, 8)), "decode_attention"),
+    ("warp attention mask", lambda: fused.decode_attention_warp_cuda(
+        torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8), torch.ones(2, 4, 5, 8), torch.ones(2, 1, 1, 5)),
      "mask must be bool"),
     ("rows shape", lambda: fused.decode_attention(torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8),
                                                   torch.ones(2, 4, 5, 8), rows=torch.zeros(2, 4, dtype=torch.long)),
@@ -441,6 +446,38 @@ def test_cuda_decode_attention_never_reads_the_value_of_a_masked_key(dtype):
     poisoned = v.masked_fill(~mask.transpose(-1, -2), float("nan"))  # every masked key's value NaN
     got = torch.ops.decoder_ops.decode_attention(q, k, poisoned, mask)
     close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), mask).to(dtype), dtype)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Q,T,D", [(1, 1, 1, 1, 1), (3, 4, 1, 31, 16), (2, 8, 1, 33, 64), (5, 2, 4, 160, 40),
+                                       (4096, 8, 1, 96, 64), (3, 2, 1, 800, 100), (2, 2, 1, 70, 128),
+                                       (2, 2, 1, 9, 160), (2, 1, 1, 4000, 64)])  # the last two: the block kernel
+def test_cuda_warp_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
+    g = torch.Generator().manual_seed(B + T + D)
+    q = torch.randn(B, H, Q, D, generator=g).to("cuda", dtype)
+    cache = torch.randn(2, B, H, T + 5, D, generator=g).to("cuda", dtype)
+    k, v = cache[0, :, :, :T], cache[1, :, :, :T]  # strided slices of a cache, as in the decoder
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :].cuda()
+    for m in (None, mask):
+        got = torch.ops.decoder_ops.decode_attention_warp(q, k, v, m)
+        assert got.dtype == dtype and got.shape == q.shape
+        close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), m).to(dtype), dtype)
+        assert torch.equal(got, torch.ops.decoder_ops.decode_attention_warp(q, k, v, m))  # deterministic
+
+
+@needs_cuda_kernels
+def test_cuda_warp_decode_attention_never_reads_a_masked_value_and_gives_nan_where_all_are_masked():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(4, 2, 1, 64, generator=g).cuda().half()
+    k, v = (torch.randn(4, 2, 40, 64, generator=g).cuda().half() for _ in range(2))
+    mask = (torch.arange(40)[None] < torch.tensor([1, 17, 40, 0])[:, None])[:, None, None, :].cuda()
+    poisoned = v.masked_fill(~mask.transpose(-1, -2), float("nan"))
+    _opcheck(torch.ops.decoder_ops.decode_attention_warp.default, (q, k, v, mask))
+    got = torch.ops.decoder_ops.decode_attention_warp(q, k, poisoned, mask)
+    close(got[:3], fused.decode_attention_reference(q.float(), k.float(), v.float(), mask)[:3].half(), torch.float16)
+    assert got[3].isnan().all()  # as SDPA and the block kernel
 
 
 @needs_cuda_kernels

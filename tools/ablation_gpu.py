@@ -54,7 +54,9 @@ def configurations(cuda: bool) -> list[tuple[str, dict]]:
             (f"{half}, eager", eager), (f"{half} + CUDA graphs", graphs),
             (f"{half} + CUDA graphs, one step a graph (no graph_steps)", {**graphs, "graph_steps": False}),
             (f"{half} + CUDA graphs, attention through the decode-step kernel",
-             {**graphs, "fused_attention": True, "graph_attention": True})]
+             {**graphs, "fused_attention": True, "graph_attention": True}),
+            (f"{half} + CUDA graphs, attention through the decode-step kernel, a block per row (no warp_attention)",
+             {**graphs, "fused_attention": True, "graph_attention": True, "warp_attention": False})]
     rows += [(f"{half}, eager + {o.label}", {**eager, o.name: True}) for o in group("step") + group("greedy")]
     rows += [(f"{half}, eager + all fused kernels", {**eager, **every}),
              (f"{half} + CUDA graphs + {', '.join(in_graph)}", {**graphs, **in_graph}),

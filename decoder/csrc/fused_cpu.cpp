@@ -1063,6 +1063,7 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("decode_attention_warp(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");  // CUDA only
   m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows) -> Tensor");
   m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
   m.def("cross_arrange(Tensor k, Tensor v, Tensor? mask) -> (Tensor, Tensor, Tensor)");

@@ -120,6 +120,78 @@ __global__ void decode_attention_kernel(const T* q, const T* k, const T* v, cons
   }
 }
 
+// One warp per (b, h, query), kWarps of them a block (switch warp_attention): the lanes split each
+// key's dot product and each output's features, so a warp reads a row of K or V whole (coalesced)
+// and reduces with shuffles; no block barrier. The block kernel above gives a block of 256 threads
+// to a row and head, a thread per key reading its key with a stride, and a quarter of its threads
+// the features: at thousands of rows a step (refill_rows) its blocks queue in waves. P: features
+// per lane (D <= 32 * P); the warp's scores in shared memory.
+constexpr int kWarps = 4;
+
+template <typename T, int P>
+__global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out,
+                                             int64_t BHQ, int H, int Q, int64_t T_, int64_t D, int64_t ks0,
+                                             int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
+                                             float scale) {
+  extern __shared__ float scores[];  // (kWarps, T_)
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t bhq = blockIdx.x * (int64_t)kWarps + w;
+  if (bhq >= BHQ) return;  // a whole warp: no barrier below spans warps
+  float* p = scores + w * T_;
+  const int64_t b = bhq / (H * Q), h = (bhq / Q) % H;
+  const T* kb = k + b * ks0 + h * ks1;
+  const T* vb = v + b * vs0 + h * vs1;
+  const bool* mb = mask ? mask + b * T_ : nullptr;
+  float qr[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t d = lane + 32 * i;
+    qr[i] = d < D ? float(q[bhq * D + d]) : 0.f;
+  }
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < T_; ++j) {
+    float s = -INFINITY;
+    if (!mb || mb[j]) {  // the same j on every lane: uniform
+      s = 0.f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int64_t d = lane + 32 * i;
+        if (d < D) s += qr[i] * float(kb[j * ks2 + d]);
+      }
+      s = warp_sum(s) * scale;
+    }
+    if (lane == 0) p[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  __syncwarp();
+  float sum = 0.f;
+  for (int64_t j = lane; j < T_; j += 32) {
+    const float e = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
+    p[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  const float inv = mx == -INFINITY ? NAN : 1.f / sum;  // every key masked: NaN, as SDPA gives
+  float acc[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) acc[i] = 0.f;
+  for (int64_t j = 0; j < T_; ++j) {
+    const float pj = p[j];
+    if (pj == 0.f) continue;  // a masked key: its value is not read (uniform over the warp)
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < D) acc[i] += pj * float(vb[j * vs2 + d]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t d = lane + 32 * i;
+    if (d < D) out[bhq * D + d] = T(acc[i] * inv);
+  }
+}
+
 // one thread per element of q|k|v
 template <typename T>
 __global__ void qkv_to_cache_kernel(const T* qkv, T* q, T* kc, T* vc, int64_t N, int64_t H, int64_t D, int64_t t,
@@ -328,6 +400,41 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
   return out;
 }
 
+// decode_attention with a warp per (b, h, query); past its limits (D > 128 features, or the
+// scores of kWarps rows beyond 48 KB of shared memory) the block kernel
+at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& mask) {
+  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+              k.size(1) == q.size(1) && k.size(3) == q.size(3), "decode_attention_warp: q (B,H,Q,D), k/v (B,H,T,D)");
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
+  const size_t shared = static_cast<size_t>(kWarps) * T * sizeof(float);
+  if (D > 128 || shared > 48 * 1024) return decode_attention_cuda(q, k, v, mask);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto qc = q.contiguous();
+  auto kc = k.stride(3) == 1 ? k : k.contiguous();
+  auto vc = v.stride(3) == 1 ? v : v.contiguous();
+  kc = kc.to(q.scalar_type()); vc = vc.to(q.scalar_type());
+  at::Tensor m;
+  if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
+  auto out = at::empty_like(qc);
+  if (qc.numel() == 0) return out;
+  const int64_t BHQ = B * H * Q, blocks = (BHQ + kWarps - 1) / kWarps;
+  KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention_warp", [&] {
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, 32 * kWarps, shared, c10::cuda::getCurrentCUDAStream()>>>(
+          qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+          mask.has_value() ? m.data_ptr<bool>() : nullptr, out.data_ptr<scalar_t>(), BHQ, H, Q, T, D,
+          kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+          1.f / std::sqrt(float(D)));
+    };
+    if (D <= 32) launch(decode_attention_warp_kernel<scalar_t, 1>);
+    else if (D <= 64) launch(decode_attention_warp_kernel<scalar_t, 2>);
+    else launch(decode_attention_warp_kernel<scalar_t, 4>);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
   KIT_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.stride(3) == 1 && vc.stride(3) == 1,
               "qkv_to_cache_: caches must be (N, H, T, D), last dim dense");
@@ -443,6 +550,7 @@ TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
   m.impl("add_bias_residual_layernorm", &add_bias_residual_layernorm_cuda);
   m.impl("add_bias_relu", &add_bias_relu_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("decode_attention_warp", &decode_attention_warp_cuda);
   m.impl("ngram_block_", &ngram_block_cuda);
   m.impl("qkv_to_cache_", &qkv_to_cache_cuda);
   m.impl("log_softmax_topk", &log_softmax_topk_cuda);
