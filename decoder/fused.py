@@ -270,13 +270,26 @@ def decode_attention_cuda(q, k, v, mask=None, rows=None):
     return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
 
 
+# switch warp_attention: under this many (row, head, query) triples per multiprocessor the block
+# kernel runs (batch 1: a warp walks its keys a tile at a time, a block spreads them over 256 threads)
+WARP_MIN_PER_SM = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention_warp_cuda(q, k, v, mask=None, rows=None):
-    """decode_attention_cuda with a warp per row, head and query (switch warp_attention);
-    csrc/fused_cuda.cu runs the block kernel past the warp kernel's own limits."""
+    """decode_attention_cuda with a warp per row, head and query (switch warp_attention) where
+    there are warps enough to fill the GPU; csrc/fused_cuda.cu runs the block kernel past the
+    warp kernel's own limits (features, keys)."""
     if rows is not None or k.shape[2] > CUDA_MAX_KEYS:
         return decode_attention_reference(q, k, v, mask, rows)
     _check_attention(q, k, v, mask)
-    return torch.ops.decoder_ops.decode_attention_warp(q, k, v, mask)
+    few = q.shape[0] * q.shape[1] * q.shape[2] < WARP_MIN_PER_SM * _multiprocessors(q.device)
+    return (torch.ops.decoder_ops.decode_attention if few else torch.ops.decoder_ops.decode_attention_warp)(
+        q, k, v, mask)
 
 
 def _check_attention(q, k, v, mask, rows=None):
@@ -395,6 +408,7 @@ class Ops:
     log_softmax_topk: Callable
     ngram_block_: Callable
     decode_attention: Callable
+    decode_attention_warp: Callable  # switch warp_attention: CUDA's warp kernel; elsewhere decode_attention's entry
     encoder_attention: Callable
     cross_store: Callable       # (k, v, mask) -> a batch's cross K/V store, store(q (B, Q, d)) -> (B, Q, d)
     qkv_to_cache_: Callable
@@ -409,33 +423,29 @@ class Ops:
 
 
 REFERENCE = Ops(add_bias_residual_layernorm_reference, add_bias_relu_reference, _log_softmax_topk_checked,
-                _ngram_block_checked, decode_attention_reference, encoder_attention_reference, cross_store_reference,
-                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference,
-                shortlist_candidates_reference)
+                _ngram_block_checked, decode_attention_reference, decode_attention_reference,
+                encoder_attention_reference, cross_store_reference, qkv_to_cache_reference, argmax_rows_reference,
+                linear_argmax_reference, shortlist_candidates_reference)
 CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, add_bias_relu_kernel, log_softmax_topk_kernel,
-                  ngram_block_kernel, decode_attention_kernel, encoder_attention_kernel, cross_store_kernel,
-                  qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel,
+                  ngram_block_kernel, decode_attention_kernel, decode_attention_kernel, encoder_attention_kernel,
+                  cross_store_kernel, qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel,
                   shortlist_candidates_kernel)
 # csrc/fused_cuda.cu has no encoder attention, cross-attention store, row-table attention or shortlist
 CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
                                    decode_attention=decode_attention_cuda,
+                                   decode_attention_warp=decode_attention_warp_cuda,
                                    encoder_attention=encoder_attention_reference, cross_store=cross_store_reference,
                                    shortlist_candidates=shortlist_candidates_reference)
 
 
-# switch warp_attention: the decode-step attention a warp per row and head
-CUDA_WARP_KERNELS = dataclasses.replace(CUDA_KERNELS, decode_attention=decode_attention_warp_cuda)
-
-
 @functools.lru_cache(maxsize=None)
-def bound(device: str, dtype: torch.dtype, loaded: bool, warp_attention: bool = False) -> Ops:
+def bound(device: str, dtype: torch.dtype, loaded: bool) -> Ops:
     """The ops on `device` ("cpu" | "cuda") for tensors of `dtype`, where that device's
     kernels are `loaded` (decoder/optimisations.py `Kernels`); the argmax kernels
-    compare in fp32, so other dtypes (float64) take torch's argmax. `warp_attention`:
-    CUDA's decode-step attention from its warp kernel."""
+    compare in fp32, so other dtypes (float64) take torch's argmax."""
     if not loaded or device not in ("cpu", "cuda"):
         return REFERENCE
-    o = CPU_KERNELS if device == "cpu" else CUDA_WARP_KERNELS if warp_attention else CUDA_KERNELS
+    o = CPU_KERNELS if device == "cpu" else CUDA_KERNELS
     if dtype not in _ARGMAX_DTYPES:
         o = dataclasses.replace(o, argmax_rows=argmax_rows_reference, linear_argmax=linear_argmax_reference)
     return o
@@ -515,7 +525,7 @@ def self_check(device, call=None) -> list[str]:
         agree("decode_attention", [call("decode_attention", q, kv[0], kv[1], mask)],
               [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)], tol)
         if torch.device(device).type == "cuda":  # every features-per-lane variant, keys past one warp
-            for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100)):
+            for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100), (1024, 4, 1, 20, 64)):
                 q, kv = rnd(B, H, Q, D, dtype=dt), rnd(2, B, H, T, D, dtype=dt)
                 mask = (torch.arange(T)[None] < torch.tensor([T, T // 2, 1][:B])[:, None])[:, None, None, :].to(device)
                 for m in (mask, None):

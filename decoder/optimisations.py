@@ -455,15 +455,19 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "Bible's 10,000 lines). On where the CUDA kernels are loaded. H200, the per-batch loop "
                  "without graphs: 1.05x throughput, 0.97x at batch 1 (one pass each); with refill_rows not "
                  "measured on a GPU yet (`tools.bench_gpu --ablate graph_attention` measures it off)"),
-    Optimisation("warp_attention", True, "decode-step attention a warp per row and head (CUDA)", "warp_attention",
-                 True, False, "the CUDA kernel's block of 256 threads per row and head: a thread per key, reading "
-                 "its key with a stride, and a quarter of the threads over the features", "cuda",
+    Optimisation("warp_attention", True, "decode-step attention a warp per row and head (CUDA)", "attend",
+                 op("decode_attention_warp"), None, "the CUDA kernel's block of 256 threads per row and head: a "
+                 "thread per key, reading its key with a stride, and a quarter of the threads over the features",
+                 "cuda",
                  needs=lambda o: o.fused_attention,
                  detail="csrc/fused_cuda.cu `decode_attention_warp_kernel`: four (row, head) pairs a block of 128 "
                  "threads, the 32 lanes of a warp splitting each key's dot product and the output's features (rows "
-                 "of K and V read whole, reductions by shuffles, no block barrier), for self- and cross-attention "
-                 "wherever the plan's attention runs the CUDA kernel; past 128 features or 3,072 keys the block "
-                 "kernel. Its self-check refuses it alone (`fused.OWN_FALLBACK`): the block kernel then runs. "
+                 "of K and V read whole, reductions by shuffles, no block barrier, keys in tiles of 8 whose loads "
+                 "go out together), for self- and cross-attention wherever the plan's attention runs the CUDA "
+                 "kernel; the block kernel past 128 features or 3,072 keys, and under 16 (row, head) pairs per "
+                 "multiprocessor (`fused.WARP_MIN_PER_SM`: batch 1, where a warp walking its keys is slower than "
+                 "a block spreading them; estimated, not measured). Its self-check refuses it alone "
+                 "(`fused.OWN_FALLBACK`): the block kernel then runs. "
                  "With refill_rows a step attends for thousands of rows, where the block kernel's 256-thread "
                  "blocks queue in waves. Not measured on a GPU yet (`tools.bench_gpu --ablate warp_attention`)"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
@@ -571,7 +575,6 @@ class Plan:
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
-    warp_attention: bool        # CUDA: `ops.decode_attention` from the warp kernel (fused.CUDA_WARP_KERNELS)
     one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
@@ -643,6 +646,8 @@ SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention"
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
 CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes",
                        "warp_attention"})
+# CUDA switches that are a kernel of their own, which its self-check may refuse alone (fused.OWN_FALLBACK)
+OWN_KERNEL = {"warp_attention": "decode_attention_warp"}
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}
@@ -650,7 +655,8 @@ SYNC_EVERY = {"cpu": 1, "cuda": 8}
 
 def _allowed(name: str, device: str, k: Kernels) -> bool:
     if name in CUDA_ONLY:
-        return device == "cuda"
+        kernel = OWN_KERNEL.get(name)
+        return device == "cuda" and (kernel is None or (k.cuda and kernel not in k.cuda_refused))
     if name in CPU_ONLY:
         return device == "cpu" and (k.cpu or name not in SAME_WITHOUT_OPS)
     return True
@@ -697,11 +703,8 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         slots["refill_rows"] = False
         runs.discard("refill_rows")
     loaded = k.cuda if device == "cuda" else k.cpu
-    if not (loaded and "decode_attention_warp" not in k.cuda_refused):
-        slots["warp_attention"] = False
-        runs.discard("warp_attention")
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
-    ops = fused.bound(device, DTYPES[precision], loaded, slots["warp_attention"])
+    ops = fused.bound(device, DTYPES[precision], loaded)
     bound = bind(slots, ops, step_slots(slots, loop, no_repeat_ngram))
     return Plan(**slots, device=device, loop=loop, sync_every=sync_every or SYNC_EVERY[device],
                 kernels=loaded, runs=frozenset(runs), ops=ops, bound=bound)

@@ -111,16 +111,17 @@ def test_plan_binds_the_references_where_the_kernels_are_absent():
 
 def test_warp_attention_binds_the_warp_kernel_unless_off_or_refused_alone():
     on = resolve(Switches(), device="cuda", kernels=BOTH, precision="fp16")
-    assert "warp_attention" in on.runs and on.warp_attention and on.attend is fused.decode_attention_warp_cuda
+    assert "warp_attention" in on.runs and on.attend is fused.decode_attention_warp_cuda
     off = resolve(Switches(warp_attention=False), device="cuda", kernels=BOTH, precision="fp16")
     refused = resolve(Switches(), device="cuda", precision="fp16",
                       kernels=Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_warp"})))
     for p in (off, refused):  # the block kernel, every other CUDA kernel as before
-        assert "warp_attention" not in p.runs and not p.warp_attention
+        assert "warp_attention" not in p.runs
         assert p.ops is fused.CUDA_KERNELS and p.attend is fused.decode_attention_cuda
         assert {slot for slot, kernel in p.bound if kernel} == {slot for slot, kernel in on.bound if kernel}
-    cpu = resolve(Switches(), device="cpu", kernels=BOTH)
-    assert "warp_attention" not in cpu.runs and cpu.ops is fused.CPU_KERNELS
+    for p in (resolve(Switches(), device="cpu", kernels=BOTH),  # no such kernel on CPU, none without CUDA's
+              resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False))):
+        assert "warp_attention" not in p.runs and p.attend is p.ops.decode_attention
 
 
 @pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True),
@@ -152,7 +153,7 @@ def test_plan_binds_the_kernels_of_its_device_where_they_are_loaded():
     assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.argmax is fused.argmax_rows_kernel
     assert cpu.block is fused.ngram_block_kernel and cpu.encoder_attend.args[0] is fused.CPU_KERNELS
     cuda = resolve(Switches(**FUSED_ARGMAX), device="cuda", beam=4, kernels=BOTH, precision="fp16")
-    assert cuda.ops is fused.CUDA_WARP_KERNELS and bound_ops(cuda) == {fused.CUDA_WARP_KERNELS}
+    assert cuda.ops is fused.CUDA_KERNELS and bound_ops(cuda) == {fused.CUDA_KERNELS}
     assert cuda.attend is fused.decode_attention_warp_cuda and cuda.argmax is fused.argmax_rows_kernel
     # csrc/fused_cuda.cu has no encoder attention nor cross-attention store
     assert not cuda.ops.is_kernel("encoder_attention") and not cuda.ops.is_kernel("cross_store")

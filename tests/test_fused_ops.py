@@ -454,6 +454,7 @@ def test_cuda_decode_attention_never_reads_the_value_of_a_masked_key(dtype):
                                        (4096, 8, 1, 96, 64), (3, 2, 1, 800, 100), (2, 2, 1, 70, 128),
                                        (2, 2, 1, 9, 160), (2, 1, 1, 4000, 64)])  # the last two: the block kernel
 def test_cuda_warp_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
+    # the op itself: its wrapper (decode_attention_warp_cuda) gives few rows the block kernel
     g = torch.Generator().manual_seed(B + T + D)
     q = torch.randn(B, H, Q, D, generator=g).to("cuda", dtype)
     cache = torch.randn(2, B, H, T + 5, D, generator=g).to("cuda", dtype)
@@ -478,6 +479,19 @@ def test_cuda_warp_decode_attention_never_reads_a_masked_value_and_gives_nan_whe
     got = torch.ops.decoder_ops.decode_attention_warp(q, k, poisoned, mask)
     close(got[:3], fused.decode_attention_reference(q.float(), k.float(), v.float(), mask)[:3].half(), torch.float16)
     assert got[3].isnan().all()  # as SDPA and the block kernel
+
+
+@pytest.mark.parametrize("rows, kernel", [(1, "decode_attention"), (263, "decode_attention"),
+                                          (264, "decode_attention_warp"), (4096, "decode_attention_warp")])
+def test_warp_attention_leaves_too_few_rows_to_fill_the_gpu_to_the_block_kernel(rows, kernel, monkeypatch):
+    # 132 multiprocessors (an H100), 8 heads: 16 (row, head) pairs each from 264 rows on
+    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
+    ran = []
+    for name in ("decode_attention", "decode_attention_warp"):
+        monkeypatch.setattr(torch.ops.decoder_ops, name, lambda *a, name=name: ran.append(name) or a[0])
+    q, k = torch.zeros(rows, 8, 1, 64), torch.zeros(rows, 8, 5, 64)
+    fused.decode_attention_warp_cuda(q, k, k, torch.ones(rows, 1, 1, 5, dtype=torch.bool))
+    assert ran == [kernel]
 
 
 @needs_cuda_kernels

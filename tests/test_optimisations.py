@@ -29,7 +29,7 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
          "int8_wide_gemm": {"fused_ops": True},
          "int8_wide_output": {"fused_ops": True, "fbgemm_int8": True, "shortlist": True},
-         "kv_half": {"fused_attention": True, "cache": True},
+         "kv_half": {"fused_attention": True, "cache": True}, "warp_attention": {"fused_attention": True},
          "cross_bf16": {"fused_cross_attention": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
          "graph_reuse": {"cache": True, "cuda_graphs": True},  # it keeps the CUDA-graph state

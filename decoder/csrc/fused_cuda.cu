@@ -124,9 +124,11 @@ __global__ void decode_attention_kernel(const T* q, const T* k, const T* v, cons
 // key's dot product and each output's features, so a warp reads a row of K or V whole (coalesced)
 // and reduces with shuffles; no block barrier. The block kernel above gives a block of 256 threads
 // to a row and head, a thread per key reading its key with a stride, and a quarter of its threads
-// the features: at thousands of rows a step (refill_rows) its blocks queue in waves. P: features
-// per lane (D <= 32 * P); the warp's scores in shared memory.
+// the features: at thousands of rows a step (refill_rows) its blocks queue in waves. Keys go in
+// tiles of kTile, every load of a tile issued before its sums, so a warp waits on memory once a
+// tile, not once a key. P: features per lane (D <= 32 * P); the warp's scores in shared memory.
 constexpr int kWarps = 4;
+constexpr int kTile = 8;
 
 template <typename T, int P>
 __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out,
@@ -149,19 +151,28 @@ __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v,
     qr[i] = d < D ? float(q[bhq * D + d]) : 0.f;
   }
   float mx = -INFINITY;
-  for (int64_t j = 0; j < T_; ++j) {
-    float s = -INFINITY;
-    if (!mb || mb[j]) {  // the same j on every lane: uniform
-      s = 0.f;
+  for (int64_t j0 = 0; j0 < T_; j0 += kTile) {
+    float s[kTile];
+    bool live[kTile];  // the same on every lane: j and the mask are the warp's
+#pragma unroll
+    for (int u = 0; u < kTile; ++u) {
+      const int64_t j = j0 + u;
+      live[u] = j < T_ && (!mb || mb[j]);
+      s[u] = 0.f;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
         const int64_t d = lane + 32 * i;
-        if (d < D) s += qr[i] * float(kb[j * ks2 + d]);
+        s[u] += live[u] && d < D ? qr[i] * float(kb[j * ks2 + d]) : 0.f;
       }
-      s = warp_sum(s) * scale;
     }
-    if (lane == 0) p[j] = s;
-    mx = fmaxf(mx, s);
+#pragma unroll
+    for (int u = 0; u < kTile; ++u) s[u] = warp_sum(s[u]);
+#pragma unroll
+    for (int u = 0; u < kTile; ++u) {
+      const float su = live[u] ? s[u] * scale : -INFINITY;
+      if (lane == 0 && j0 + u < T_) p[j0 + u] = su;
+      mx = fmaxf(mx, su);
+    }
   }
   __syncwarp();
   float sum = 0.f;
@@ -176,13 +187,17 @@ __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v,
   float acc[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) acc[i] = 0.f;
-  for (int64_t j = 0; j < T_; ++j) {
-    const float pj = p[j];
-    if (pj == 0.f) continue;  // a masked key: its value is not read (uniform over the warp)
+  for (int64_t j0 = 0; j0 < T_; j0 += kTile) {
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (d < D) acc[i] += pj * float(vb[j * vs2 + d]);
+    for (int u = 0; u < kTile; ++u) {
+      const int64_t j = j0 + u;
+      const float pj = j < T_ ? p[j] : 0.f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int64_t d = lane + 32 * i;
+        // a masked key weighs 0: its value is not read (the fixed-shape state's cache past the position)
+        if (pj != 0.f && d < D) acc[i] += pj * float(vb[j * vs2 + d]);
+      }
     }
   }
 #pragma unroll
