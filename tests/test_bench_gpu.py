@@ -80,6 +80,16 @@ def test_gpu_busy_is_the_union_of_kernel_intervals_over_the_wall():
     assert bench_gpu.busy_fraction([], 100) == 0.0 and bench_gpu.busy_fraction([(0, 1)], 0) == 0.0
 
 
+def test_the_pass_idle_time_splits_into_before_between_and_after_the_kernels():
+    # a pass of 100 ms (in us): kernels at 10-30 ms (overlapping) and 50-80 ms, one running past the end
+    ms = 1000
+    parts = bench_gpu.idle_parts([(10 * ms, 20 * ms), (15 * ms, 30 * ms), (50 * ms, 80 * ms), (95 * ms, 130 * ms)],
+                                 0, 100 * ms)
+    assert parts == {"idle_before_s": 0.01, "idle_between_s": 0.035, "idle_after_s": 0.0}
+    assert bench_gpu.idle_parts([(10 * ms, 20 * ms), (50 * ms, 80 * ms)], 0, 100 * ms)["idle_after_s"] == 0.02
+    assert bench_gpu.idle_parts([], 0, 100 * ms) == {"idle_before_s": 0.1, "idle_between_s": 0.0, "idle_after_s": 0.0}
+
+
 def test_kernel_shares_rank_the_kernels_by_gpu_time():
     events = [("flash_fwd", 0, 30), ("gemm", 30, 40), ("flash_fwd", 40, 70), ("norm", 70, 75), ("gemm", 75, 80)]
     top = bench_gpu.kernel_shares(events, n=2)
@@ -96,6 +106,11 @@ def test_the_profile_goes_to_the_log_in_one_line():
     prof.update(steps=160, rows=[4096], row_steps=655360)  # the fixed-shape greedy loop's blocks, counted
     assert bench_gpu.profile_line(prof) == ("profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels, "
                                             "160 greedy steps of 4096 rows; 80% flash_fwd, 20% gemm")
+    prof.update(idle_before_s=0.041, idle_between_s=0.0123, idle_after_s=0.002)
+    assert bench_gpu.profile_line(prof) == (
+        "profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels, 160 greedy steps of 4096 rows; "
+        "GPU idle in the profiled pass: 41 ms before its first kernel, 12 ms between kernels, 2 ms after its last; "
+        "80% flash_fwd, 20% gemm")
 
 
 def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
@@ -251,4 +266,5 @@ def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch):
         warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles none
         prof = bench_gpu.profile_busy(tr.translate, lines, 1.0)
     assert prof["rows"] == [60] and prof["steps"] > 0 and prof["steps"] % 4 == 0
+    assert prof["idle_before_s"] > 0 and prof["idle_between_s"] == prof["idle_after_s"] == 0  # no kernels on CPU
     assert prof["row_steps"] == 60 * prof["steps"]

@@ -115,6 +115,19 @@ def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
     return round(min(union_length(intervals) / wall, 1.0), 4) if wall > 0 else 0.0
 
 
+def idle_parts(intervals: list[tuple[float, float]], start: float, end: float) -> dict:
+    """Where the GPU waited in the pass [start, end) (same unit as the intervals, microseconds):
+    before its first kernel (the first chunk's encoding on the host), between kernels (the host
+    feeding it too slowly) and after its last (the last outputs read, detokenised, written); seconds."""
+    iv = [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+    if not iv:
+        return {"idle_before_s": round((end - start) / 1e6, 4), "idle_between_s": 0.0, "idle_after_s": 0.0}
+    first, last = min(a for a, _ in iv), max(b for _, b in iv)
+    return {"idle_before_s": round((first - start) / 1e6, 4),
+            "idle_between_s": round((last - first - union_length(iv)) / 1e6, 4),
+            "idle_after_s": round((end - last) / 1e6, 4)}
+
+
 def kernel_events(prof) -> list[tuple[str, float, float]]:
     """(name, start, end), in microseconds, of every CUDA kernel a torch.profiler run saw (copies and
     memsets out)."""
@@ -144,15 +157,21 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     from .decode_steps import counted_blocks, steps_of
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks:
         t = time.perf_counter()
-        go(lines)
-        torch.cuda.synchronize()
+        with torch.profiler.record_function(PASS):
+            go(lines)
+            torch.cuda.synchronize()
         profiled = time.perf_counter() - t
     events = kernel_events(prof)
     iv = [(a, b) for _, a, b in events]
     kernel_s = union_length(iv) / 1e6
+    marks = [e.time_range for e in prof.events() if e.name == PASS]
+    idle = idle_parts(iv, marks[0].start, marks[0].end) if marks else {}
     return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
             "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
-            "kernels": len(iv), "top_kernels": kernel_shares(events), **steps_of(blocks)}
+            "kernels": len(iv), "top_kernels": kernel_shares(events), **idle, **steps_of(blocks)}
+
+
+PASS = "kit.bench_pass"  # the profiled pass's own range, in the kernels' clock
 
 
 # -- the engines: each a context giving go(lines) -> hypotheses for one (group, batch size) ------------
@@ -315,7 +334,15 @@ def profile_line(prof: dict) -> str:
     steps = (f", {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows"
              if prof.get("steps") else "")  # the fixed-shape loops' (tools.decode_steps)
     return (f"profile    ours fp16 batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
-            f"{prof['kernels']:,} kernels{steps}; {top}")
+            f"{prof['kernels']:,} kernels{steps}{idle_words(prof)}; {top}")
+
+
+def idle_words(prof: dict) -> str:
+    """'; GPU idle in the profiled pass: 41 ms before its first kernel, ...' ('' where not measured)."""
+    if "idle_before_s" not in prof:
+        return ""
+    return (f"; GPU idle in the profiled pass: {1e3 * prof['idle_before_s']:.0f} ms before its first kernel, "
+            f"{1e3 * prof['idle_between_s']:.0f} ms between kernels, {1e3 * prof['idle_after_s']:.0f} ms after its last")
 
 
 def _label(size) -> str:
@@ -368,6 +395,7 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
                   f"{prof['kernels']:,} kernels"
                   + (f"; {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows, "
                      f"{1000 * prof['kernel_s'] / prof['steps']:.2f} ms of kernels a step" if prof.get("steps") else "")
+                  + idle_words(prof)
                   + f"). {NOT_PROFILED}.")
         if prof.get("top_kernels"):
             md += ["", "GPU time by kernel, that row (share of all kernels' time):", "",
