@@ -232,6 +232,16 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the first chunk 2,048 lines (`pipeline.RAMP_FIRST`), each next twice the last up to "
                  "`chunk_lines`, so the first batch starts sooner and the next chunk's encoding overlaps the "
                  "decoding; smaller sorting pools at the start. Not measured on a GPU yet"),
+    Optimisation("early_start", False, "the first chunk decoded from its longest lines while the rest encode",
+                 "early_start", True, False, "the first chunk encoded whole before its first block: the GPU idle "
+                 "meanwhile", "cuda", needs=lambda o: o.refill_rows,
+                 detail="with refill_rows, a run's first chunk of at least two states' worth of lines "
+                 "(`Translator._stage`): its longest lines by characters, a state's rows of them (4,096 at the "
+                 "GPU's 64k tokens), are encoded first and decoded at once while a thread encodes the rest, "
+                 "which joins the state when encoded (`refill.More`; a sentence longer than the state's sources "
+                 "gets a state of its own after). Later chunks are encoded while the one before decodes. The same "
+                 "outputs (tests/test_refill.py). Not measured on a GPU yet (`tools.bench_gpu --ablate "
+                 "early_start` turns it on)"),
     Optimisation("short_gil_interval", True, "the GPU-feeding thread takes the GIL back within 0.2 ms",
                  "switch_interval", 0.0002, None,
                  "Python's switch interval of 5 ms: the decoding thread waits up to that for the GIL after "
@@ -548,6 +558,7 @@ class Plan:
     pipeline: bool
     fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
     ramp_chunks: bool           # the text pipeline's chunks ramp up from pipeline.RAMP_FIRST lines
+    early_start: bool           # refill_rows: the first chunk decoded from its longest lines while the rest encode
     switch_interval: float | None  # sys.setswitchinterval while the text pipeline's threads run (None: Python's)
     decode_ahead: bool          # the text pipeline decodes the next chunk while this one's outputs go out
     retain_memory: bool
@@ -702,6 +713,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     if not slots["graph_steps"] or loop != "greedy":
         slots["refill_rows"] = False
         runs.discard("refill_rows")
+    if not slots["refill_rows"]:
+        slots["early_start"] = False
+        runs.discard("early_start")
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)

@@ -152,7 +152,15 @@ class Text:
     def seen(self, n: int, cut: list[tuple[int, int]]) -> None:
         """Counts n more input lines, `cut` (from `ids`) among them: the first line
         truncated in the whole input is named once, by its line number there."""
+        self.report(self.reserve(n), cut)
+
+    def reserve(self, n: int) -> int:
+        """Counts n more input lines whose cuts `report` gives later; -> the first one's index."""
         first, self.lines_seen = self.lines_seen, self.lines_seen + n
+        return first
+
+    def report(self, first: int, cut: list[tuple[int, int]]) -> None:
+        """`seen`'s warning for lines counted by `reserve` from `first` on (cut in their order)."""
         if cut and not self.warned:
             i, tokens = cut[0]
             print(f"warning: input line {first + i + 1} has {tokens} tokens; "

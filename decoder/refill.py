@@ -152,28 +152,45 @@ class Pending:
     next: int = 0
 
 
-def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs: list[list[int]],
-             caps: list[int], max_tokens: int, max_sentences: int, phase) -> Iterator[tuple[list[int], Outputs]]:
+def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs: list, caps: list[int],
+             max_tokens: int, max_sentences: int, phase, more: "More | None" = None
+             ) -> Iterator[tuple[list[int], Outputs]]:
     """Greedy outputs of the sentences `srcs` (source ids with </s>) in `batches` (index lists,
     length-sorted, longest first): (the indices finished in a block, their Outputs), block by block.
-    `encode(list of source ids)` -> decoder/translator.py Encoded; `caps` each sentence's cap."""
-    lengths = [len(x) for x in srcs]
-    for first, end in segments(batches, lengths, caps, max_tokens, max_sentences):
+    `encode(list of source ids)` -> decoder/translator.py Encoded; `caps` each sentence's cap.
+    `more`: the chunk's other sentences, still being encoded (switch early_start): they join the
+    last state where their sources fit it, and the others follow in states of their own."""
+    lengths = [0 if x is None else len(x) for x in srcs]
+    parts = segments(batches, lengths, caps, max_tokens, max_sentences)
+    for k, (first, end) in enumerate(parts):
         part = batches[first:end]
         every = [j for b in part for j in b]  # the longest first where sorted; any order works
         source, cap = max(lengths[j] for j in every), max(caps[j] for j in every)
-        rows = min(rows_for(max_tokens, max_sentences, source, cap), len(every))
-        yield from _segment(model, s, encode, part, srcs, rows, source, cap, phase)
+        rest = more if k == len(parts) - 1 else None  # the widest state takes them
+        rows = rows_for(max_tokens, max_sentences, source, cap)
+        later = yield from _segment(model, s, encode, part, srcs, rows if rest else min(rows, len(every)), source,
+                                    cap, phase, rest)
+        if later:
+            yield from refilled(model, s, encode, later, srcs, caps, max_tokens, max_sentences, phase)
 
 
-def _segment(model, s, encode, batches, srcs, rows, source, cap, phase):
+class More:
+    """Sentences of the chunk still being encoded: `ready()` without waiting; `take()` waits,
+    fills the chunk's srcs and caps in, and gives their batches (length-sorted index lists)."""
+
+    def __init__(self, ready: Callable[[], bool], take: Callable[[], list]):
+        self.ready, self.take = ready, take
+
+
+def _segment(model, s, encode, batches, srcs, rows, source, cap, phase, more=None):
     """One state's blocks. The host reads block i's finished rows while block i+1 runs, so the
     GPU always has a block queued: rows refilled after that read run from block i+2 on, and
-    their finished flag counts from there (`ready`); until then it is their last sentence's."""
+    their finished flag counts from there (`ready`); until then it is their last sentence's.
+    Returns the batches of `more` whose sources are longer than the state's."""
     block = s.plan.sync_every
     cache = RefillCache(model, rows, source, -(-cap // block) * block)
     loop = RefillGreedy(DecoderState(model, cache, None, phase), s, block)
-    todo, queue = deque(batches), deque()
+    todo, queue, later = _Todo(batches, more, source, srcs), deque(), []
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
     ready = np.zeros(rows, dtype=np.int64)  # (N,) the first block whose finished flag is owner's
     snaps, issued = deque(), 0  # (block, its finished flags on their way to the host)
@@ -187,7 +204,7 @@ def _segment(model, s, encode, batches, srcs, rows, source, cap, phase):
             snaps.append((issued, hostsync.later(loop.done, "finished?")))
             issued += 1
         if not snaps:
-            return
+            return todo.later
         i, flags = snaps.popleft()
         fin = np.flatnonzero(flags.array() & (owner >= 0) & (ready <= i))
         if fin.size:
@@ -197,11 +214,28 @@ def _segment(model, s, encode, batches, srcs, rows, source, cap, phase):
         _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued)
 
 
-def _refill(loop, encode, srcs, model, todo, queue, owner, ready, first: int) -> None:
+class _Todo(deque):
+    """The batches waiting for rows, and `more` taken in once ready, or waited for once no row
+    is busy and nothing else waits: those whose sources fit the state (`source` tokens) at the
+    end, the others kept in `later` for a state of their own."""
+
+    def __init__(self, batches, more: More | None, source: int, srcs: list):
+        super().__init__(batches)
+        self.more, self.source, self.srcs, self.later = more, source, srcs, []
+
+    def fill(self, wait: bool) -> None:
+        if self.more is not None and (wait or self.more.ready()):
+            for b in self.more.take():
+                (self if max(len(self.srcs[j]) for j in b) <= self.source else self.later).append(b)
+            self.more = None
+
+
+def _refill(loop, encode, srcs, model, todo: _Todo, queue, owner, ready, first: int) -> None:
     """The free rows take the next waiting sentences, from block `first` on; a batch is encoded
     whenever fewer than a state's worth of sentences wait, so the next one's encoder is queued
     behind the blocks in flight."""
     free = np.flatnonzero(owner < 0)
+    todo.fill(wait=free.size == owner.size and not todo and not queue)  # the GPU idle otherwise
     while free.size and (queue or todo):
         if not queue:
             queue.append(_pending(encode, srcs, todo.popleft(), model))

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Iterable, Iterator
@@ -153,7 +154,7 @@ class Translator:
                              length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
                              no_repeat_ngram=o.no_repeat_ngram)
         self.loop = loop_of(self.plan)  # which search loop runs a batch, decided once
-        self.shortlist = self.model = self.pool = None
+        self.shortlist = self.model = self.pool = self._stager = None
         if o.workers > 1:
             if self.device != "cpu":
                 raise ValueError("workers are CPU processes; use one process on CUDA")
@@ -261,7 +262,55 @@ class Translator:
         self.text.seen(len(lines), cut)
         return out
 
+    def _stage(self, lines: list[str]):
+        """switch early_start, the run's first chunk: its longest lines (by characters), a
+        refilled state's rows of them, encoded now and the rest in a thread of their own, so
+        that decoding starts on the first before the chunk is encoded (`Staged`); a chunk of
+        fewer than two states' worth of lines is encoded whole (`_encode`)."""
+        o = self.opts
+        n = min(o.max_sentences, o.max_tokens // refill.ROW_TOKENS)
+        if len(lines) < 2 * n or not refill.applies(len(lines), o.max_tokens, o.max_sentences):
+            return self._encode(lines)
+        order = sorted(range(len(lines)), key=lambda i: -len(lines[i]))  # longest first
+        head, rest = order[:n], order[n:]
+        first = self.text.reserve(len(lines))  # its truncation warning names lines of this chunk
+        ids, cut = self.text.ids([lines[i] for i in head])
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="stage")
+        job = self._stager.submit(self.text.ids, [lines[i] for i in rest])
+        return Staged(len(lines), first, head, ids, [(head[i], t) for i, t in cut], rest, job)
+
+    def _compute_staged(self, st: "Staged", submit):
+        """_compute for a Staged chunk: the head's batches refilled, the rest joining as encoded."""
+        o = self.opts
+        srcs, caps = [None] * st.n, [0] * st.n
+
+        def batches_of(positions: list[int], ids: list) -> list[list[int]]:
+            for i, x in zip(positions, ids):
+                srcs[i] = x
+            live = [i for i in positions if srcs[i] is not None]  # empty lines stay out
+            for i, c in zip(live, self.limits([len(srcs[i]) for i in live]).tolist()):
+                caps[i] = c
+            return [[live[j] for j in b] for b in make_batches([len(srcs[i]) for i in live], o.max_tokens,
+                                                                 o.max_sentences, self.plan.sort)]
+
+        def take() -> list[list[int]]:
+            ids, cut = st.job.result()
+            self.text.report(st.first, sorted(st.cut + [(st.rest[i], t) for i, t in cut]))
+            return batches_of(st.rest, ids)
+        batches, more = batches_of(st.head, st.ids), refill.More(st.job.done, take)
+        if not batches:  # the longest lines all blank
+            batches, more = take(), None
+        groups, futs = [], []
+        for ids, out in refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
+                                        o.max_tokens, o.max_sentences, self.phase, more):
+            groups.append(ids)
+            futs.append(submit(self.detokenise, out))
+        return lambda: [x or "" for x in restore(groups, [f.result() for f in futs], st.n)]
+
     def _compute(self, srcs: list, submit):
+        if isinstance(srcs, Staged):
+            return self._compute_staged(srcs, submit)
         o = self.opts
         idx = [i for i, s in enumerate(srcs) if s is not None]
         batches = make_batches([len(srcs[i]) for i in idx], o.max_tokens, o.max_sentences, self.plan.sort)
@@ -309,7 +358,16 @@ class Translator:
 
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
-        return run(lines, self.opts.chunk_lines, self._encode, self._compute,
+        staged: list = []  # the first chunk's Staged (switch early_start)
+
+        def pre(chunk: list[str]):
+            if self.plan.early_start and not staged:
+                staged.append(self._stage(chunk))
+                return staged[0]
+            if staged and isinstance(staged[0], Staged):
+                staged[0].job.result()  # its warning before any later chunk's
+            return self._encode(chunk)
+        return run(lines, self.opts.chunk_lines, pre, self._compute,
                    overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None,
                    switch_interval=self.plan.switch_interval, decode_ahead=self.plan.decode_ahead)
 
@@ -321,12 +379,29 @@ class Translator:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._stager is not None:
+            self._stager.shutdown()
+            self._stager = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclass
+class Staged:
+    """A chunk whose longest lines are encoded and the rest being encoded (Translator._stage):
+    `head`, `rest` positions in the chunk; `ids` the head's; `cut` the head's truncated lines
+    (position, tokens); `job` -> Text.ids of the rest; `first` the chunk's first line's index."""
+    n: int
+    first: int
+    head: list[int]
+    ids: list
+    cut: list[tuple[int, int]]
+    rest: list[int]
+    job: Future
 
 
 @dataclass

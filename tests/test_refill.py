@@ -167,3 +167,88 @@ def test_a_refilled_chunk_captures_its_block_once_and_replays_it(ahead, monkeypa
     assert got == Translator(MODEL, **{k: v for k, v in SMALL.items()}).translate(lines)
     assert len({id(r) for r in runs}) == 1 and len(runs) > 2
     assert seen == {"warm": [id(tr.model)], "capture": [id(tr.model)]}  # one graph for the chunk
+
+
+# a state of 20 rows (max_sentences): early_start stages chunks of at least 40 lines
+STAGED = dict(static_shapes=True, sync_every=4, max_tokens=2048, max_sentences=20)
+
+
+def staged_spy(monkeypatch) -> list:
+    """The Staged chunks Translator._stage returns."""
+    from decoder import translator
+    seen, stage = [], translator.Translator._stage
+    monkeypatch.setattr(translator.Translator, "_stage",
+                        lambda self, lines: (lambda r: (seen.append(r), r)[1])(stage(self, lines)))
+    return seen
+
+
+@trained
+@pytest.mark.parametrize("chunk_lines", [150, 60])  # one chunk; the first of three staged, the others not
+def test_early_start_gives_the_outputs_of_the_chunk_encoded_whole(chunk_lines, monkeypatch):
+    from decoder.translator import Staged
+    lines = source_lines(150)
+    lines[3] = lines[77] = lines[140] = ""  # empty lines stay empty and hold their place
+    spy = staged_spy(monkeypatch)
+    tr = Translator(MODEL, **STAGED, early_start=True, chunk_lines=chunk_lines)
+    assert tr.plan.early_start
+    got = tr.translate(lines)
+    assert [type(s) is Staged for s in spy] == [True]  # the first chunk only, once a run
+    assert got == Translator(MODEL, **STAGED, chunk_lines=chunk_lines).translate(lines)
+    spy.clear()
+    assert tr.translate(lines) == got and len(spy) == 1  # each run stages its own first chunk
+
+
+@trained
+def test_early_start_gives_a_rest_sentence_longer_than_the_head_a_state_of_its_own(monkeypatch):
+    # byte-fallback characters: few characters, many tokens; sorted by characters it is not in the head
+    lines = source_lines(80)
+    lines[50] = "漢字が" * 12
+    tr = Translator(MODEL, **STAGED, early_start=True)
+    head_chars = sorted(map(len, lines), reverse=True)[19]
+    assert len(lines[50]) < head_chars and len(tr.text.encode([lines[50]])[0]) > max(
+        len(x) for x in tr.text.encode(sorted(lines, key=len)[-20:]))
+    runs = counted_blocks(monkeypatch)
+    got = tr.translate(lines)
+    assert len({id(r) for r in runs}) == 2  # the head's state, then the long one's
+    assert got == Translator(MODEL, **STAGED).translate(lines)
+
+
+@trained
+def test_early_start_names_the_first_truncated_line_in_input_order(capfd):
+    lines = source_lines(60)
+    lines[5] = "漢" * 700  # over the model's 1,024 tokens in 700 characters: not among the longest
+    for i in range(30, 55):
+        lines[i] = "and the word of the lord came " * 30  # 900 characters, under the limit
+    lines[57] = "the " * 1100  # over the limit, 4,400 characters: the longest
+    tr = Translator(MODEL, **STAGED, early_start=True, max_len_a=0.0, max_len_b=2)
+    assert len(tr.translate(lines)) == 60
+    err = [x for x in capfd.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert len(err) == 1 and err[0].startswith("warning: input line 6 has ")
+    assert err[0].endswith("tokens; truncating lines to the model limit of 1024")
+
+
+@trained
+@pytest.mark.parametrize("ready", [False, True])
+def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(ready):
+    from decoder.batching import make_batches
+    tr = Translator(MODEL, **STAGED, early_start=True)
+    lines = source_lines(70)
+    ids = tr.text.encode(lines)
+    caps = tr.limits([len(x) for x in ids]).tolist()
+    head, rest = list(range(20)), list(range(20, 70))
+    srcs = [x if i < 20 else None for i, x in enumerate(ids)]
+    finished: list[int] = []
+    taken_after: list[int] = []
+
+    def take():
+        taken_after.append(len(finished))
+        for i in rest:
+            srcs[i] = ids[i]
+        return [[rest[j] for j in b] for b in make_batches([len(ids[i]) for i in rest], 2048, 20)]
+    batches = [[head[j] for j in b] for b in make_batches([len(ids[i]) for i in head], 2048, 20)]
+    for done, out in refill.refilled(tr.model, tr.search, tr.encode_batch, batches, srcs, caps, 2048, 20,
+                                     tr.phase, refill.More(lambda: ready, take)):
+        finished += done
+    assert sorted(finished) == list(range(70)) and len(taken_after) == 1
+    # not ready: waited for once the head's 20 sentences were all out; ready: taken at the first read
+    assert taken_after == ([20] if not ready else [0])

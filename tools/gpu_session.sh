@@ -13,7 +13,7 @@
 # model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present, unpacked from build/carry/data.tar.xz if only that is), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
-# BENCH_ABLATE (the switches also measured flipped, --ablate: refill_rows,warp_attention,graph_steps,graph_attention,
+# BENCH_ABLATE (the switches also measured flipped, --ablate: refill_rows,warp_attention,early_start,graph_steps,graph_attention,
 #   normalise_processes,encode_ahead,ramp_chunks,short_gil_interval),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
@@ -24,7 +24,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-session}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
-BENCH_ABLATE=${BENCH_ABLATE-refill_rows,warp_attention,graph_steps,graph_attention,normalise_processes,encode_ahead,ramp_chunks,short_gil_interval}  # switches measured flipped too ("": none)
+BENCH_ABLATE=${BENCH_ABLATE-refill_rows,warp_attention,early_start,graph_steps,graph_attention,normalise_processes,encode_ahead,ramp_chunks,short_gil_interval}  # switches measured flipped too ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 STUDENT=$ROOT/runs/gpu-student
 ALL=(build test speed train bench distill)
