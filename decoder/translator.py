@@ -269,16 +269,22 @@ class Translator:
         fewer than two states' worth of lines is encoded whole (`_encode`)."""
         o = self.opts
         n = min(o.max_sentences, o.max_tokens // refill.ROW_TOKENS)
-        if len(lines) < 2 * n or not refill.applies(len(lines), o.max_tokens, o.max_sentences):
+        if (self.pool is not None or len(lines) < 2 * n
+                or not refill.applies(len(lines), o.max_tokens, o.max_sentences)):
             return self._encode(lines)
         order = sorted(range(len(lines)), key=lambda i: -len(lines[i]))  # longest first
         head, rest = order[:n], order[n:]
         first = self.text.reserve(len(lines))  # its truncation warning names lines of this chunk
         ids, cut = self.text.ids([lines[i] for i in head])
+
+        def rest_ids() -> list:
+            more, more_cut = self.text.ids([lines[i] for i in rest])
+            # the chunk's warning, in input order, before the job ends: a later chunk waits for it
+            self.text.report(first, sorted([(head[i], t) for i, t in cut] + [(rest[i], t) for i, t in more_cut]))
+            return more
         if self._stager is None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="stage")
-        job = self._stager.submit(self.text.ids, [lines[i] for i in rest])
-        return Staged(len(lines), first, head, ids, [(head[i], t) for i, t in cut], rest, job)
+        return Staged(len(lines), head, ids, rest, self._stager.submit(rest_ids))
 
     def _compute_staged(self, st: "Staged", submit):
         """_compute for a Staged chunk: the head's batches refilled, the rest joining as encoded."""
@@ -295,17 +301,11 @@ class Translator:
                                                                  o.max_sentences, self.plan.sort)]
 
         def take() -> list[list[int]]:
-            ids, cut = st.job.result()
-            self.text.report(st.first, sorted(st.cut + [(st.rest[i], t) for i, t in cut]))
-            return batches_of(st.rest, ids)
+            return batches_of(st.rest, st.job.result())
         batches, more = batches_of(st.head, st.ids), refill.More(st.job.done, take)
         if not batches:  # the longest lines all blank
             batches, more = take(), None
-        groups, futs = [], []
-        for ids, out in refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
-                                        o.max_tokens, o.max_sentences, self.phase, more):
-            groups.append(ids)
-            futs.append(submit(self.detokenise, out))
+        groups, futs = self.refilled(srcs, batches, caps, submit, more)
         return lambda: [x or "" for x in restore(groups, [f.result() for f in futs], st.n)]
 
     def _compute(self, srcs: list, submit):
@@ -318,11 +318,8 @@ class Translator:
             # every batch of the chunk is queued first, so the workers never wait on the parent
             futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
         elif self.plan.refill_rows and refill.applies(len(idx), o.max_tokens, o.max_sentences):
-            groups, futs = [], []  # the sentences finished in a block, detokenised while the next runs
-            for ids, out in self.refilled([srcs[i] for i in idx], batches):
-                groups.append(ids)
-                futs.append(submit(self.detokenise, out))
-            batches = groups
+            live = [srcs[i] for i in idx]
+            batches, futs = self.refilled(live, batches, self.limits([len(x) for x in live]).tolist(), submit)
         else:
             futs = [submit(self.detokenise, out) for out in self.each_batch([[srcs[idx[j]] for j in b]
                                                                                 for b in batches])]
@@ -336,13 +333,18 @@ class Translator:
         return finish
 
     @torch.inference_mode()
-    def refilled(self, srcs: list[list[int]], batches: list[list[int]]) -> Iterator[tuple[list[int], Outputs]]:
-        """Greedy outputs of `srcs`, encoded in `batches` (index lists), through one state whose
-        finished rows take the next sentences (decoder/refill.py): (indices, Outputs) a block at a time."""
+    def refilled(self, srcs: list, batches: list[list[int]], caps: list[int], submit,
+                 more: "refill.More | None" = None) -> tuple[list[list[int]], list]:
+        """The sentences `srcs` (index lists `batches`, caps `caps`) through one state whose finished
+        rows take the next sentences (decoder/refill.py): (the indices finished in each block, the
+        futures of their detokenised outputs, each submitted while the next block runs)."""
         o = self.opts
-        caps = self.limits([len(x) for x in srcs]).tolist()
-        yield from refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
-                                   o.max_tokens, o.max_sentences, self.phase)
+        groups, futs = [], []
+        for ids, out in refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
+                                        o.max_tokens, o.max_sentences, self.phase, more):
+            groups.append(ids)
+            futs.append(submit(self.detokenise, out))
+        return groups, futs
 
     def each_batch(self, batches: list[list[list[int]]]) -> Iterator[Outputs]:
         """Each batch's outputs, in order. With plan.encode_ahead the next batch is encoded
@@ -393,13 +395,11 @@ class Translator:
 @dataclass
 class Staged:
     """A chunk whose longest lines are encoded and the rest being encoded (Translator._stage):
-    `head`, `rest` positions in the chunk; `ids` the head's; `cut` the head's truncated lines
-    (position, tokens); `job` -> Text.ids of the rest; `first` the chunk's first line's index."""
+    `head`, `rest` positions in the chunk; `ids` the head's; `job` -> the rest's ids, the chunk's
+    truncation warning given."""
     n: int
-    first: int
     head: list[int]
     ids: list
-    cut: list[tuple[int, int]]
     rest: list[int]
     job: Future
 
