@@ -83,7 +83,7 @@ def test_cuda_whole_search_steps_in_graphs_equal_one_graph_for_the_decoder_step(
 @cuda
 @pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("switch", ["capture_ahead", "encode_ahead", "decode_ahead", "short_gil_interval",
-                                    "graph_attention", "refill_rows", "warp_attention"])
+                                    "graph_attention", "refill_rows", "warp_attention", "early_start"])
 def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
     # many batches, over chunks (the text threads busy beside the decoding), graphs captured per batch
     from decoder.optimisations import BY_NAME
@@ -92,8 +92,9 @@ def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
     default = Translator(model_dir, **kw)
     flipped = Translator(model_dir, **kw, **{switch: not BY_NAME[switch].default})
     a, b = default.translate(lines), flipped.translate(lines)
-    if switch in ("graph_attention", "refill_rows", "warp_attention"):
-        # another attention kernel, or products of other row counts: fp16 sums in another order may flip a near-tie
+    if switch in ("graph_attention", "refill_rows", "warp_attention", "early_start"):
+        # another attention kernel, products of other row counts or other encoder batches: fp16 sums in
+        # another order may flip a near-tie
         assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(lines)
     else:  # the same kernels, queued in another order
         assert a == b
