@@ -190,7 +190,7 @@ def _segment(model, s, encode, batches, srcs, rows, source, cap, phase, more=Non
     block = s.plan.sync_every
     cache = RefillCache(model, rows, source, -(-cap // block) * block)
     loop = RefillGreedy(DecoderState(model, cache, None, phase), s, block)
-    todo, queue, later = _Todo(batches, more, source, srcs), deque(), []
+    todo, queue = _Todo(batches, more, source, srcs), deque()
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
     ready = np.zeros(rows, dtype=np.int64)  # (N,) the first block whose finished flag is owner's
     snaps, issued = deque(), 0  # (block, its finished flags on their way to the host)
