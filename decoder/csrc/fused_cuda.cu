@@ -80,12 +80,13 @@ __global__ void bias_relu_kernel(const T* x, const T* b, T* y, int64_t total, in
 
 // one block per (b, h, query); scores for all keys in shared memory
 template <typename T>
-__global__ void decode_attention_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out, int H, int Q,
-                                        int64_t T_, int64_t D, int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0,
-                                        int64_t vs1, int64_t vs2, float scale) {
+__global__ void decode_attention_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t BHQ,
+                                        int H, int Q, int64_t T_, int64_t D, int64_t ks0, int64_t ks1, int64_t ks2,
+                                        int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
   extern __shared__ float p[];  // (T_,)
   __shared__ float sh[32];
   const int64_t bhq = blockIdx.x, b = bhq / (H * Q), h = (bhq / Q) % H;
+  if (bhq >= BHQ) return;  // the whole block
   const T* qi = q + bhq * D;
   const T* kb = k + b * ks0 + h * ks1;
   const T* vb = v + b * vs0 + h * vs1;
@@ -389,65 +390,69 @@ at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
   return y;
 }
 
+// decode_attention's inputs as both kernels read them: q dense, k and v in q's dtype with dense
+// features, the mask (B, T) dense; the output allocated
+struct AttentionArgs {
+  int64_t B, H, Q, D, keys;
+  at::Tensor q, k, v, mask, out;
+  AttentionArgs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                const std::optional<at::Tensor>& mask_)
+      : B(q_.size(0)), H(q_.size(1)), Q(q_.size(2)), D(q_.size(3)), keys(k_.size(2)) {
+    q = q_.contiguous();
+    k = (k_.stride(3) == 1 ? k_ : k_.contiguous()).to(q_.scalar_type());
+    v = (v_.stride(3) == 1 ? v_ : v_.contiguous()).to(q_.scalar_type());
+    if (mask_.has_value()) mask = mask_->reshape({B, keys}).contiguous();
+    out = at::empty_like(q);
+  }
+  template <typename S>
+  void launch(void (*kernel)(const S*, const S*, const S*, const bool*, S*, int64_t, int, int, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float),
+              int64_t blocks, int threads, size_t shared) const {
+    kernel<<<blocks, threads, shared, c10::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<S>(), k.data_ptr<S>(), v.data_ptr<S>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+        out.data_ptr<S>(), B * H * Q, int(H), int(Q), keys, D, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), 1.f / std::sqrt(float(D)));
+  }
+};
+
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
+  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+              k.size(1) == q.size(1) && k.size(3) == q.size(3), name, ": q (B,H,Q,D), k/v (B,H,T,D)");
+}
+
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& mask) {
-  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
-              k.size(1) == q.size(1) && k.size(3) == q.size(3), "decode_attention: q (B,H,Q,D), k/v (B,H,T,D)");
+  check_attention(q, k, v, "decode_attention");
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
-  auto qc = q.contiguous();
-  auto kc = k.stride(3) == 1 ? k : k.contiguous();
-  auto vc = v.stride(3) == 1 ? v : v.contiguous();
-  kc = kc.to(q.scalar_type()); vc = vc.to(q.scalar_type());
-  at::Tensor m;
-  if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
-  auto out = at::empty_like(qc);
-  if (qc.numel() == 0) return out;
-  const size_t shared = static_cast<size_t>(T) * sizeof(float);
-  KIT_CHECK(shared <= 48 * 1024, "decode_attention: ", T, " keys exceed the kernel's shared memory");
+  const AttentionArgs a(q, k, v, mask);
+  if (a.q.numel() == 0) return a.out;
+  const size_t shared = static_cast<size_t>(a.keys) * sizeof(float);
+  KIT_CHECK(shared <= 48 * 1024, "decode_attention: ", a.keys, " keys exceed the kernel's shared memory");
   KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_kernel<scalar_t><<<B * H * Q, kThreads, shared, c10::cuda::getCurrentCUDAStream()>>>(
-        qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-        mask.has_value() ? m.data_ptr<bool>() : nullptr, out.data_ptr<scalar_t>(), H, Q, T, D, kc.stride(0),
-        kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), 1.f / std::sqrt(float(D)));
+    a.launch<scalar_t>(decode_attention_kernel<scalar_t>, a.B * a.H * a.Q, kThreads, shared);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+  return a.out;
 }
 
 // decode_attention with a warp per (b, h, query); past its limits (D > 128 features, or the
 // scores of kWarps rows beyond 48 KB of shared memory) the block kernel
 at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& mask) {
-  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
-              k.size(1) == q.size(1) && k.size(3) == q.size(3), "decode_attention_warp: q (B,H,Q,D), k/v (B,H,T,D)");
-  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
-  const size_t shared = static_cast<size_t>(kWarps) * T * sizeof(float);
-  if (D > 128 || shared > 48 * 1024) return decode_attention_cuda(q, k, v, mask);
+  check_attention(q, k, v, "decode_attention_warp");
+  const size_t shared = static_cast<size_t>(kWarps) * k.size(2) * sizeof(float);
+  if (q.size(3) > 128 || shared > 48 * 1024) return decode_attention_cuda(q, k, v, mask);
   const c10::cuda::CUDAGuard guard(q.device());
-  auto qc = q.contiguous();
-  auto kc = k.stride(3) == 1 ? k : k.contiguous();
-  auto vc = v.stride(3) == 1 ? v : v.contiguous();
-  kc = kc.to(q.scalar_type()); vc = vc.to(q.scalar_type());
-  at::Tensor m;
-  if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
-  auto out = at::empty_like(qc);
-  if (qc.numel() == 0) return out;
-  const int64_t BHQ = B * H * Q, blocks = (BHQ + kWarps - 1) / kWarps;
+  const AttentionArgs a(q, k, v, mask);
+  if (a.q.numel() == 0) return a.out;
+  const int64_t blocks = (a.B * a.H * a.Q + kWarps - 1) / kWarps;
   KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention_warp", [&] {
-    auto launch = [&](auto kernel) {
-      kernel<<<blocks, 32 * kWarps, shared, c10::cuda::getCurrentCUDAStream()>>>(
-          qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-          mask.has_value() ? m.data_ptr<bool>() : nullptr, out.data_ptr<scalar_t>(), BHQ, H, Q, T, D,
-          kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-          1.f / std::sqrt(float(D)));
-    };
-    if (D <= 32) launch(decode_attention_warp_kernel<scalar_t, 1>);
-    else if (D <= 64) launch(decode_attention_warp_kernel<scalar_t, 2>);
-    else launch(decode_attention_warp_kernel<scalar_t, 4>);
+    auto kernel = a.D <= 32 ? decode_attention_warp_kernel<scalar_t, 1>
+                  : a.D <= 64 ? decode_attention_warp_kernel<scalar_t, 2> : decode_attention_warp_kernel<scalar_t, 4>;
+    a.launch<scalar_t>(kernel, blocks, 32 * kWarps, shared);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+  return a.out;
 }
 
 at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
