@@ -124,6 +124,20 @@ def test_warp_attention_binds_the_warp_kernel_unless_off_or_refused_alone():
         assert "warp_attention" not in p.runs and p.attend is p.ops.decode_attention
 
 
+def test_a_self_check_that_stops_refuses_every_cuda_kernel_with_one_warning(monkeypatch, capsys):
+    def stops(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    monkeypatch.setattr(fused, "_cuda", {})
+    monkeypatch.setattr(ops, "cuda_available", lambda: True)
+    refused = []
+    monkeypatch.setattr(ops, "cuda_refused", refused.append)
+    monkeypatch.setattr(fused, "self_check", stops)
+    assert fused._cuda_kernels() is False and fused.cuda_refused_alone() == set()
+    assert refused == ["disagree with their references: the self-check stopped: CUDA error: an illegal memory "
+                       "access was encountered"]
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 @pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True),
                                           (["decode_attention_warp", "argmax_rows"], False)])
 def test_a_self_check_refuses_the_warp_kernel_alone_or_every_cuda_kernel(bad, cuda_on, monkeypatch, capsys):

@@ -390,6 +390,20 @@ def test_self_check_names_each_kernel_that_disagrees():
     assert fused.self_check("cpu", planted) == ["add_bias_relu", "argmax_rows"]
 
 
+@pytest.mark.parametrize("planted, bad", [("agrees", []), ("wrong", ["decode_attention_warp"]),
+                                          ("raises", ["decode_attention_warp"])])
+def test_self_check_runs_the_warp_kernel_on_its_shapes_and_refuses_it_wrong_or_failing(planted, bad):
+    # on CPU the CPU kernel stands in for CUDA's warp kernel: its shapes, masks and verdicts
+    def call(name, *a):
+        if name != "decode_attention_warp":
+            return getattr(torch.ops.decoder_ops, name)(*a)
+        if planted == "raises":
+            raise RuntimeError("CUDA error: too many resources requested for launch")
+        out = torch.ops.decoder_ops.decode_attention(*a)
+        return out if planted == "agrees" else out + 1e-2
+    assert fused.self_check("cpu", call, warp=True) == bad
+
+
 @needs_cuda_kernels
 def test_self_check_finds_the_cuda_kernels_agree():
     assert fused.self_check("cuda") == []
