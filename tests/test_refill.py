@@ -131,12 +131,14 @@ def test_refill_resolves_with_the_greedy_whole_step_graphs_only():
 def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path):
     import json
     from tools import decode_steps
-    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "120", "--max-tokens", "1024",
+    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
                               "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
-    per_batch, refilled = json.loads((tmp_path / "s.json").read_text())["rows"]
+    per_batch, refilled, staged = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == [64]
-    assert refilled["same_outputs"] == "120 of 120"
-    assert "| refilled rows |" in (tmp_path / "s.md").read_text()
+    assert refilled["same_outputs"] == staged["same_outputs"] == "140 of 140"
+    assert staged["early_start"] and not refilled["early_start"]  # 140 lines: over two states' worth of 64 rows
+    md = (tmp_path / "s.md").read_text()
+    assert "| refilled rows |" in md and "| refilled rows, the chunk's longest lines first (early_start) |" in md
 
 
 @trained

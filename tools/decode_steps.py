@@ -7,8 +7,11 @@ On a GPU a step of a few thousand rows is a few dozen kernels whose time hardly
 depends on the rows, so the steps, not the rows, are what a throughput run
 costs there. This counts them on any machine: the fixed-shape state the GPU's
 graphs replay runs eagerly here (static shapes), at the GPU's batch settings by
-default, once with a state per batch (`--no-refill-rows`) and once with the
-chunk's sentences streaming through one state (decoder/refill.py). For each:
+default, once with a state per batch (`--no-refill-rows`), once with the
+chunk's sentences streaming through one state (decoder/refill.py) and once more
+with the chunk's longest lines (by characters) first, the rest joining as
+encoded (switch early_start; here the rest is encoded long before the first
+block ends, so its steps are a lower bound of a GPU's). For each:
 steps, row-steps (rows x steps: what a compute-bound device pays), the states'
 rows, and whether every output is the same. The wall time is this machine's,
 not a GPU's.
@@ -49,20 +52,25 @@ def steps_of(blocks: list[tuple[int, int]]) -> dict:
             "rows": sorted({r for r, _ in blocks})}
 
 
-def count(model: str, lines: list[str], refill: bool, **kw) -> tuple[dict, list[str]]:
+def count(model: str, lines: list[str], refill: bool, early_start: bool = False, **kw) -> tuple[dict, list[str]]:
     """One run's steps, row-steps and state widths, and its outputs."""
-    tr = Translator(model, static_shapes=True, refill_rows=refill, **kw)
+    tr = Translator(model, static_shapes=True, refill_rows=refill, early_start=early_start, **kw)
     with counted_blocks() as blocks:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
-    return {"refill_rows": refill, **steps_of(blocks), "wall_s": round(wall, 2)}, out
+    return {"refill_rows": refill, "early_start": tr.plan.early_start, **steps_of(blocks),
+            "wall_s": round(wall, 2)}, out
+
+
+LOOPS = {(False, False): "a state per batch", (True, False): "refilled rows",
+         (True, True): "refilled rows, the chunk's longest lines first (early_start)"}
 
 
 def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
     out = [f"Machine: {machine}", "", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), "",
            "| loop | steps | row-steps | states' rows | same outputs | wall here (s) |", "|---|---:|---:|---|---|---:|"]
-    out += [f"| {'refilled rows' if r['refill_rows'] else 'a state per batch'} | {r['steps']:,} | {r['row_steps']:,} | "
+    out += [f"| {LOOPS[r['refill_rows'], r['early_start']]} | {r['steps']:,} | {r['row_steps']:,} | "
             f"{', '.join(map(str, r['rows']))} | {r['same_outputs']} | {r['wall_s']} |" for r in rows]
     return "\n".join(out) + "\n"
 
@@ -89,17 +97,20 @@ def main(argv=None) -> int:
     settings = {"lines": len(lines), "max_tokens": a.max_tokens, "max_sentences": a.max_sentences,
                 "sync_every": a.sync_every}
     kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every, threads=a.threads)
-    (per_batch, want), (refilled, got) = (count(a.model, lines, r, **kw) for r in (False, True))
+    (per_batch, want), *others = (count(a.model, lines, r, e, **kw) for r, e in ((False, False), (True, False),
+                                                                                 (True, True)))
     per_batch["same_outputs"] = "-"
-    refilled["same_outputs"] = f"{sum(x == y for x, y in zip(want, got)):,} of {len(lines):,}"
+    for row, got in others:
+        row["same_outputs"] = f"{sum(x == y for x, y in zip(want, got)):,} of {len(lines):,}"
+    rows = [per_batch] + [row for row, _ in others]
     machine = one_line(describe())
-    md = to_markdown([per_batch, refilled], machine, settings)
+    md = to_markdown(rows, machine, settings)
     print(md, end="")
     if a.out:
         with open(a.out + ".md", "w", encoding="utf-8") as fh:
             fh.write(md)
         with open(a.out + ".json", "w", encoding="utf-8") as fh:
-            json.dump({"machine": machine, "settings": settings, "rows": [per_batch, refilled]}, fh, indent=1)
+            json.dump({"machine": machine, "settings": settings, "rows": rows}, fh, indent=1)
     return 0
 
 
