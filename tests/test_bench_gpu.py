@@ -268,3 +268,107 @@ def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch):
     assert prof["rows"] == [60] and prof["steps"] > 0 and prof["steps"] % 4 == 0
     assert prof["idle_before_s"] > 0 and prof["idle_between_s"] == prof["idle_after_s"] == 0  # no kernels on CPU
     assert prof["row_steps"] == 60 * prof["steps"]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_row_starts_only_where_the_slowest_of_its_group_would_end_in_time():
+    clock = FakeClock()
+    d = bench_gpu.Deadline(10.0, clock)
+    assert d.allows("throughput")  # nothing timed yet
+    with d.timing("throughput"):
+        clock.t += 4.0
+    assert d.allows("throughput") and d.allows("batch1")  # 4 + 4 < 10
+    clock.t = 6.5
+    assert not d.allows("throughput") and d.allows("batch1")  # 6.5 + 4 past 10; batch 1 untimed
+    clock.t = 10.0
+    assert not d.allows("batch1")  # the time is up for every group
+    with pytest.raises(bench_gpu.TimeUp):
+        d.check("batch1")
+    assert bench_gpu.Deadline(None, clock).allows("throughput", 100.0)  # no limit: everything runs
+
+
+def test_sweep_records_the_sizes_the_time_limit_leaves_out():
+    def run(size):
+        if size > 2:
+            raise bench_gpu.TimeUp
+        return {"src_words_per_s": size * 10.0}
+    made = []
+    rows = bench_gpu.sweep(run, [1, 2, 4, 8], each=made.append)
+    assert rows == made == [{"batch": 1, "src_words_per_s": 10.0}, {"batch": 2, "src_words_per_s": 20.0},
+                            {"batch": 4, "error": bench_gpu.NOT_RUN}, {"batch": 8, "error": bench_gpu.NOT_RUN}]
+
+
+def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_left_out(monkeypatch):
+    """A lent GPU's call has a hard limit: rows that would pass --time-limit are recorded as not run,
+    the others written after each row, so the files hold what was measured whenever the run stops."""
+    import argparse
+    clock = FakeClock()
+    cost = {"throughput": 3.0, "batch1": 0.25}
+
+    class Loaded:
+        def __init__(self, group):
+            self.group = group
+
+        def __enter__(self):
+            def go(ls):
+                clock.t += cost[self.group] / 2  # the warm-up pass and the timed one
+                return list(ls)
+            return go
+
+        def __exit__(self, *exc):
+            return None
+
+    class Eng:
+        def __init__(self, *a):
+            pass
+
+        def ours(self, group, size, **switches):
+            return Loaded(group)
+    monkeypatch.setattr(bench_gpu, "Engines", Eng)
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines: [("ours fp16", lambda e, g, s: Loaded(g))])
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (1, 2, 3, 4, 5)}, "batch1": {"ours": (1,)}})
+    src = [f"a b c {i}" for i in range(4)]
+    a = argparse.Namespace(model="m", engines=["ours"], passes=1, beam_lines=1, batch1_lines=2,
+                           ablate=["fast_normaliser"], chunked=0, time_limit=10.0)
+    written = []
+    rows, prof = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu", clock=clock,
+                                   write=lambda rows, prof: written.append([r.get("error") for r in rows]))
+    # throughput rows at 0, 3 and 6 s end by 9; the fourth would end at 12; batch 1 (0.25 s) still fits at 9,
+    # and its ablation row at 9.25; the throughput ablation row does not
+    top = bench_gpu.best(rows, "throughput", "ours")["batch"]
+    assert [(r["group"], r["batch"], r.get("error")) for r in rows] == [
+        ("throughput", 1, None), ("throughput", 2, None), ("throughput", 3, None),
+        ("throughput", 4, bench_gpu.NOT_RUN), ("throughput", 5, bench_gpu.NOT_RUN), ("batch1", 1, None),
+        ("throughput", top, bench_gpu.NOT_RUN), ("batch1", 1, None)]
+    assert len(written) == len(rows) and written[-1] == [r.get("error") for r in rows]
+    assert [len(w) for w in written] == list(range(1, len(rows) + 1))  # one write a row
+    assert prof is None
+
+
+def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
+    """A run stopped mid-way (the call's limit) leaves its rows so far in PREFIX.json and .md, marked."""
+    src = tmp_path / "s.txt"
+    src.write_text("a b\nc d\n")
+    first = row("throughput", "ours fp16", 512, 1_000)
+
+    def stopped(a, s, r, log, write):
+        write([first], None)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_gpu, "check", lambda a: None)
+    monkeypatch.setattr(bench_gpu, "run_all", stopped)
+    out = tmp_path / "gpu"
+    with pytest.raises(KeyboardInterrupt):
+        bench_gpu.main(["--model", "m", "--src", str(src), "--ref", str(src), "--out", str(out),
+                        "--summary", str(tmp_path / "summary.json")])
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["complete"] is False and record["rows"] == [first]
+    assert bench_gpu.PARTIAL in (tmp_path / "gpu.md").read_text()
+    assert not (tmp_path / "summary.json").exists()  # the summary is the finished run's

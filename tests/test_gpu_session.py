@@ -36,12 +36,12 @@ def test_script_refuses_a_machine_without_cuda(tmp_path):
 
 def _command(stage: str, module: str) -> list[str]:
     """The options the script's `stage_<stage>` passes to `python -m <module>` (shell variables as
-    placeholders; an option list empty by default, ${NAME:-}, left out)."""
+    placeholders; an option list empty by default, ${NAME:-} or "${name[@]}", left out)."""
     text = open(SCRIPT).read()
     body = re.search(rf"^stage_{stage}\(\) {{\n(.*?)^}}", text, re.S | re.M).group(1).replace("\\\n", " ")
     line = re.search(rf"\$PY -m {re.escape(module)} (.*?)(?:\|\||$)", body, re.M).group(1)
     return [re.sub(r"\$\{?\(?[^ ]*", "X", w) if "$" in w else w for w in shlex.split(line)
-            if not re.fullmatch(r"\$\{\w+:-\}", w)]
+            if not re.fullmatch(r"\$\{\w+(:-|\[@\])\}", w)]
 
 
 def test_train_stage_options_are_the_trainers():
@@ -82,3 +82,35 @@ def test_a_data_tarball_is_unpacked_where_data_is_absent(tmp_path):
                        timeout=60, env={**os.environ, "PY": str(py), "OUT": str(tmp_path / "out")})
     assert r.returncode == 0, r.stderr
     assert (tree / "data" / "marker.txt").read_text() == "corpus\n"
+
+
+def _fake_python(tmp_path):
+    """A python that says yes to every check and logs its arguments, a line a call."""
+    py, log = tmp_path / "py", tmp_path / "py.log"
+    py.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 0\n')
+    py.chmod(0o755)
+    return py, log
+
+
+def test_the_bench_gets_what_is_left_of_the_calls_seconds(tmp_path):
+    """A lent machine's call has a hard limit (CALL_SECONDS): the bench's --time-limit is what is
+    left of it less a margin, and a bench with under 30 s left does not start."""
+    py, log = _fake_python(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    env = {"PY": str(py), "OUT": str(tmp_path / "out"), "BENCH_MODEL": str(model)}
+    r = subprocess.run(["bash", SCRIPT, "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env, "CALL_SECONDS": "600"})
+    assert r.returncode == 0, r.stderr
+    bench = [x.split() for x in log.read_text().splitlines() if x.startswith("-m tools.bench_gpu")]
+    assert len(bench) == 1
+    limit = int(bench[0][bench[0].index("--time-limit") + 1])
+    assert 600 - 20 - 10 <= limit <= 600 - 20
+    log.unlink()
+    r = subprocess.run(["bash", SCRIPT, "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env, "CALL_SECONDS": "45"})
+    assert r.returncode == 1 and "not started" in r.stderr
+    assert "tools.bench_gpu" not in log.read_text()
+    r = subprocess.run(["bash", SCRIPT, "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env})  # no CALL_SECONDS: no limit
+    assert r.returncode == 0 and "--time-limit" not in log.read_text()

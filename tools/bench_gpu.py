@@ -1,4 +1,4 @@
-"""python -m tools.bench_gpu --model DIR --src F --ref F [--lines N] [--out PREFIX] [--summary FILE]
+"""python -m tools.bench_gpu --model DIR --src F --ref F [--lines N] [--time-limit S] [--out PREFIX] [--summary FILE]
 
 Our decoder on a CUDA GPU beside CTranslate2 (float16 and int8_float16) and
 transformers fp16 `generate`, on the same weights (tools/convert), in the CPU
@@ -16,14 +16,18 @@ the text pipeline; --chunked adds ours in chunks of that many lines, as a run
 of more than `chunk_lines` lines reads them (the next chunk encoded beside the
 decoding), and --ablate ours with single switches flipped.
 
-Writes PREFIX.md and PREFIX.json (every row of every sweep) and the summary
-(one object in a list, as tools.bench's summary.json: the same ratio keys plus
-device, gpu, src_words_per_s, gpu_busy and the versions). Needs CUDA: without
-it, one error line and exit 2 (the CPU benchmark is tools.bench).
+Writes PREFIX.md and PREFIX.json (every row of every sweep) after every row,
+marked partial until the run ends, then the summary (one object in a list, as
+tools.bench's summary.json: the same ratio keys plus device, gpu,
+src_words_per_s, gpu_busy and the versions). --time-limit leaves out, and
+records, the rows that would end past it: a lent GPU's call has a hard limit.
+Needs CUDA: without it, one error line and exit 2 (the CPU benchmark is
+tools.bench).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -55,6 +59,7 @@ SWEEPS = {
     "beam4": {"ours": (None, 4096, 8192, 16384, 32768), "ct2": (2048, 4096, 8192, 16384), "hf": (32, 64, 128)},
     "batch1": {"ours": (1,), "ct2": (1,), "hf": (1,)},
 }
+PARTIAL = "(Partial: written after each row; the run has not ended.)"
 NOT_PROFILED = ("CTranslate2 runs its own CUDA kernels, which torch.profiler does not see: it has no GPU-busy "
                 "figure; transformers is not profiled")
 
@@ -64,18 +69,58 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def sweep(run, sizes) -> list[dict]:
-    """[{"batch": size, **run(size)}] in order. A size that runs out of GPU memory is recorded as such
-    and ends the sweep (the larger ones only need more); any other error is raised."""
+class TimeUp(Exception):
+    """A row that the time limit leaves out (--time-limit)."""
+
+
+NOT_RUN = "not run: time limit"
+
+
+class Deadline:
+    """--time-limit: a row starts only where the slowest row of its group so far (its loading,
+    warm-up and passes) would still end in time, so a lent GPU's call ends with its files written
+    rather than cut mid-row. No limit: every row runs."""
+
+    def __init__(self, seconds: float | None, clock=time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds if seconds else None
+        self.took: dict[str, float] = {}  # group -> its slowest row's seconds
+
+    def allows(self, group: str, factor: float = 1.0) -> bool:
+        return self.end is None or self.clock() + factor * self.took.get(group, 0.0) < self.end
+
+    def check(self, group: str, factor: float = 1.0) -> None:
+        if not self.allows(group, factor):
+            raise TimeUp
+
+    @contextlib.contextmanager
+    def timing(self, group: str):
+        t = self.clock()
+        yield
+        self.took[group] = max(self.took.get(group, 0.0), self.clock() - t)
+
+
+def sweep(run, sizes, each=None) -> list[dict]:
+    """[{"batch": size, **run(size)}] in order, each also given to `each` as it is made. A size that
+    runs out of GPU memory is recorded as such and ends the sweep (the larger ones only need more);
+    one that run leaves out for the time limit (TimeUp) is recorded, as are the sizes after it; any
+    other error is raised."""
     rows = []
-    for s in sizes:
+    for i, s in enumerate(sizes):
         try:
-            rows.append({"batch": s, **run(s)})
+            made = [{"batch": s, **run(s)}]
+        except TimeUp:
+            made = [{"batch": x, "error": NOT_RUN} for x in sizes[i:]]
         except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; the rest re-raised
             if not is_oom(e):
                 raise
-            rows.append({"batch": s, "error": "out of memory"})
+            made = [{"batch": s, "error": "out of memory"}]
             torch.cuda.empty_cache()
+        for r in made:
+            rows.append(r)
+            if each is not None:
+                each(r)
+        if "error" in made[0]:
             break
     return rows
 
@@ -252,58 +297,100 @@ def timed(go, s: list[str], r: list[str], passes: int) -> dict:
 ABLATION = "ablation: ours fp16"  # its rows' engine names: never any engine's best
 
 
-def ablation_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[dict]:
+class Record:
+    """The rows and the profile so far, handed to `write(rows, profile)` after each: a run cut short
+    (a lent GPU's call has a hard limit) keeps what it measured."""
+
+    def __init__(self, write=None):
+        self.rows, self.prof, self.write = [], None, write
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.save()
+
+    def save(self) -> None:
+        if self.write is not None:
+            self.write(self.rows, self.prof)
+
+
+def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
     """For each switch in --ablate, ours with it flipped from its default (on switches off, off
     ones on) at our best throughput and batch-1 sizes: what each optimisation is worth on this
     GPU, beside the rows it is measured against."""
-    out = []
     for switch in a.ablate:
         flip = not BY_NAME[switch].default
         label = f"{'with' if flip else 'without'} {switch}"
         for group in ("throughput", "batch1"):
-            top = best(rows, group, "ours")
+            top = best(rec.rows, group, "ours")
             if top is None:
                 continue
             s, r = lines[group]
-            with eng.ours(group, top["batch"], **{switch: flip}) as go:
+            base = {"group": group, "engine": f"{ABLATION} {label}", "lines": len(s),
+                    "words": sum(len(x.split()) for x in s), "batch": top["batch"]}
+            if not deadline.allows(group):
+                rec.add({**base, "error": NOT_RUN})
+                continue
+            with deadline.timing(group), eng.ours(group, top["batch"], **{switch: flip}) as go:
                 row = timed(go, s, r, a.passes)
             log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} words/s "
                 f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
-            out.append({"group": group, "engine": f"{ABLATION} {label}", "lines": len(s),
-                        "words": sum(len(x.split()) for x in s), "batch": top["batch"], **row})
-    return out
+            rec.add({**base, **row})
 
 
-def chunked_rows(a, eng: "Engines", lines: dict, rows: list[dict], log) -> list[dict]:
+def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
     """Ours at its best throughput size with the text read in chunks of --chunked lines, as every
     run of more than `chunk_lines` (20,000) lines is: the next chunk's encoding runs beside the
     decoding (the bench's lines are otherwise one chunk, encoded before any decoding). Then the
     same without short_gil_interval and without decode_ahead: what those switches are worth where
     the encoding thread is busy and chunks end."""
-    top = best(rows, "throughput", "ours")
+    top = best(rec.rows, "throughput", "ours")
     if not a.chunked or top is None:
-        return []
+        return
     s, r = lines["throughput"]
-    out = []
     for label, kw in (("", {}), (", without short_gil_interval", {"short_gil_interval": False}),
                       (", without decode_ahead", {"decode_ahead": False})):
         name = f"{ABLATION} chunks of {a.chunked} lines{label}"
-        with eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw) as go:
+        base = {"group": "throughput", "engine": name, "lines": len(s), "words": sum(len(x.split()) for x in s),
+                "batch": top["batch"]}
+        if not deadline.allows("throughput"):
+            rec.add({**base, "error": NOT_RUN})
+            continue
+        with deadline.timing("throughput"), eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw) as go:
             row = timed(go, s, r, a.passes)
         log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
             f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
             f"ours in one chunk)")
-        out.append({"group": "throughput", "engine": name, "lines": len(s), "words": sum(len(x.split()) for x in s),
-                    "batch": top["batch"], **row})
-    return out
+        rec.add({**base, **row})
 
 
-def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tuple[list[dict], dict | None]:
-    """Every engine's sweep in every group, our best throughput row profiled, then the --ablate and
-    --chunked rows: (rows, the profile; None off CUDA)."""
+# The profiled pass and its loading, against the slowest throughput row so far: the profiler slows the host.
+PROFILE_COST = 2.0
+
+
+def profiled(eng: "Engines", src: list[str], rows: list[dict], deadline: Deadline, log) -> dict | None:
+    """Our best throughput row once more, under torch.profiler (None where the time limit leaves it out)."""
+    top = best(rows, "throughput", "ours")
+    if top is None:
+        return None
+    if not deadline.allows("throughput", PROFILE_COST):
+        log(f"profile    ours fp16: {NOT_RUN}")
+        return None
+    with deadline.timing("throughput"), eng.ours("throughput", top["batch"]) as go:
+        go(src[:64])
+        prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
+    log(profile_line(prof))
+    return prof
+
+
+def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=None,
+            clock=time.monotonic) -> tuple[list[dict], dict | None]:
+    """Every engine's sweep in every group, our best throughput row profiled as soon as ours' sweep
+    of that group ends (the busy figure matters most), then the --ablate and --chunked rows; rows the
+    time limit (a.time_limit seconds, if any) leaves out are recorded as such. `write(rows, profile)`
+    after each row. (rows, the profile; None off CUDA or where left out)."""
     lines = {"throughput": (src, ref), "beam4": (src[:a.beam_lines], ref[:a.beam_lines]),
              "batch1": (src[:a.batch1_lines], ref[:a.batch1_lines])}
-    rows, prof = [], None
+    rec, deadline = Record(write), Deadline(getattr(a, "time_limit", None), clock)
     with tempfile.TemporaryDirectory() as work:
         eng = Engines(a.model, work, device)
         for group in GROUPS:
@@ -311,21 +398,22 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda") -> tup
             words = sum(len(x.split()) for x in s)
             for name, load in engine_list(a.engines):
                 def run(size, name=name, load=load):
-                    with load(eng, group, size) as go:
+                    deadline.check(group)
+                    t = time.perf_counter()
+                    with deadline.timing(group), load(eng, group, size) as go:
                         row = timed(go, s, r, a.passes)
                     log(f"{group:10} {name:18} batch {_label(size):>8}: {row['src_words_per_s']:12,.0f} words/s  "
                         f"BLEU {row['bleu']}")
-                    return row
-                rows += [{"group": group, "engine": name, "lines": len(s), "words": words, **row}
-                         for row in sweep(run, SWEEPS[group][name.split()[0]])]
-        top = best(rows, "throughput", "ours")
-        if top is not None and device == "cuda":  # before the extra rows: a run cut short still has it
-            with eng.ours("throughput", top["batch"]) as go:
-                go(src[:64])
-                prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
-            log(profile_line(prof))
-        rows += ablation_rows(a, eng, lines, rows, log) + chunked_rows(a, eng, lines, rows, log)
-    return rows, prof
+                    return {**row, "row_s": round(time.perf_counter() - t, 2)}  # loading and warm-up too
+                sweep(run, SWEEPS[group][name.split()[0]],
+                      each=lambda row, name=name: rec.add({"group": group, "engine": name, "lines": len(s),
+                                                           "words": words, **row}))
+                if group == "throughput" and name == "ours fp16" and device == "cuda":
+                    rec.prof = profiled(eng, src, rec.rows, deadline, log)
+                    rec.save()
+        ablation_rows(a, eng, lines, rec, deadline, log)
+        chunked_rows(a, eng, lines, rec, deadline, log)
+    return rec.rows, rec.prof
 
 
 def profile_line(prof: dict) -> str:
@@ -421,6 +509,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
                         "longer than one chunk reads it; 0: none. With refill_rows each chunk's state ends with "
                         "its longest output, so shorter chunks also add steps")
+    p.add_argument("--time-limit", type=cliargs.positive_float, default=None, metavar="SECONDS",
+                   help="start a row only where the slowest row of its group so far would still end within this "
+                        "many seconds of the start; the others are recorded as not run (a lent GPU's call has a "
+                        "hard limit). Default: none. PREFIX.md and PREFIX.json are written after every row either way")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
@@ -474,23 +566,27 @@ def main(argv=None) -> int:
     hw, ver = machine.describe(), versions()
     line = f"GPU {ver['gpu']} (driver {ver['driver']}, CUDA {ver['cuda']}); CPU {machine.one_line(hw)}"
     print(line, file=sys.stderr, flush=True)
-    rows, prof = run_all(a, src, ref, lambda m: print(m, file=sys.stderr, flush=True))
     about = {"gpu": ver["gpu"], "cpu": hw["cpu"], "date": hw["date"],
              "model": os.path.basename(os.path.abspath(a.model)), "lines": len(src), "versions": ver}
-    summ = summary(rows, prof and prof["gpu_busy"], about)
     head = (f"{line}. {len(src)} lines ({sum(len(x.split()) for x in src):,} source words); beam 4 on the first "
             f"{min(a.beam_lines, len(src))}, batch 1 on the first {min(a.batch1_lines, len(src))}; fastest of "
-            f"{a.passes} passes a row.")
-    md = to_markdown(rows, summ, prof, head)
-    print(md)
+            f"{a.passes} passes a row" + (f"; time limit {a.time_limit:g} s." if a.time_limit else "."))
     slug = re.sub(r"[^a-z0-9]+", "-", (ver["gpu"] or "gpu").lower()).strip("-")
     out = a.out or os.path.join("docs", "bench", f"gpu-{hw['date']}-{slug}")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".md", "w") as fh:
-        fh.write(md)
-    with open(out + ".json", "w") as fh:
-        json.dump({"machine": hw, "versions": ver, "sweeps": SWEEPS, "rows": rows, "profile": prof,
-                   "summary": summ, "not_profiled": NOT_PROFILED}, fh, indent=1, default=str)
+
+    def write(rows, prof, complete=False) -> tuple[str, dict]:
+        summ = summary(rows, prof and prof["gpu_busy"], about)
+        md = to_markdown(rows, summ, prof, head if complete else f"{head} {PARTIAL}")
+        with open(out + ".md", "w") as fh:
+            fh.write(md)
+        with open(out + ".json", "w") as fh:
+            json.dump({"machine": hw, "versions": ver, "sweeps": SWEEPS, "rows": rows, "profile": prof,
+                       "summary": summ, "not_profiled": NOT_PROFILED, "complete": complete}, fh, indent=1, default=str)
+        return md, summ
+    rows, prof = run_all(a, src, ref, lambda m: print(m, file=sys.stderr, flush=True), write=write)
+    md, summ = write(rows, prof, complete=True)
+    print(md)
     os.makedirs(os.path.dirname(os.path.abspath(a.summary)), exist_ok=True)
     with open(a.summary, "w") as fh:
         json.dump([summ], fh, indent=2)

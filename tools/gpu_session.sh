@@ -15,7 +15,9 @@
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
 # BENCH_ABLATE (the switches also measured flipped, --ablate: refill_rows,warp_attention,early_start,graph_steps,graph_attention,
 #   normalise_processes,encode_ahead,ramp_chunks,short_gil_interval),
-# DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options).
+# DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options), CALL_SECONDS (the seconds this call may run, where a lent
+#   machine's call has a hard limit: the bench then gets what is left, less a margin, as --time-limit and ends with
+#   its files written; unset: no limit).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,8 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
 BENCH_ABLATE=${BENCH_ABLATE-refill_rows,warp_attention,early_start,graph_steps,graph_attention,normalise_processes,encode_ahead,ramp_chunks,short_gil_interval}  # switches measured flipped too ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
+CALL_SECONDS=${CALL_SECONDS:-}
+CALL_MARGIN=20  # the bench's last writes, python's exit, the caller's packing of $OUT
 STUDENT=$ROOT/runs/gpu-student
 ALL=(build test speed train bench distill)
 STAGES=("$@")
@@ -116,10 +120,16 @@ durable.write_lines('$ROOT/runs/gpu-bench.en', src[:n])
 durable.write_lines('$ROOT/runs/gpu-bench.es', tgt[:n])
 " "$BENCH_LINES" || return
   mkdir -p "$OUT/bench"
+  local limit=()
+  if [ -n "$CALL_SECONDS" ]; then
+    local left=$((CALL_SECONDS - SECONDS - CALL_MARGIN))
+    [ "$left" -ge 30 ] || { say "bench: only $left s of the call's $CALL_SECONDS left; not started"; return 2; }
+    limit=(--time-limit "$left")
+  fi
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   run bench $PY -m tools.bench_gpu --model "$model" --src "$ROOT/runs/gpu-bench.en" --ref "$ROOT/runs/gpu-bench.es" \
     --passes 2 --ablate "$BENCH_ABLATE" --out "$OUT/bench/gpu-$(date -u +%Y-%m-%d)" \
-    --summary "$OUT/bench/summary-gpu.json" ${BENCH_ARGS:-}
+    --summary "$OUT/bench/summary-gpu.json" "${limit[@]}" ${BENCH_ARGS:-}
 }
 
 stage_distill() {
