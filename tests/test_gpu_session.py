@@ -114,3 +114,25 @@ def test_the_bench_gets_what_is_left_of_the_calls_seconds(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, **env})  # no CALL_SECONDS: no limit
     assert r.returncode == 0 and "--time-limit" not in log.read_text()
+
+
+def test_a_hung_stage_is_stopped_at_its_cap_and_before_the_calls_end(tmp_path):
+    """A hang in one stage (a test waiting forever) must not take the whole lent call: the test stage
+    stops at TEST_SECONDS, any stage before CALL_SECONDS ends, and one with no time left never starts."""
+    py, log = tmp_path / "py", tmp_path / "py.log"
+    py.write_text(f'#!/bin/sh\necho "$@" >> {log}\n[ "$2" = pytest ] && sleep 60\nexit 0\n')
+    py.chmod(0o755)
+
+    def session(**env):
+        out = tmp_path / f"out{len(env)}{env.get('CALL_SECONDS', '')}"
+        r = subprocess.run(["bash", SCRIPT, "test"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PY": str(py), "OUT": str(out), **env})
+        rows = [x.split("\t") for x in (out / "timings.tsv").read_text().splitlines()] \
+            if (out / "timings.tsv").exists() else []
+        return r, rows
+    r, rows = session(TEST_SECONDS="2")
+    assert r.returncode == 1 and rows[0][0] == "test" and rows[0][2] == "124" and int(rows[0][1]) < 10
+    r, rows = session(CALL_SECONDS="14")  # 14 s less half the 20 s margin: stopped after about 4
+    assert r.returncode == 1 and rows[0][2] == "124" and int(rows[0][1]) < 10
+    r, rows = session(CALL_SECONDS="5")
+    assert r.returncode == 1 and rows == [] and "not started" in r.stderr

@@ -17,7 +17,7 @@
 #   normalise_processes,encode_ahead,ramp_chunks,short_gil_interval),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options), CALL_SECONDS (the seconds this call may run, where a lent
 #   machine's call has a hard limit: the bench then gets what is left, less a margin, as --time-limit and ends with
-#   its files written; unset: no limit).
+#   its files written, and no stage runs past it; unset: no limit), TEST_SECONDS (300: the test stage's cap).
 # Packages the machine lacks (ctranslate2, sacremoses) may come as wheels in .whl/: installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,7 @@ BENCH_ABLATE=${BENCH_ABLATE-refill_rows,warp_attention,early_start,graph_steps,g
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 CALL_SECONDS=${CALL_SECONDS:-}
 CALL_MARGIN=20  # the bench's last writes, python's exit, the caller's packing of $OUT
+TEST_SECONDS=${TEST_SECONDS:-300}  # the test stage's cap (it took 40 s on the H200): a hang costs no more
 STUDENT=$ROOT/runs/gpu-student
 ALL=(build test speed train bench distill)
 STAGES=("$@")
@@ -66,13 +67,26 @@ print(next(iter(sorted(glob.glob(d + '/nvidia/*/lib/libcublas.so.1[3-9]*'))), ''
   fi
 fi
 
-# run NAME CMD...: CMD's output in $OUT/NAME.log, its seconds and exit status in timings.tsv.
+# run NAME CMD...: CMD's output in $OUT/NAME.log, its seconds and exit status in timings.tsv. CMD is stopped
+# (status 124) after LIMIT seconds, a stage's own cap where one is set, and before the call's CALL_SECONDS end
+# (half the margin before it), so that a hung stage leaves the later ones, and the caller, their time.
 run() {
   local name=$1; shift
+  local cap=${LIMIT:-}
+  if [ -n "$CALL_SECONDS" ]; then
+    local left=$((CALL_SECONDS - SECONDS - CALL_MARGIN / 2))
+    if [ -z "$cap" ] || [ "$left" -lt "$cap" ]; then cap=$left; fi
+    [ "$cap" -gt 0 ] || { say "$name: no time left of the call's $CALL_SECONDS s; not started"; return 2; }
+  fi
   say "$name: $*"
   local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  if [ -n "$cap" ]; then
+    timeout -k 5 "$cap" "$@" >"$OUT/$name.log" 2>&1
+  else
+    "$@" >"$OUT/$name.log" 2>&1
+  fi
   local rc=$?
+  [ $rc -eq 124 ] && echo "stopped after its limit of $cap s" >>"$OUT/$name.log"
   printf '%s\t%s\t%s\n' "$name" "$((SECONDS - t0))" "$rc" >>"$OUT/timings.tsv"
   tail -n 5 "$OUT/$name.log" >&2
   say "$name: exit $rc after $((SECONDS - t0)) s"
@@ -91,7 +105,7 @@ print('CUDA kernels loaded:', ops.cuda_available())
 }
 
 stage_test() {
-  run test $PY -m pytest -q -p no:cacheprovider tests/test_decoder_gpu.py tests/test_fused_ops.py \
+  LIMIT=$TEST_SECONDS run test $PY -m pytest -q -p no:cacheprovider tests/test_decoder_gpu.py tests/test_fused_ops.py \
     tests/test_shortlist.py --junitxml="$OUT/test.xml"
 }
 
