@@ -141,6 +141,7 @@ def test_every_engine_has_a_sweep_in_every_group():
             assert rest == sorted(rest) and len(set(sizes)) == len(sizes), (g, e)
     assert [n for n, _ in bench_gpu.engine_list(["ours", "ct2", "hf"])] == \
         ["ours fp16", "ct2 float16", "ct2 int8_float16", "hf fp16"]
+    assert [n for n, _ in bench_gpu.engine_list(["ours", "ct2"], ["float16"])] == ["ours fp16", "ct2 float16"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -163,7 +164,10 @@ def test_help_and_an_unknown_engine(capsys):
     assert e.value.code == 2 and "unknown engine 'marian'" in err[-1]
     assert bench_gpu.parse_args(["--model", "x", "--ablate", "graph_steps, graph_reuse"]).ablate == [
         "graph_steps", "graph_reuse"]
+    assert bench_gpu.parse_args(["--model", "x"]).ct2_types == ["float16", "int8_float16"]
+    assert bench_gpu.parse_args(["--model", "x", "--ct2-types", "float16"]).ct2_types == ["float16"]
     for bad, says in ((["--ablate", "warp_speed"], "unknown switch 'warp_speed'"),
+                      (["--ct2-types", "float16,int4"], "--ct2-types: choose from float16, int8_float16"),
                       (["--ablate", "graph_steps", "--engines", "ct2"], "--ablate needs ours")):
         with pytest.raises(SystemExit) as e:
             bench_gpu.parse_args(["--model", "x", *bad])
@@ -182,9 +186,9 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "SWEEPS", {g: {e: sizes[:1] if g != "throughput" or e != "ours" else (None, 512)
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
-    monkeypatch.setattr(bench_gpu, "CT2_TYPES", ("float16",))  # int8_float16: one more compute type string
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "fused_relu"], chunked=2)
+                           ablate=["fast_normaliser", "fused_relu"], chunked=2,
+                           ct2_types=["float16"])  # int8_float16: one more compute type string
     rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
     assert prof is None
     names = {r["engine"] for r in rows}
@@ -204,7 +208,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     assert [r["batch"] for r in rows if r["group"] == "throughput" and r["engine"] == "ours fp16"] == [None, 512]
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}
     if "ct2" in engines:
-        assert "ct2 float16" in names
+        assert "ct2 float16" in names and "ct2 int8_float16" not in names
     s = bench_gpu.summary(rows, None, {})
     assert s["src_words_per_s"] == bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"]
 
@@ -223,7 +227,7 @@ def test_each_row_warms_up_on_every_line_before_its_timed_passes(monkeypatch):
             return None
 
     monkeypatch.setattr(bench_gpu, "Engines", lambda *a: None)
-    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines: [("ours fp16", lambda e, g, s: Loaded())])
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [("ours fp16", lambda e, g, s: Loaded())])
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (512,)}})
     src = [f"a b c {i}" for i in range(20)]
@@ -332,7 +336,7 @@ def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_lef
         def ours(self, group, size, **switches):
             return Loaded(group)
     monkeypatch.setattr(bench_gpu, "Engines", Eng)
-    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines: [("ours fp16", lambda e, g, s: Loaded(g))])
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [("ours fp16", lambda e, g, s: Loaded(g))])
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (1, 2, 3, 4, 5)}, "batch1": {"ours": (1,)}})
     src = [f"a b c {i}" for i in range(4)]

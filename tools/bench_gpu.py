@@ -267,13 +267,14 @@ class _plain:
         torch.cuda.empty_cache()
 
 
-def engine_list(engines: list[str]) -> list[tuple[str, object]]:
-    """[(row engine name, loader(engines, group, size))] of the engines asked for."""
+def engine_list(engines: list[str], ct2_types=None) -> list[tuple[str, object]]:
+    """[(row engine name, loader(engines, group, size))] of the engines asked for, CTranslate2 in
+    each of `ct2_types` (default: CT2_TYPES)."""
     out = []
     if "ours" in engines:
         out.append(("ours fp16", lambda e, g, s: e.ours(g, s)))
     if "ct2" in engines:
-        out += [(f"ct2 {t}", lambda e, g, s, t=t: e.ct2(t, g, s)) for t in CT2_TYPES]
+        out += [(f"ct2 {t}", lambda e, g, s, t=t: e.ct2(t, g, s)) for t in ct2_types or CT2_TYPES]
     if "hf" in engines:
         out.append(("hf fp16", lambda e, g, s: e.hf(g, s)))
     return out
@@ -396,7 +397,7 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
         for group in GROUPS:
             s, r = lines[group]
             words = sum(len(x.split()) for x in s)
-            for name, load in engine_list(a.engines):
+            for name, load in engine_list(a.engines, getattr(a, "ct2_types", None)):
                 def run(size, name=name, load=load):
                     deadline.check(group)
                     t = time.perf_counter()
@@ -501,6 +502,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beam-lines", type=cliargs.positive_int, default=2000, help="lines of the beam 4 group")
     p.add_argument("--batch1-lines", type=cliargs.positive_int, default=100, help="lines of the batch 1 group")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of ours, ct2, hf")
+    p.add_argument("--ct2-types", default=",".join(CT2_TYPES), metavar="TYPES",
+                   help="CTranslate2's compute types, a sweep each (float16 alone: the targets' baseline, and "
+                        "on the H200 int8_float16 was slower in every group)")
     p.add_argument("--ablate", default="", metavar="SWITCHES",
                    help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
                         "from its default at our best throughput and batch-1 sizes, a row each")
@@ -520,6 +524,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.engines = [x.strip() for x in a.engines.split(",") if x.strip()]
     a.ablate = [x.strip() for x in a.ablate.split(",") if x.strip()]
+    a.ct2_types = [x.strip() for x in a.ct2_types.split(",") if x.strip()]
+    if not a.ct2_types or any(x not in CT2_TYPES for x in a.ct2_types):
+        p.error(f"--ct2-types: choose from {', '.join(CT2_TYPES)}, got {','.join(a.ct2_types) or 'none'}")
     unknown = [x for x in a.ablate if x not in BY_NAME]
     if unknown:
         p.error(f"--ablate: unknown switch {unknown[0]!r}; the switches are in python -m decoder --help")
