@@ -193,6 +193,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     assert prof is None
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
+    assert all(r["row_s"] >= r["seconds"] for r in rows)  # each row's whole time, loading and warm-up too
     # --ablate: each switch flipped from its default (fast_normaliser on, fused_relu off), a row at our
     # best throughput and batch-1 sizes, never taken for ours' best
     for label in ("without fast_normaliser", "with fused_relu"):

@@ -298,6 +298,15 @@ def timed(go, s: list[str], r: list[str], passes: int) -> dict:
 ABLATION = "ablation: ours fp16"  # its rows' engine names: never any engine's best
 
 
+def measured(deadline: Deadline, group: str, loaded, s: list[str], r: list[str], passes: int) -> dict:
+    """timed() of the engine `loaded` (a context giving go) plus `row_s`, the row's seconds with its
+    loading and warm-up: what the next session's plan needs, and the group's estimate for --time-limit."""
+    t = time.perf_counter()
+    with deadline.timing(group), loaded as go:
+        row = timed(go, s, r, passes)
+    return {**row, "row_s": round(time.perf_counter() - t, 2)}
+
+
 class Record:
     """The rows and the profile so far, handed to `write(rows, profile)` after each: a run cut short
     (a lent GPU's call has a hard limit) keeps what it measured."""
@@ -331,8 +340,7 @@ def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadlin
             if not deadline.allows(group):
                 rec.add({**base, "error": NOT_RUN})
                 continue
-            with deadline.timing(group), eng.ours(group, top["batch"], **{switch: flip}) as go:
-                row = timed(go, s, r, a.passes)
+            row = measured(deadline, group, eng.ours(group, top["batch"], **{switch: flip}), s, r, a.passes)
             log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} words/s "
                 f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
             rec.add({**base, **row})
@@ -356,8 +364,8 @@ def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline
         if not deadline.allows("throughput"):
             rec.add({**base, "error": NOT_RUN})
             continue
-        with deadline.timing("throughput"), eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw) as go:
-            row = timed(go, s, r, a.passes)
+        row = measured(deadline, "throughput", eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw),
+                       s, r, a.passes)
         log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
             f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
             f"ours in one chunk)")
@@ -400,12 +408,10 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
             for name, load in engine_list(a.engines, getattr(a, "ct2_types", None)):
                 def run(size, name=name, load=load):
                     deadline.check(group)
-                    t = time.perf_counter()
-                    with deadline.timing(group), load(eng, group, size) as go:
-                        row = timed(go, s, r, a.passes)
+                    row = measured(deadline, group, load(eng, group, size), s, r, a.passes)
                     log(f"{group:10} {name:18} batch {_label(size):>8}: {row['src_words_per_s']:12,.0f} words/s  "
                         f"BLEU {row['bleu']}")
-                    return {**row, "row_s": round(time.perf_counter() - t, 2)}  # loading and warm-up too
+                    return row
                 sweep(run, SWEEPS[group][name.split()[0]],
                       each=lambda row, name=name: rec.add({"group": group, "engine": name, "lines": len(s),
                                                            "words": words, **row}))
