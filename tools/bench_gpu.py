@@ -304,7 +304,7 @@ def measured(deadline: Deadline, group: str, loaded, s: list[str], r: list[str],
     t = time.perf_counter()
     with deadline.timing(group), loaded as go:
         row = timed(go, s, r, passes)
-    return {**row, "row_s": round(time.perf_counter() - t, 2)}
+    return {**row, "row_s": round(time.perf_counter() - t, 4)}
 
 
 class Record:
