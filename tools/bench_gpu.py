@@ -323,6 +323,21 @@ class Record:
             self.write(self.rows, self.prof)
 
 
+def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, lines: tuple, passes: int,
+              loaded) -> dict | None:
+    """One --ablate or --chunked row of ours, `loaded` (a context, entered only if the row runs) on
+    `lines` (src, ref): measured and recorded, or recorded as not run where the time limit leaves it
+    out (None)."""
+    s, r = lines
+    base = {"group": group, "engine": engine, "lines": len(s), "words": sum(len(x.split()) for x in s), "batch": batch}
+    if not deadline.allows(group):
+        rec.add({**base, "error": NOT_RUN})
+        return None
+    row = measured(deadline, group, loaded, s, r, passes)
+    rec.add({**base, **row})
+    return row
+
+
 def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
     """For each switch in --ablate, ours with it flipped from its default (on switches off, off
     ones on) at our best throughput and batch-1 sizes: what each optimisation is worth on this
@@ -334,16 +349,11 @@ def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadlin
             top = best(rec.rows, group, "ours")
             if top is None:
                 continue
-            s, r = lines[group]
-            base = {"group": group, "engine": f"{ABLATION} {label}", "lines": len(s),
-                    "words": sum(len(x.split()) for x in s), "batch": top["batch"]}
-            if not deadline.allows(group):
-                rec.add({**base, "error": NOT_RUN})
-                continue
-            row = measured(deadline, group, eng.ours(group, top["batch"], **{switch: flip}), s, r, a.passes)
-            log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} words/s "
-                f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
-            rec.add({**base, **row})
+            row = extra_row(rec, deadline, group, f"{ABLATION} {label}", top["batch"], lines[group], a.passes,
+                            eng.ours(group, top["batch"], **{switch: flip}))
+            if row is not None:
+                log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} "
+                    f"words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
 
 
 def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
@@ -355,21 +365,15 @@ def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline
     top = best(rec.rows, "throughput", "ours")
     if not a.chunked or top is None:
         return
-    s, r = lines["throughput"]
     for label, kw in (("", {}), (", without short_gil_interval", {"short_gil_interval": False}),
                       (", without decode_ahead", {"decode_ahead": False})):
         name = f"{ABLATION} chunks of {a.chunked} lines{label}"
-        base = {"group": "throughput", "engine": name, "lines": len(s), "words": sum(len(x.split()) for x in s),
-                "batch": top["batch"]}
-        if not deadline.allows("throughput"):
-            rec.add({**base, "error": NOT_RUN})
-            continue
-        row = measured(deadline, "throughput", eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw),
-                       s, r, a.passes)
-        log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
-            f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
-            f"ours in one chunk)")
-        rec.add({**base, **row})
+        row = extra_row(rec, deadline, "throughput", name, top["batch"], lines["throughput"], a.passes,
+                        eng.ours("throughput", top["batch"], chunk_lines=a.chunked, **kw))
+        if row is not None:
+            log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
+                f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
+                f"ours in one chunk)")
 
 
 # The profiled pass and its loading, against the slowest throughput row so far: the profiler slows the host.
