@@ -162,11 +162,14 @@ def test_help_and_an_unknown_engine(capsys):
         bench_gpu.parse_args(["--model", "x", "--engines", "ours,marian"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "unknown engine 'marian'" in err[-1]
-    assert bench_gpu.parse_args(["--model", "x", "--ablate", "graph_steps, graph_reuse"]).ablate == [
-        "graph_steps", "graph_reuse"]
+    assert bench_gpu.parse_args(["--model", "x", "--ablate", "graph_steps, graph_reuse,sync_every=4"]).ablate == [
+        "graph_steps", "graph_reuse", "sync_every=4"]
     assert bench_gpu.parse_args(["--model", "x"]).ct2_types == ["float16", "int8_float16"]
     assert bench_gpu.parse_args(["--model", "x", "--ct2-types", "float16"]).ct2_types == ["float16"]
     for bad, says in ((["--ablate", "warp_speed"], "unknown switch 'warp_speed'"),
+                      (["--ablate", "graph_steps,block=4"], "unknown setting 'block'; the settings are sync_every"),
+                      (["--ablate", "sync_every=0"], "sync_every=0: "),
+                      (["--ablate", "sync_every=four"], "sync_every=four: "),
                       (["--ct2-types", "float16,int4"], "--ct2-types: choose from float16, int8_float16"),
                       (["--ablate", "graph_steps", "--engines", "ct2"], "--ablate needs ours")):
         with pytest.raises(SystemExit) as e:
@@ -187,16 +190,19 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "fused_relu"], chunked=2,
+                           ablate=["fast_normaliser", "fused_relu", "sync_every=2"], chunked=2,
                            ct2_types=["float16"])  # int8_float16: one more compute type string
+    loaded, load = [], bench_gpu.ours_go
+    monkeypatch.setattr(bench_gpu, "ours_go", lambda *args, **kw: loaded.append(kw) or load(*args, **kw))
     rows, prof = bench_gpu.run_all(a, lines, lines, lambda m: None, device="cpu")
     assert prof is None
+    assert sum(kw.get("sync_every") == 2 for kw in loaded) == 2  # the setting's rows loaded with it
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
     assert all(r["row_s"] >= r["seconds"] for r in rows)  # each row's whole time, loading and warm-up too
-    # --ablate: each switch flipped from its default (fast_normaliser on, fused_relu off), a row at our
-    # best throughput and batch-1 sizes, never taken for ours' best
-    for label in ("without fast_normaliser", "with fused_relu"):
+    # --ablate: each switch flipped from its default (fast_normaliser on, fused_relu off), and a setting,
+    # a row at our best throughput and batch-1 sizes, never taken for ours' best
+    for label in ("without fast_normaliser", "with fused_relu", "sync_every=2"):
         ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
         assert [(r["group"], r["batch"]) for r in ablated] == [
             ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
@@ -377,3 +383,12 @@ def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
     assert record["complete"] is False and record["rows"] == [first]
     assert bench_gpu.PARTIAL in (tmp_path / "gpu.md").read_text()
     assert not (tmp_path / "summary.json").exists()  # the summary is the finished run's
+
+
+def test_an_ablation_entry_flips_a_switch_or_sets_a_setting():
+    assert bench_gpu.ablation("fast_normaliser") == ("without fast_normaliser", {"fast_normaliser": False})
+    assert bench_gpu.ablation("fused_relu") == ("with fused_relu", {"fused_relu": True})
+    assert bench_gpu.ablation("sync_every = 4") == ("sync_every=4", {"sync_every": 4})
+    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed"):
+        with pytest.raises(ValueError):
+            bench_gpu.ablation(bad)

@@ -14,7 +14,7 @@ our CUDA kernels (the union of their intervals) over that row's wall is
 kernels are not visible to torch.profiler at all. The lines are one chunk of
 the text pipeline; --chunked adds ours in chunks of that many lines, as a run
 of more than `chunk_lines` lines reads them (the next chunk encoded beside the
-decoding), and --ablate ours with single switches flipped.
+decoding), and --ablate ours with single switches flipped or settings changed.
 
 Writes PREFIX.md and PREFIX.json (every row of every sweep) after every row,
 marked partial until the run ends, then the summary (one object in a list, as
@@ -338,19 +338,42 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
     return row
 
 
+# Decoder settings an --ablate entry may set as NAME=VALUE, beside the switches it flips. sync_every:
+# the refilled greedy loop's block of steps. A finished row takes its next sentence two blocks later
+# (the host reads a block's flags while the next runs): over the whole training split, blocks of 4
+# took 364 steps where blocks of 8 took 408 (docs/bench/decode-steps.md), for twice the host's reads.
+SETTINGS = {"sync_every": cliargs.positive_int}
+
+
+def ablation(entry: str) -> tuple[str, dict]:
+    """An --ablate entry as (its rows' label, ours' keyword arguments): a switch flipped from its
+    default (on switches off, off ones on), or NAME=VALUE of SETTINGS. ValueError for anything else."""
+    name, eq, value = (x.strip() for x in entry.partition("="))
+    if eq:
+        if name not in SETTINGS:
+            raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(SETTINGS)}")
+        try:
+            return f"{name}={value}", {name: SETTINGS[name](value)}
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{name}={value}: {e}") from None
+    if name not in BY_NAME:
+        raise ValueError(f"unknown switch {name!r}; the switches are in python -m decoder --help")
+    flip = not BY_NAME[name].default
+    return f"{'with' if flip else 'without'} {name}", {name: flip}
+
+
 def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
-    """For each switch in --ablate, ours with it flipped from its default (on switches off, off
-    ones on) at our best throughput and batch-1 sizes: what each optimisation is worth on this
-    GPU, beside the rows it is measured against."""
-    for switch in a.ablate:
-        flip = not BY_NAME[switch].default
-        label = f"{'with' if flip else 'without'} {switch}"
+    """For each entry of --ablate (`ablation`), ours changed so at our best throughput and batch-1
+    sizes: what each optimisation or setting is worth on this GPU, beside the rows it is measured
+    against."""
+    for entry in a.ablate:
+        label, kw = ablation(entry)
         for group in ("throughput", "batch1"):
             top = best(rec.rows, group, "ours")
             if top is None:
                 continue
             row = extra_row(rec, deadline, group, f"{ABLATION} {label}", top["batch"], lines[group], a.passes,
-                            eng.ours(group, top["batch"], **{switch: flip}))
+                            eng.ours(group, top["batch"], **kw))
             if row is not None:
                 log(f"{group:10} {label:26} batch {_label(top['batch']):>8}: {row['src_words_per_s']:12,.0f} "
                     f"words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
@@ -516,8 +539,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CTranslate2's compute types, a sweep each (float16 alone: the targets' baseline, and "
                         "on the H200 int8_float16 was slower in every group)")
     p.add_argument("--ablate", default="", metavar="SWITCHES",
-                   help="comma list of decoder switches (python -m decoder --help): for each, ours with it flipped "
-                        "from its default at our best throughput and batch-1 sizes, a row each")
+                   help="comma list of decoder switches (python -m decoder --help) and settings NAME=VALUE "
+                        f"({', '.join(SETTINGS)}): for each, ours with the switch flipped from its default or the "
+                        "setting so, at our best throughput and batch-1 sizes, a row each")
     p.add_argument("--chunked", type=cliargs.int_range(0), default=5000, metavar="LINES",
                    help="three more rows of ours at its best throughput size, the text read in chunks of this "
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
@@ -537,9 +561,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.ct2_types = [x.strip() for x in a.ct2_types.split(",") if x.strip()]
     if not a.ct2_types or any(x not in CT2_TYPES for x in a.ct2_types):
         p.error(f"--ct2-types: choose from {', '.join(CT2_TYPES)}, got {','.join(a.ct2_types) or 'none'}")
-    unknown = [x for x in a.ablate if x not in BY_NAME]
-    if unknown:
-        p.error(f"--ablate: unknown switch {unknown[0]!r}; the switches are in python -m decoder --help")
+    for entry in a.ablate:
+        try:
+            ablation(entry)
+        except ValueError as e:
+            p.error(f"--ablate: {e}")
     if (a.ablate or a.chunked) and "ours" not in a.engines:
         a.chunked = 0  # ours' rows only
         if a.ablate:
