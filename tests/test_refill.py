@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from decoder import Translator, hostsync, refill, static_steps
 from decoder.optimisations import Kernels, Switches, resolve
+from decoder.translator import Options
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
@@ -128,17 +129,25 @@ def test_refill_resolves_with_the_greedy_whole_step_graphs_only():
 
 
 @trained
-def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path):
+def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path, monkeypatch):
     import json
     from tools import decode_steps
+    made = []
+    monkeypatch.setattr(decode_steps, "Translator", lambda *a, **kw: made.append(Translator(*a, **kw)) or made[-1])
     assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
                               "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
+    assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 3
     per_batch, refilled, staged = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == [64]
     assert refilled["same_outputs"] == staged["same_outputs"] == "140 of 140"
     assert staged["early_start"] and not refilled["early_start"]  # 140 lines: over two states' worth of 64 rows
     md = (tmp_path / "s.md").read_text()
     assert "| refilled rows |" in md and "| refilled rows, the chunk's longest lines first (early_start) |" in md
+    made.clear()  # --chunk-lines reaches the decoder: a run in chunks of 70 lines
+    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
+                              "--max-sentences", "64", "--chunk-lines", "70", "--out", str(tmp_path / "c")]) == 0
+    assert {t.opts.chunk_lines for t in made} == {70}
+    assert json.loads((tmp_path / "c.json").read_text())["settings"]["chunk_lines"] == 70
 
 
 @trained

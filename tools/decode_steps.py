@@ -1,7 +1,7 @@
 """How many decode steps a greedy run takes, per batch against refilled rows (switch refill_rows).
 
     python -m tools.decode_steps --model DIR --src FILE [--lines 10000] [--max-tokens 65536]
-        [--max-sentences 8192] [--sync-every 8] [--out PREFIX]
+        [--max-sentences 8192] [--sync-every 8] [--chunk-lines 20000] [--out PREFIX]
 
 On a GPU a step of a few thousand rows is a few dozen kernels whose time hardly
 depends on the rows, so the steps, not the rows, are what a throughput run
@@ -25,6 +25,7 @@ import sys
 import time
 
 from decoder import Translator, cliargs, static_steps
+from decoder.translator import Options
 from decoder.machine import describe, one_line
 
 from .bench import read
@@ -86,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-sentences", type=cliargs.positive_int, default=cliargs.GPU_MAX_SENTENCES,
                    help="sentences a batch (the GPU's greedy default)")
     p.add_argument("--sync-every", type=cliargs.positive_int, default=8, help="steps a block (the GPU's)")
+    p.add_argument("--chunk-lines", type=cliargs.positive_int, default=Options.chunk_lines,
+                   help="lines a chunk (the decoder's default): each chunk's state ends with its longest output")
     p.add_argument("--threads", type=cliargs.positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", help="also write PREFIX.md and PREFIX.json")
     return p.parse_args(argv)
@@ -95,8 +98,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     lines = read(a.src)[:a.lines]
     settings = {"lines": len(lines), "max_tokens": a.max_tokens, "max_sentences": a.max_sentences,
-                "sync_every": a.sync_every}
-    kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every, threads=a.threads)
+                "sync_every": a.sync_every, "chunk_lines": a.chunk_lines}
+    kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every,
+              chunk_lines=a.chunk_lines, threads=a.threads)
     (per_batch, want), *others = (count(a.model, lines, r, e, **kw) for r, e in ((False, False), (True, False),
                                                                                  (True, True)))
     per_batch["same_outputs"] = "-"
