@@ -39,7 +39,7 @@ from collections import Counter
 
 import torch
 
-from decoder import cliargs, machine, modeldir
+from decoder import Options, cliargs, machine, modeldir
 from decoder.optimisations import BY_NAME
 
 from .baselines import CT2Run, ct2_translator, fastest, hf_translator
@@ -342,7 +342,13 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
 # the refilled greedy loop's block of steps. A finished row takes its next sentence two blocks later
 # (the host reads a block's flags while the next runs): over the whole training split, blocks of 4
 # took 364 steps where blocks of 8 took 408 (docs/bench/decode-steps.md), for twice the host's reads.
-SETTINGS = {"sync_every": cliargs.positive_int}
+SETTINGS = ("sync_every",)
+
+
+def _parse_setting(name: str, value: str):
+    """value as the decoder's option `name` takes it, within its bounds (Options.RANGES)."""
+    kind, lo, hi = next((k, lo, hi) for n, k, lo, hi in Options.RANGES if n == name)
+    return (cliargs.int_range if kind is int else cliargs.float_range)(lo, hi)(value)
 
 
 def ablation(entry: str) -> tuple[str, dict]:
@@ -353,7 +359,7 @@ def ablation(entry: str) -> tuple[str, dict]:
         if name not in SETTINGS:
             raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(SETTINGS)}")
         try:
-            return f"{name}={value}", {name: SETTINGS[name](value)}
+            return f"{name}={value}", {name: _parse_setting(name, value)}
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"{name}={value}: {e}") from None
     if name not in BY_NAME:

@@ -24,8 +24,7 @@ import json
 import sys
 import time
 
-from decoder import Translator, cliargs, static_steps
-from decoder.translator import Options
+from decoder import Options, Translator, cliargs, static_steps
 from decoder.machine import describe, one_line
 
 from .bench import read
