@@ -430,6 +430,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "the usual batches, take their rows. One graph a chunk; the steps are as many as the chunk's "
                  "tokens need at that width (the Bible's 10,000 lines: 160 against 504 at 64k-token "
                  "batches, half of whose rows' steps fed <pad>). Not measured on a GPU yet"),
+    Optimisation("refill_on_device", False, "finished greedy rows refilled on the device, step by step",
+                 "refill_on_device", True, False, "rows refilled by the host after it reads them finished: "
+                 "idle from their </s> to the block after next", "cuda", needs=lambda o: o.refill_rows,
+                 detail="with refill_rows (decoder/refill_device.py): a ring of encoded sentences waits on the "
+                 "device, and at the end of every step the finished rows take its next ones (at most an eighth "
+                 "of the rows a step) in fixed-shape ops the block's graph holds; each sentence writes to an "
+                 "output slot of its own. The host reads the finished slots and tops the ring up once a block. "
+                 "The same outputs (tests/test_refill_device.py). Not measured on a GPU yet"),
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
@@ -583,6 +591,7 @@ class Plan:
     graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
     capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
     refill_rows: bool           # graph_steps, greedy: a chunk's sentences through one state, rows refilled
+    refill_on_device: bool      # refill_rows: the rows refilled on the device each step (decoder/refill_device.py)
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
@@ -714,8 +723,8 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
         slots["refill_rows"] = False
         runs.discard("refill_rows")
     if not slots["refill_rows"]:
-        slots["early_start"] = False
-        runs.discard("early_start")
+        slots["early_start"] = slots["refill_on_device"] = False
+        runs -= {"early_start", "refill_on_device"}
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)

@@ -74,15 +74,17 @@ class RefillCache(StaticCache):
     """StaticCache with a position per row and rows that take new sentences (`place`):
     the position embedding, the K/V write and the mask past the position are each row's."""
 
-    def __init__(self, model, rows: int, source: int, max_len: int):
+    def __init__(self, model, rows: int, source: int, max_len: int, spare: int = 0):
         d, dev = model.d, model.emb.device
-        enc = torch.zeros(rows, source, d, dtype=model.dtype, device=dev)  # (N, S, d) no sentence yet
-        mask = torch.zeros(rows, 1, 1, source, dtype=torch.bool, device=dev)  # (N, 1, 1, S)
+        enc = torch.zeros(rows + spare, source, d, dtype=model.dtype, device=dev)  # (N + spare, S, d) no sentence yet
+        mask = torch.zeros(rows + spare, 1, 1, source, dtype=torch.bool, device=dev)  # (N + spare, 1, 1, S)
         mask[..., 0] = True  # an empty row attends to one (zero) key: finite, never used
-        super().__init__(model, enc, mask, 1, max_len, graphs=model.plan.cuda_graphs)
-        # the cross K/V as buffers of their own, (N, S, d) each, written row by row by `place`
+        super().__init__(model, enc[:rows], mask[:rows], 1, max_len, graphs=model.plan.cuda_graphs)
+        # the cross K/V as buffers of their own, (N + spare, S, d) each, written row by row by `place`;
+        # `spare` rows past the state's take the writes a fixed-shape copy makes for no row
         self.cross_rows = [(torch.zeros_like(enc), torch.zeros_like(enc)) for _ in model.dec_layers]
-        self.cross = [(heads(k, model.n_heads), heads(v, model.n_heads)) for k, v in self.cross_rows]
+        self.cross = [(heads(k[:rows], model.n_heads), heads(v[:rows], model.n_heads)) for k, v in self.cross_rows]
+        self.mask_rows = mask
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)  # (N,) each row's position
         self.position_mask = _row_attend_mask if self.plan.static_attend else _row_bias_mask
         h, hd = self.kv.shape[3], self.kv.shape[-1]
@@ -153,13 +155,15 @@ class Pending:
 
 
 def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs: list, caps: list[int],
-             max_tokens: int, max_sentences: int, phase, more: "More | None" = None
-             ) -> Iterator[tuple[list[int], Outputs]]:
+             max_tokens: int, max_sentences: int, phase, more: "More | None" = None,
+             segment: Callable | None = None) -> Iterator[tuple[list[int], Outputs]]:
     """Greedy outputs of the sentences `srcs` (source ids with </s>) in `batches` (index lists,
     length-sorted, longest first): (the indices finished in a block, their Outputs), block by block.
     `encode(list of source ids)` -> decoder/translator.py Encoded; `caps` each sentence's cap.
     `more`: the chunk's other sentences, still being encoded (switch early_start): they join the
-    last state where their sources fit it, and the others follow in states of their own."""
+    last state where their sources fit it, and the others follow in states of their own.
+    `segment`: what runs a state's blocks, `host_segment` (None) or decoder/refill_device.py's."""
+    segment = segment or host_segment
     lengths = [0 if x is None else len(x) for x in srcs]
     parts = segments(batches, lengths, caps, max_tokens, max_sentences)
     for k, (first, end) in enumerate(parts):
@@ -168,10 +172,10 @@ def refilled(model, s: Search, encode: Callable, batches: list[list[int]], srcs:
         source, cap = max(lengths[j] for j in every), max(caps[j] for j in every)
         rest = more if k == len(parts) - 1 else None  # the widest state takes them
         rows = rows_for(max_tokens, max_sentences, source, cap)
-        later = yield from _segment(model, s, encode, part, srcs, rows if rest else min(rows, len(every)), source,
-                                    cap, phase, rest)
+        later = yield from segment(model, s, encode, part, srcs, rows if rest else min(rows, len(every)), source,
+                                   cap, phase, rest)
         if later:
-            yield from refilled(model, s, encode, later, srcs, caps, max_tokens, max_sentences, phase)
+            yield from refilled(model, s, encode, later, srcs, caps, max_tokens, max_sentences, phase, None, segment)
 
 
 class More:
@@ -182,7 +186,7 @@ class More:
         self.ready, self.take = ready, take
 
 
-def _segment(model, s, encode, batches, srcs, rows, source, cap, phase, more=None):
+def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more=None):
     """One state's blocks. The host reads block i's finished rows while block i+1 runs, so the
     GPU always has a block queued: rows refilled after that read run from block i+2 on, and
     their finished flag counts from there (`ready`); until then it is their last sentence's.

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import hostsync, modeldir, ops, refill
+from . import hostsync, modeldir, ops, refill, refill_device
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
 from .cache import new_state
@@ -340,8 +340,9 @@ class Translator:
         futures of their detokenised outputs, each submitted while the next block runs)."""
         o = self.opts
         groups, futs = [], []
+        segment = refill_device.device_segment if self.plan.refill_on_device else refill.host_segment
         for ids, out in refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
-                                        o.max_tokens, o.max_sentences, self.phase, more):
+                                        o.max_tokens, o.max_sentences, self.phase, more, segment):
             groups.append(ids)
             futs.append(submit(self.detokenise, out))
         return groups, futs

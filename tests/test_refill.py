@@ -129,20 +129,23 @@ def test_refill_resolves_with_the_greedy_whole_step_graphs_only():
 
 
 @trained
-def test_the_steps_tool_counts_both_loops_on_the_same_lines(tmp_path, monkeypatch):
+def test_the_steps_tool_counts_every_loop_on_the_same_lines(tmp_path, monkeypatch):
     import json
     from tools import decode_steps
     made = []
     monkeypatch.setattr(decode_steps, "Translator", lambda *a, **kw: made.append(Translator(*a, **kw)) or made[-1])
-    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
+    assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "300", "--max-tokens", "1024",
                               "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
-    assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 3
-    per_batch, refilled, staged = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == [64]
-    assert refilled["same_outputs"] == staged["same_outputs"] == "140 of 140"
-    assert staged["early_start"] and not refilled["early_start"]  # 140 lines: over two states' worth of 64 rows
+    assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 4
+    per_batch, refilled, staged, on_device = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == on_device["rows"] == [64]
+    assert on_device["steps"] < refilled["steps"]  # no row waits for the host's read
+    assert refilled["same_outputs"] == staged["same_outputs"] == on_device["same_outputs"] == "300 of 300"
+    assert staged["early_start"] and not refilled["early_start"]  # 300 lines: over two states' worth of 64 rows
+    assert on_device["refill_on_device"] and not staged["refill_on_device"]
     md = (tmp_path / "s.md").read_text()
     assert "| refilled rows |" in md and "| refilled rows, the chunk's longest lines first (early_start) |" in md
+    assert "| refilled rows on the device, each step (refill_on_device) |" in md
     made.clear()  # --chunk-lines reaches the decoder: a run in chunks of 70 lines
     assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
                               "--max-sentences", "64", "--chunk-lines", "70", "--out", str(tmp_path / "c")]) == 0

@@ -8,10 +8,11 @@ depends on the rows, so the steps, not the rows, are what a throughput run
 costs there. This counts them on any machine: the fixed-shape state the GPU's
 graphs replay runs eagerly here (static shapes), at the GPU's batch settings by
 default, once with a state per batch (`--no-refill-rows`), once with the
-chunk's sentences streaming through one state (decoder/refill.py) and once more
+chunk's sentences streaming through one state (decoder/refill.py), once more
 with the chunk's longest lines (by characters) first, the rest joining as
 encoded (switch early_start; here the rest is encoded long before the first
-block ends, so its steps are a lower bound of a GPU's). For each:
+block ends, so its steps are a lower bound of a GPU's), and once with the rows
+refilled on the device each step (switch refill_on_device). For each:
 steps, row-steps (rows x steps: what a compute-bound device pays), the states'
 rows, and whether every output is the same. The wall time is this machine's,
 not a GPU's.
@@ -52,25 +53,36 @@ def steps_of(blocks: list[tuple[int, int]]) -> dict:
             "rows": sorted({r for r, _ in blocks})}
 
 
-def count(model: str, lines: list[str], refill: bool, early_start: bool = False, **kw) -> tuple[dict, list[str]]:
-    """One run's steps, row-steps and state widths, and its outputs."""
-    tr = Translator(model, static_shapes=True, refill_rows=refill, early_start=early_start, **kw)
+def count(model: str, lines: list[str], switches: dict, **kw) -> tuple[dict, list[str]]:
+    """One run's steps, row-steps and state widths, and its outputs, at these loop `switches`."""
+    tr = Translator(model, static_shapes=True, **switches, **kw)
     with counted_blocks() as blocks:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
-    return {"refill_rows": refill, "early_start": tr.plan.early_start, **steps_of(blocks),
+    return {"loop": loop_of(tr.plan), **{k: k in tr.plan.runs for k in switches}, **steps_of(blocks),
             "wall_s": round(wall, 2)}, out
 
 
-LOOPS = {(False, False): "a state per batch", (True, False): "refilled rows",
-         (True, True): "refilled rows, the chunk's longest lines first (early_start)"}
+# the loops counted, the first the reference of "same outputs"
+LOOPS = {"a state per batch": dict(refill_rows=False, early_start=False, refill_on_device=False),
+         "refilled rows": dict(refill_rows=True, early_start=False, refill_on_device=False),
+         "refilled rows, the chunk's longest lines first (early_start)":
+             dict(refill_rows=True, early_start=True, refill_on_device=False),
+         "refilled rows on the device, each step (refill_on_device)":
+             dict(refill_rows=True, early_start=False, refill_on_device=True)}
+
+
+def loop_of(plan) -> str:
+    """The LOOPS label of what `plan` runs."""
+    on = {k for k in LOOPS["a state per batch"] if k in plan.runs}
+    return next(label for label, sw in LOOPS.items() if on == {k for k, v in sw.items() if v})
 
 
 def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
     out = [f"Machine: {machine}", "", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), "",
            "| loop | steps | row-steps | states' rows | same outputs | wall here (s) |", "|---|---:|---:|---|---|---:|"]
-    out += [f"| {LOOPS[r['refill_rows'], r['early_start']]} | {r['steps']:,} | {r['row_steps']:,} | "
+    out += [f"| {r['loop']} | {r['steps']:,} | {r['row_steps']:,} | "
             f"{', '.join(map(str, r['rows']))} | {r['same_outputs']} | {r['wall_s']} |" for r in rows]
     return "\n".join(out) + "\n"
 
@@ -100,8 +112,7 @@ def main(argv=None) -> int:
                 "sync_every": a.sync_every, "chunk_lines": a.chunk_lines}
     kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every,
               chunk_lines=a.chunk_lines, threads=a.threads)
-    (per_batch, want), *others = (count(a.model, lines, r, e, **kw) for r, e in ((False, False), (True, False),
-                                                                                 (True, True)))
+    (per_batch, want), *others = (count(a.model, lines, sw, **kw) for sw in LOOPS.values())
     per_batch["same_outputs"] = "-"
     for row, got in others:
         row["same_outputs"] = f"{sum(x == y for x, y in zip(want, got)):,} of {len(lines):,}"
