@@ -385,10 +385,12 @@ def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
     assert not (tmp_path / "summary.json").exists()  # the summary is the finished run's
 
 
-def test_an_ablation_entry_flips_a_switch_or_sets_a_setting():
+def test_an_ablation_entry_flips_switches_or_sets_settings_together():
     assert bench_gpu.ablation("fast_normaliser") == ("without fast_normaliser", {"fast_normaliser": False})
     assert bench_gpu.ablation("fused_relu") == ("with fused_relu", {"fused_relu": True})
     assert bench_gpu.ablation("sync_every = 4") == ("sync_every=4", {"sync_every": 4})
-    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed"):
+    assert bench_gpu.ablation("refill_on_device+sync_every=16") == (
+        "with refill_on_device + sync_every=16", {"refill_on_device": True, "sync_every": 16})
+    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "refill_rows+", "sync_every=2+sync_every=4"):
         with pytest.raises(ValueError):
             bench_gpu.ablation(bad)

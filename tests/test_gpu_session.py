@@ -56,11 +56,12 @@ def test_speed_and_bench_stage_options_are_the_tools():
     assert batch_list(opts[opts.index("--batches") + 1])[-1] is None and opts[opts.index("--device") + 1] == "cuda"
     from tools.bench_gpu import parse_args
     opts = _command("bench", "tools.bench_gpu")
-    ablate = re.search(r"^BENCH_ABLATE=\$\{BENCH_ABLATE-([\w,=]*)\}", open(SCRIPT).read(), re.M).group(1)
+    ablate = re.search(r"^BENCH_ABLATE=\$\{BENCH_ABLATE-([\w,=+]*)\}", open(SCRIPT).read(), re.M).group(1)
     opts[opts.index("--ablate") + 1] = ablate  # the script's default list
     a = parse_args(opts)
     assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2
-    assert a.ablate == ["refill_rows", "warp_attention", "early_start", "graph_steps", "graph_attention",
+    assert a.ablate == ["refill_rows", "refill_on_device", "refill_on_device+sync_every=16", "warp_attention",
+                       "early_start", "graph_steps", "graph_attention",
                        "sync_every=4", "normalise_processes", "encode_ahead", "ramp_chunks", "short_gil_interval"]
 
 

@@ -353,7 +353,16 @@ def _parse_setting(name: str, value: str):
 
 def ablation(entry: str) -> tuple[str, dict]:
     """An --ablate entry as (its rows' label, ours' keyword arguments): a switch flipped from its
-    default (on switches off, off ones on), or NAME=VALUE of SETTINGS. ValueError for anything else."""
+    default (on switches off, off ones on), or NAME=VALUE of SETTINGS, or several of those joined
+    by '+', changed together. ValueError for anything else."""
+    parts = [_one_change(x) for x in entry.split("+")]
+    kw = {k: v for _, change in parts for k, v in change.items()}
+    if len(kw) < len(parts):
+        raise ValueError(f"{entry!r} changes one thing twice")
+    return " + ".join(label for label, _ in parts), kw
+
+
+def _one_change(entry: str) -> tuple[str, dict]:
     name, eq, value = (x.strip() for x in entry.partition("="))
     if eq:
         if name not in SETTINGS:
@@ -546,8 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "on the H200 int8_float16 was slower in every group)")
     p.add_argument("--ablate", default="", metavar="SWITCHES",
                    help="comma list of decoder switches (python -m decoder --help) and settings NAME=VALUE "
-                        f"({', '.join(SETTINGS)}): for each, ours with the switch flipped from its default or the "
-                        "setting so, at our best throughput and batch-1 sizes, a row each")
+                        f"({', '.join(SETTINGS)}), several joined by '+' changed together: for each, ours with the "
+                        "switch flipped from its default or the setting so, at our best throughput and batch-1 "
+                        "sizes, a row each")
     p.add_argument("--chunked", type=cliargs.int_range(0), default=5000, metavar="LINES",
                    help="three more rows of ours at its best throughput size, the text read in chunks of this "
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
