@@ -31,9 +31,10 @@ from .cache import DecoderState
 from .refill import RefillCache, RefillGreedy, _on, _pending, _Todo
 from .search import Outputs, Search
 
-# a state of N rows: at most N // PER_STEP_SHARE rows refilled a step (4,096 rows: 512, where the
-# Bible's sentences finish about 120 a step), a ring of N // RING_SHARE sentences (2,048: two
-# blocks of 8 steps at that pace and more)
+# a state of N rows: at most N // PER_STEP_SHARE rows refilled a step (4,096 rows: 256, about twice
+# the pace at which the Bible's sentences finish; a sixteenth of the rows of the test model's
+# 64-row states gave the steps of an eighth or a half), a ring of N // RING_SHARE sentences: a
+# ring of half the rows ran dry at blocks of 16 (the host tops it up a block after it reads)
 PER_STEP_SHARE = 16
 RING_SHARE = 1
 
