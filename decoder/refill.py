@@ -133,6 +133,10 @@ class RefillGreedy(StaticGreedy):
     def advance(self) -> None:
         self.cache.pos.add_(self.done.logical_not())  # a finished row's position stops
 
+    def flags(self) -> torch.Tensor:
+        """(N,) what the host reads after a block: each row's finished flag."""
+        return self.done
+
     def place(self, slots: torch.Tensor, k_v: list, mask: torch.Tensor, limits: torch.Tensor) -> None:
         """Rows `slots` start new sentences (RefillCache.place) of these caps (n,)."""
         self.cache.place(slots, k_v, mask)
@@ -201,11 +205,7 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
     _refill(loop, encode, srcs, model, todo, queue, owner, ready, 0)
     while True:
         while len(snaps) < 2 and (owner >= 0).any():
-            with phase("decode steps"):
-                loop.run(0)
-                if issued == 0 and s.plan.capture_ahead:
-                    loop.capture_ahead()
-            snaps.append((issued, hostsync.later(loop.done, "finished?")))
+            snaps.append(issue(loop, s, phase, issued))
             issued += 1
         if not snaps:
             return todo.later
@@ -216,6 +216,16 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
             yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
             owner[fin] = -1
         _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued)
+
+
+def issue(loop, s: Search, phase, i: int) -> tuple:
+    """Block i queued (the graph captured ahead behind the first) -> (i, its finished flags on
+    their way to the host)."""
+    with phase("decode steps"):
+        loop.run(0)
+        if i == 0 and s.plan.capture_ahead:
+            loop.capture_ahead()
+    return i, hostsync.later(loop.flags(), "finished?")
 
 
 class _Todo(deque):

@@ -28,7 +28,7 @@ import torch
 
 from . import hostsync
 from .cache import DecoderState
-from .refill import RefillCache, RefillGreedy, _on, _pending, _Todo
+from .refill import RefillCache, RefillGreedy, _on, _pending, _Todo, issue
 from .search import Outputs, Search
 
 # a state of N rows: at most N // PER_STEP_SHARE rows refilled a step (4,096 rows: 256, about twice
@@ -160,11 +160,7 @@ def device_segment(model, s: Search, encode, batches, srcs, rows: int, source: i
     _fill(loop, encode, srcs, model, todo, queue, owner, ready, 0, ring)
     while True:
         while len(snaps) < 2 and (owner >= 0).any():
-            with phase("decode steps"):
-                loop.run(0)
-                if issued == 0 and s.plan.capture_ahead:
-                    loop.capture_ahead()
-            snaps.append((issued, hostsync.later(loop.flags(), "finished?")))
+            snaps.append(issue(loop, s, phase, issued))
             issued += 1
         if not snaps:
             return todo.later
