@@ -143,7 +143,11 @@ class RefillGreedy(StaticGreedy):
         self.limits[slots] = limits
         self.cache.tokens[slots] = self.start
         self.done[slots] = False
-        self.out[slots] = self.pad
+        self.clear_outputs(slots)
+
+    def clear_outputs(self, rows: torch.Tensor) -> None:
+        """The outputs of the sentences just placed in `rows`, <pad> before their first token."""
+        self.out[rows] = self.pad
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Ring:
     def __init__(self, cache: RefillCache, size: int):
         k0, dev = cache.cross_rows[0][0], cache.pos.device
         G, S, d = size, k0.shape[1], k0.shape[2]
-        self.size = G
+        self.size, self.m = G, cache.m
         self.k_v = [(k0.new_zeros(G, S, d), k0.new_zeros(G, S, d)) for _ in cache.cross_rows]
         self.mask = torch.zeros(G, 1, 1, S, dtype=torch.bool, device=dev)
         self.limits = torch.ones(G, dtype=torch.long, device=dev)
@@ -64,7 +64,7 @@ class Ring:
         """n sentences in after the last: per layer (k, v) (n, S', d), mask (n, 1, 1, S'), caps (n,),
         output slots (n,)."""
         n, S = limits.shape[0], mask.shape[-1]
-        at = hostsync.to_device(torch.from_numpy((self.put + np.arange(n, dtype=np.int64)) % self.size), limits.device)
+        at = _on((self.put + np.arange(n)) % self.size, self.m)
         for (kb, vb), (k, v) in zip(self.k_v, k_v):
             kb[:, :S].index_copy_(0, at, k)
             vb[:, :S].index_copy_(0, at, v)
@@ -91,6 +91,7 @@ class DeviceRefillGreedy(RefillGreedy):
         self.finished = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
         self.ranks = torch.arange(per_step, device=dev)  # (M,)
         self.rows = torch.arange(N, device=dev)  # (N,)
+        self.row = torch.empty(per_step + 1, dtype=torch.long, device=dev)  # (M + 1,) rank i's row, take()
 
     def record(self, nxt) -> None:
         col = torch.where(self.done, self.spare, self.cache.pos)  # (N,)
@@ -115,9 +116,7 @@ class DeviceRefillGreedy(RefillGreedy):
         c.tokens.masked_fill_(takes, self.start)
         self.done &= ~takes
         # rank i's row, or the spare row N where fewer rows take: a copy of fixed shape (M,)
-        row = torch.full((self.per_step + 1,), N, dtype=torch.long, device=rank.device)
-        row.scatter_(0, torch.where(takes, rank, self.per_step), self.rows)
-        row = row[:self.per_step]
+        row = self.row.fill_(N).scatter_(0, torch.where(takes, rank, self.per_step), self.rows)[:self.per_step]
         first = (r.head + self.ranks) % r.size  # (M,)
         for (kb, vb), (k, v) in zip(c.cross_rows, r.k_v):
             kb.index_copy_(0, row, k.index_select(0, first))
@@ -125,14 +124,13 @@ class DeviceRefillGreedy(RefillGreedy):
         c.mask_rows.index_copy_(0, row, r.mask.index_select(0, first))
         r.head.add_(n)
 
-    def place(self, rows, k_v, mask, limits, slots=None) -> None:
+    def place(self, rows, k_v, mask, limits, slots) -> None:
         """Rows `rows` start new sentences of output slots `slots` now (the first fill)."""
-        self.cache.place(rows, k_v, mask)
-        self.limits[rows] = limits
-        self.cache.tokens[rows] = self.start
-        self.done[rows] = False
         self.slot[rows] = slots
-        self.clear_slots(slots)
+        super().place(rows, k_v, mask, limits)
+
+    def clear_outputs(self, rows) -> None:
+        self.clear_slots(self.slot[rows])
 
     def clear_slots(self, slots) -> None:
         self.out.index_fill_(0, slots, self.pad)
