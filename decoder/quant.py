@@ -431,6 +431,15 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=No
                       wide=plan is not None and plan.int8_kernel == "wide")
 
 
+def describe_int8(kernel: str) -> str:
+    """The int8 product `make_linear` builds for the plan's `int8_kernel`, for the settings
+    line: fbgemm without VNNI has 7-bit activations, which flip 2-5x the lines that the
+    8-bit kernels flip near ties (docs/bench/decoder.md "7-bit activations")."""
+    if kernel == "fbgemm" and fbgemm_available():
+        return "fbgemm, 8-bit activations" if fbgemm_vnni() else "fbgemm, 7-bit activations (no VNNI)"
+    return "int16-widened weights, 8-bit activations" if kernel == "wide" else "_int_mm, 8-bit activations"
+
+
 def int8_available() -> bool:
     try:
         torch._int_mm(torch.ones(17, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))

@@ -41,6 +41,9 @@ def describe(tr, requested: str | None = None) -> str:
         par = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
     where = (f"cuda {torch.cuda.get_device_name(tr.device)}" if tr.device.startswith("cuda")
              else f"cpu ISA {torch.backends.cpu.get_cpu_capability()}")
+    if tr.precision == "int8":
+        from .quant import describe_int8
+        where += f", int8 by {describe_int8(tr.plan.int8_kernel)}"
     why = getattr(tr, "auto_choice", lambda: None)() if requested == "auto" else None
     from .fused import describe as fused_ops  # whether the C++/CUDA kernels built (and passed their check)
     # the plan as resolved for this device (decoder/optimisations.py Plan.summary), and the batch sizes

@@ -127,20 +127,20 @@ ALL_LATENCY = ["--threads", str(CPUS), "--batch-size", "1"]
 def test_throughput_output_equals_python_m_decoder(image, model_dir, hardware, args):
     r = run(image, ["/run.sh", hardware, "throughput"], TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, args)
+    assert r.stdout == reference(model_dir, TEXT, args, chosen_precision(r.stderr))
     assert own_stderr(r.stderr) == []
 
 
 def test_plain_docker_run_is_cpu_all_throughput_without_a_gpu(image, model_dir):
     r = run(image, None, TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT)
+    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT, chosen_precision(r.stderr))
 
 
 def test_gpu_mode_without_cuda_warns_once_and_runs_on_cpu(image, model_dir):
     r = run(image, ["/run.sh", "GPU", "throughput"], TEXT)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT)
+    assert r.stdout == reference(model_dir, TEXT, ALL_THROUGHPUT, chosen_precision(r.stderr))
     assert r.stderr.decode().count("warning") == 1 and b"CUDA" in r.stderr
 
 
@@ -148,19 +148,21 @@ def test_gpu_mode_without_cuda_warns_once_and_runs_on_cpu(image, model_dir):
 def test_latency_mode_answers_each_line_before_the_next_is_written(image, model_dir, hardware):
     from submission.dockerrun import Session
     sents = synthetic_corpus(5, seed=7)
-    ref = lines(reference(model_dir, ("\n".join(sents) + "\n").encode(),
-                          ONE_LATENCY if hardware == "CPU-1" else ALL_LATENCY))
     s = Session(image, ["/run.sh", hardware, "latency"], nano_cpus=CPUS * 10**9)
     try:
-        for sent, want in zip(sents, ref):
+        answers = []
+        for sent in sents:
             s.write(sent.encode() + b"\n")
             # stdin stays open: an answer can only come from line-at-a-time mode
-            assert s.read_until(1, timeout=120) == want + b"\n"
+            answers.append(s.read_until(1, timeout=120))
         s.close_stdin()
         r = s.wait(timeout=120)
         assert r.exit_code == 0 and r.stdout == b"", r.stderr
     finally:
         s.remove()
+    ref = reference(model_dir, ("\n".join(sents) + "\n").encode(),
+                    ONE_LATENCY if hardware == "CPU-1" else ALL_LATENCY, chosen_precision(r.stderr))
+    assert answers == [x + b"\n" for x in lines(ref)]
 
 
 def test_throughput_streams_output_before_input_ends(image):
@@ -216,7 +218,7 @@ def test_cpu_all_throughput_under_512m_translates_every_line(image, model_dir):
     text = ("\n".join(synthetic_corpus(3000, seed=5)) + "\n").encode()
     r = run(image, ["/run.sh", "CPU-ALL", "throughput"], text, mem_limit="512m", memswap_limit="512m")
     assert r.exit_code == 0 and not r.oom_killed, r.stderr[-500:]
-    assert r.stdout == reference(model_dir, text, ONE)
+    assert r.stdout == reference(model_dir, text, ONE, chosen_precision(r.stderr))
     assert own_stderr(r.stderr) == []
 
 

@@ -152,7 +152,10 @@ def test_int8_greedy_of_each_kernel_is_within_bleu_bound_of_fp32_on_trained_mode
     hyps = tr.translate(src)
     bleu = lambda h: sacrebleu.corpus_bleu(h, [ref]).score  # noqa: E731
     assert bleu(hyps) >= bleu(fp32) - 0.2
-    assert sum(a == b for a, b in zip(hyps, fp32)) >= 0.5 * len(src)  # most lines unchanged (99/150 measured)
+    # most lines unchanged: 99/150 measured with 8-bit activations (fbgemm on an AVX-512 VNNI EPYC),
+    # 72/150 with fbgemm's 7-bit ones where there is no VNNI (an AVX2 EPYC), 114/150 with `_int_mm`'s
+    share = 0.4 if kernel == "fbgemm" and tr.model.out_proj.reduce_range else 0.5
+    assert sum(a == b for a, b in zip(hyps, fp32)) >= share * len(src)
 
 
 # -- auto ---------------------------------------------------------------------------------------
@@ -205,6 +208,17 @@ def test_probe_times_the_linears_the_decoder_builds_for_its_kernel(monkeypatch, 
     lins = [c for c in calls if c != "gemv"]
     assert lins and all(type(c) is cls for c in lins)
     assert ("gemv" in calls) is gemv
+
+
+@pytest.mark.parametrize("vnni,bits", [(True, "8-bit activations"), (False, "7-bit activations (no VNNI)")])
+def test_settings_line_says_how_many_bits_fbgemms_activations_have(model_dir, monkeypatch, vnni, bits):
+    from decoder.runtime import describe
+    if not quant.fbgemm_available():
+        pytest.skip("no fbgemm in this torch build")
+    monkeypatch.setattr(quant, "fbgemm_vnni", lambda: vnni)
+    tr = Translator(model_dir, precision="int8", int8_vnni_int_mm=False, int8_wide_gemm=False)
+    assert type(tr.model.out_proj) is FbgemmLinear and tr.model.out_proj.reduce_range is not vnni
+    assert f", int8 by fbgemm, {bits}; " in describe(tr, "int8")
 
 
 def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
