@@ -81,7 +81,7 @@ distill: setup
 	$(DISTILL_LAUNCH) -m student.distill $(DISTILL_OPTS) $(DISTILL_ARGS)
 
 test: setup
-	$(VPY) -m pytest -q tests; rc=$$?; if [ $$rc = 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(VPY) -m pytest -q --durations=30 tests; rc=$$?; if [ $$rc = 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # ablation table (docs/bench/); BENCH_ARGS e.g. --model DIR --threads 2
 bench: setup
