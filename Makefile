@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.setup-stamp
 APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test distill bench clean help image image-context image-gpu-test evaluate cuda-check oldest-torch-check
+.PHONY: setup test distill bench clean help image image-context image-gpu-test gpu-carry evaluate cuda-check oldest-torch-check
 
 help:
 	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
@@ -16,6 +16,7 @@ help:
 	@echo "make setup     create $(VENV) and install what the kit needs"
 	@echo "make cuda-check  compile the CUDA kernels with nvcc (no GPU needed; fetches a CUDA torch)"
 	@echo "make image     the submission image [MODEL=dir] [DEVICE=gpu]; make image-context, then docker build -t kit ."
+	@echo "make gpu-carry  the corpus and wheels tools/gpu_session.sh needs on a GPU machine without network"
 	@echo "make oldest-torch-check  the fused ops built and tested on the oldest torch the kit supports"
 
 setup: $(STAMP)
@@ -91,6 +92,18 @@ bench: setup
 #   --model student=DIR --teacher DIR --container wmt-kit:latest --mode both
 evaluate: setup
 	$(VPY) -m submission.evaluate $(EVAL_ARGS)
+
+# What tools/gpu_session.sh needs on a lent GPU machine, which reaches no network: the embedded
+# corpus extracted and prepared (build/carry/data.tar.xz, 3 MB; the script unpacks it) and the
+# wheels the machine lacks in the host's versions, for its Python (.whl/). Carry both with the call.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= sacremoses ctranslate2
+gpu-carry: setup
+	KIT_DATA_DIR=$(CURDIR)/data $(VPY) -m student.data prepare -q bible-en-es >/dev/null
+	mkdir -p build/carry && tar cJf build/carry/data.tar.xz data
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 -d .whl $(shell $(VPY) -c "import sys; from importlib.metadata import \
+	  version as v; print(*(f'{p}=={v(p)}' for p in sys.argv[1:]))" $(GPU_WHEELS) 2>/dev/null)
 
 # nvcc-compile decoder/csrc/fused_cuda.cu against the CUDA build of our torch and
 # check every fused op has its CUDA kernel; no GPU needed. Without a CUDA torch it

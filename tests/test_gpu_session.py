@@ -137,3 +137,21 @@ def test_a_hung_stage_is_stopped_at_its_cap_and_before_the_calls_end(tmp_path):
     assert r.returncode == 1 and rows[0][2] == "124" and int(rows[0][1]) < 10
     r, rows = session(CALL_SECONDS="5")
     assert r.returncode == 1 and rows == [] and "not started" in r.stderr
+
+
+def test_make_gpu_carry_packs_what_the_script_unpacks_and_pins_the_hosts_wheels():
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        pins = [f"{p}=={version(p)}" for p in ("sacremoses", "ctranslate2")]
+    except PackageNotFoundError:
+        pytest.skip("the baselines are not installed here")
+    r = subprocess.run(["make", "-s", "-n", "-o", "setup", "gpu-carry", f"VPY={sys.executable}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    recipe = " ".join(r.stdout.replace("\\\n", " ").split())
+    script = open(SCRIPT).read()
+    assert "tar cJf build/carry/data.tar.xz data" in recipe and '"$ROOT/build/carry/data.tar.xz"' in script
+    assert "student.data prepare -q bible-en-es" in recipe  # the embedded corpus the distill stage reads
+    download = recipe.split(" pip download ", 1)[1].split()
+    assert download[-2:] == pins and "-d .whl" in " ".join(download)
+    assert '"$ROOT"/.whl/*.whl' in script
