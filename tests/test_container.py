@@ -4,6 +4,7 @@ Every run uses --network none --memory 2g --cpus 2, as the task's evaluation
 does. The image is keyed on its inputs (submission/image.py), so a second
 session with an unchanged tree reuses it; the first build is a few minutes.
 """
+import functools
 import hashlib
 import os
 import re
@@ -66,6 +67,11 @@ def reference(model_dir, stdin: bytes, args: list[str], precision: str = "auto")
     """`python -m decoder` on the host: what the container must reproduce (it runs `auto`, and
     the shortlist when the model dir has one: serve.settings). Pass the container's
     `chosen_precision` where auto's timing probe sits near its threshold for this model."""
+    return _reference(model_dir, stdin, tuple(args), precision)
+
+
+@functools.lru_cache(maxsize=None)  # several tests compare with one run (a process start and a decode each)
+def _reference(model_dir, stdin: bytes, args: tuple, precision: str) -> bytes:
     from submission.container.serve import has_shortlist
     shortlist = ["--shortlist"] if has_shortlist(model_dir) else []
     r = subprocess.run([sys.executable, "-m", "decoder", "--model", model_dir, "--precision", precision,

@@ -457,6 +457,34 @@ def test_a_model_teacher_distils_at_the_decoders_auto_precision_with_one_worker_
         two.close()
 
 
+def test_report_rows_start_worker_processes_only_where_the_test_split_gives_each_its_lines(tiny_spm, tmp_path,
+                                                                                            monkeypatch):
+    from types import SimpleNamespace
+    from student.distill import report, teachers
+    d, _ = _random_model_dir(tiny_spm, tmp_path / "m", 0)
+    monkeypatch.setattr(teachers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    teacher = teachers.make_teacher(model_dirs=[d], beam=3, device="cpu")  # as it distilled: a worker per core
+    cfg = SimpleNamespace(teacher_beam=3, student_beam=1, engine="decoder", precision="fp32")
+
+    def rows(lines):
+        return report.searches("teacher", teacher, cfg, lines) + report.searches("student", d, cfg, lines)
+
+    def workers(lines):
+        return [(label, t.beam, t.workers) for label, t, _ in rows(lines)]
+
+    per = teachers.WORKER_MIN_LINES
+    labels = [("teacher", 3), ("teacher.greedy", 1), ("student", 1), ("student.beam3", 3)]
+    assert workers(4 * per) == [(x, b, 4) for x, b in labels]
+    assert rows(4 * per)[0][1] is teacher  # the headline is the teacher that distilled
+    assert workers(3 * per + per // 2) == [(x, b, 3) for x, b in labels]  # no worker without its share
+    # a smoke run's split (or --test-limit): one process, every row alike, the teacher's precision kept
+    assert workers(2 * per - 1) == workers(12) == [(x, b, 0) for x, b in labels]
+    headline = rows(12)[0][1]
+    assert headline is not teacher and (headline.dirs, headline.precision) == (teacher.dirs, teacher.precision)
+    assert [h for _, _, h in rows(12)] == [True, False, True, False]
+    assert teachers.workers_for(10**6, 0) == 0 and teachers.workers_for(10**6, 2) == 2
+
+
 def test_ensemble_averages_member_log_probabilities_per_step(tiny_spm, tmp_path):
     from student.distill.beam import EnsembleSearch
     from student.distill.teachers import ModelTeacher

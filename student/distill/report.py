@@ -10,7 +10,7 @@ import torch
 from decoder.machine import cpu_info, isa
 from student import chart
 from student.distill.stages import write_json
-from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator
+from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator, workers_for
 from student.train.evaluate import score
 
 
@@ -30,7 +30,7 @@ def evaluate(out_dir: str, prep, systems, cfg, manifest: dict, log=print) -> dic
     n_words = sum(len(x.split()) for x in src)
     rows = []
     for name, system, _ in systems:
-        for label, decoder, headline in searches(name, system, cfg):
+        for label, decoder, headline in searches(name, system, cfg, len(src)):
             rows.append({**measure(label, decoder, src, ref, out_dir, log), "system": name, "headline": headline})
             if hasattr(decoder, "close"):
                 decoder.close()  # worker processes and model copies go before the next system loads
@@ -64,14 +64,15 @@ def stage_note(result) -> str | None:
             f"{r['sentences'] / r['seconds']:.1f} sentences/s ({how}{workers}; rank 0 of {result.get('world', 1)})")
 
 
-def searches(name: str, system, cfg) -> list[tuple]:
+def searches(name: str, system, cfg, lines: int) -> list[tuple]:
     """(hyp file label, translator, headline?) per search a system is scored with.
 
     Our models get greedy and beam `--teacher-beam` alike, decoded the same way (lean
-    decoder, the same precision rule, one worker process per core), so each student row
-    has a teacher row with the same search to compare with. The headline row is the
-    teacher as it distilled, and each student at `--student-beam` (a submission's search).
-    The baseline student, and teachers that are not our models, get their headline only."""
+    decoder, the same precision rule, one worker process per core where the `lines` of the
+    test split give each worker its share: workers_for), so each student row has a teacher
+    row with the same search to compare with. The headline row is the teacher as it
+    distilled, and each student at `--student-beam` (a submission's search). The baseline
+    student, and teachers that are not our models, get their headline only."""
     beams = [cfg.teacher_beam] if name == "teacher" else [cfg.student_beam]
     if name in ("teacher", "student") and (isinstance(system, str) or isinstance(system, ModelTeacher)):
         beams += [b for b in (1, cfg.teacher_beam) if b not in beams]
@@ -80,12 +81,13 @@ def searches(name: str, system, cfg) -> list[tuple]:
         label = name if i == 0 else f"{name}.{'greedy' if beam == 1 else f'beam{beam}'}"
         if isinstance(system, str):  # a student model dir: decoded the way a submission would
             out.append((label, ModelTeacher([system], beam=beam, engine=cfg.engine, precision=cfg.precision,
-                                            workers=cpu_workers()), i == 0))
-        elif i == 0:
+                                            workers=workers_for(lines, cpu_workers())), i == 0))
+        elif i == 0 and workers_for(lines, getattr(system, "workers", 0)) == getattr(system, "workers", 0):
             out.append((label, system, True))
-        else:  # our teacher with another beam, its precision and workers unchanged
+        else:  # our teacher with its precision, the beam and workers this split takes
             out.append((label, ModelTeacher(system.dirs, beam=beam, engine=system.engine, device=str(system.device),
-                                            precision=system.precision, workers=system.workers), False))
+                                            precision=system.precision, workers=workers_for(lines, system.workers)),
+                        i == 0))
     return out
 
 
