@@ -2,6 +2,7 @@
 -i/-o files, --beam-size/--max-batch-tokens/--batch-size (the old names still
 work), and translates line by line at a terminal."""
 import gzip
+import json
 import os
 import pty
 import select
@@ -243,12 +244,35 @@ def option_blocks(text: str) -> dict:
     return blocks
 
 
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """{command: [exit code, stdout]} of `python -m <command> --help`, each as `python -m` runs it,
+    in one interpreter (torch imports once, not once a command: about 3 s each on a slow core)."""
+    run = """
+import contextlib, io, json, runpy, sys
+out = {}
+for command in sys.argv[1:]:
+    module, *sub = command.split()
+    sys.argv, buf, code = [module, *sub, "--help"], io.StringIO(), "no exit"
+    with contextlib.redirect_stdout(buf):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    out[command] = [code, buf.getvalue()]
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", run, *sorted(HELP)], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("command", sorted(HELP))
-def test_help_names_the_command_and_says_each_default_once(command):
-    r = subprocess.run([sys.executable, "-m", *command.split(), "--help"], capture_output=True, text=True,
-                       env=ENV, cwd=ROOT, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {command} "), r.stdout[:200]
-    blocks = option_blocks(r.stdout)
+def test_help_names_the_command_and_says_each_default_once(helps, command):
+    code, text = helps[command]
+    assert code == 0 and text.startswith(f"usage: python -m {command} "), text[:200]
+    blocks = option_blocks(text)
     for option, block in blocks.items():
         assert block.count("(default") <= 1, block
     for option, want in HELP[command].items():
