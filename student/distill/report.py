@@ -82,7 +82,7 @@ def searches(name: str, system, cfg, lines: int) -> list[tuple]:
         if isinstance(system, str):  # a student model dir: decoded the way a submission would
             out.append((label, ModelTeacher([system], beam=beam, engine=cfg.engine, precision=cfg.precision,
                                             workers=workers_for(lines, cpu_workers())), i == 0))
-        elif i == 0 and workers_for(lines, getattr(system, "workers", 0)) == getattr(system, "workers", 0):
+        elif i == 0 and workers_for(lines, own := getattr(system, "workers", 0)) == own:
             out.append((label, system, True))
         else:  # our teacher with its precision, the beam and workers this split takes
             out.append((label, ModelTeacher(system.dirs, beam=beam, engine=system.engine, device=str(system.device),
