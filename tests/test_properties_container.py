@@ -15,15 +15,12 @@ pytestmark = pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(stdins, min_size=1, max_size=4).map(b"".join))
 def test_run_sh_modes_give_one_unbroken_line_per_input_line_as_the_cli(image, model_dir, data):  # noqa: F811
-    refs = {}  # (task, precision) -> the CLI's output: the two throughput modes share one run
     for mode in (["CPU-1", "throughput"], ["CPU-ALL", "throughput"], ["CPU-1", "latency"]):
         r = run(image, ["/run.sh", *mode], data)
         assert r.exit_code == 0, (mode, r.stderr)
         # auto's timing probe may pick either precision on a loaded host (test_container)
-        key = (mode[1], chosen_precision(r.stderr))
-        if key not in refs:
-            refs[key] = reference(model_dir, data, ONE_LATENCY if mode[1] == "latency" else ONE, key[1])
-        want = refs[key]
+        # one CLI run per (task, precision): reference() keeps each, so the two throughput modes share it
+        want = reference(model_dir, data, ONE_LATENCY if mode[1] == "latency" else ONE, chosen_precision(r.stderr))
         assert want.count(b"\n") == n_lines(data)
         assert not any(BREAKS & set(x) for x in want.decode("utf-8").split("\n")[:-1])
         assert r.stdout == want, mode
