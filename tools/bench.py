@@ -368,13 +368,14 @@ def main(argv=None):
     print(f"chart: {bench_chart.plot(results, prefix + '.png')}", file=sys.stderr)
 
 
-def run_pass(a: argparse.Namespace, out: str) -> dict:
-    """Every row on this process's ISA; writes out.md, out.json; returns the JSON."""
+def pass_machine(a: argparse.Namespace) -> tuple[dict, object]:
+    """(what a pass records of its machine and settings, the ctranslate2 module or None). Sets
+    CT2_FORCE_CPU_ISA, so before ctranslate2 is imported."""
     machine = cpu_info()
     fam = isa_family(machine["flags"])
     capped = {k: os.environ[k] for k in CAPPED["avx2"] if k in os.environ and "ATEN_CPU_CAPABILITY" in os.environ}
     isa = capped.get("CT2_FORCE_CPU_ISA") or a.ct2_isa or ct2_isa(machine["flags"])
-    os.environ["CT2_FORCE_CPU_ISA"] = isa  # before ctranslate2 is imported
+    os.environ["CT2_FORCE_CPU_ISA"] = isa
     torch.set_num_threads(a.threads)
     machine.update(isa=fam, date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    torch=torch.__version__, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
@@ -385,6 +386,17 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         machine["ctranslate2"] = ctranslate2.__version__
     except ImportError:
         ctranslate2 = None
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])}; ISA pass {fam}"
+          f"{' (' + ' '.join(f'{k}={v}' for k, v in capped.items()) + ')' if capped else ''}; "
+          f"our C++ kernels {machine['our_kernels_isa']}; "
+          f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {a.threads} threads, "
+          f"CT2 ISA {isa}", file=sys.stderr)
+    return machine, ctranslate2
+
+
+def pass_input(a: argparse.Namespace) -> tuple[str, list[str], list[str] | None]:
+    """(source path, source lines, reference lines or None) of --src/--ref/--lines; by default the
+    test split next to the model."""
     model_base = os.path.dirname(os.path.abspath(a.model))
     src_path = a.src or os.path.join(model_base, "test.en")
     ref_path = a.ref or (os.path.join(model_base, "test.es") if a.src is None else None)
@@ -392,150 +404,193 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
     ref = read(ref_path) if ref_path and os.path.exists(ref_path) else None
     if a.lines:
         src, ref = src[:a.lines], ref[:a.lines] if ref else None
-    lines, refs = src * a.repeat, (ref * a.repeat if ref else None)
-    skip = set(filter(None, a.skip.split(",")))
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])}; ISA pass {fam}"
-          f"{' (' + ' '.join(f'{k}={v}' for k, v in capped.items()) + ')' if capped else ''}; "
-          f"our C++ kernels {machine['our_kernels_isa']}; "
-          f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {a.threads} threads, "
-          f"CT2 ISA {isa}", file=sys.stderr)
     print(f"input: {src_path} ({len(src)} lines x {a.repeat})", file=sys.stderr)
+    return src_path, src, ref
 
-    cfg, text = _text(a.model)  # token counting only
-    n_src_words = lambda ls: sum(len(s.split()) for s in ls)  # noqa: E731
-    n_tgt_tokens = lambda hs: sum(len(x) for x in text.sp.encode(hs))  # noqa: E731
 
-    rows = []
+class Pass:
+    """One ISA pass's rows, group by group, in the table's order: our ablation and the best
+    greedy configuration, its workers and shortlist rows, beam 4, batch 1, then HF, CTranslate2
+    and the head-to-head reruns."""
 
-    def record(name, hyps, secs, sub, engine, group=None, **facts):
+    def __init__(self, a: argparse.Namespace, machine: dict, src: list[str], ref: list[str] | None):
+        self.a, self.machine = a, machine
+        self.lines, self.refs = src * a.repeat, (ref * a.repeat if ref else None)
+        self.b1 = src[:a.batch1_lines]
+        self.skip = set(filter(None, a.skip.split(",")))
+        cfg, self.text = _text(a.model)  # token counting only
+        self.has_shortlist = cfg.shortlist is not None  # rows with the switch only where there is a file
+        # every core as parallel 1-thread workers: our counterpart of CT2's inter_threads
+        self.spread = [("", {})] + ([(f", {a.threads} workers", {"workers": a.threads})] if a.threads > 1 else [])
+        self.extra = [(", + lexical shortlist", {"shortlist": True})] if self.has_shortlist else []
+        self.rows: list[dict] = []
+        self.settings = {}  # id of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
+
+    def record(self, name, hyps, secs, sub, engine, group=None, **facts):
+        words = lambda ls: sum(len(s.split()) for s in ls)  # noqa: E731
         r = {"config": name, "engine": engine, "group": group, **facts, "lines": len(sub),
-             "seconds": round(secs, 3), "src_words_per_s": round(n_src_words(sub) / secs, 1),
-             "out_words_per_s": round(n_src_words(hyps) / secs, 1),
-             "tgt_tokens_per_s": round(n_tgt_tokens(hyps) / secs, 1)}
-        if refs:
-            r["bleu"], r["chrf"] = scores(hyps, refs[:len(hyps)])
-        rows.append(r)
+             "seconds": round(secs, 3), "src_words_per_s": round(words(sub) / secs, 1),
+             "out_words_per_s": round(words(hyps) / secs, 1),
+             "tgt_tokens_per_s": round(sum(len(x) for x in self.text.sp.encode(hyps)) / secs, 1)}
+        if self.refs:
+            r["bleu"], r["chrf"] = scores(hyps, self.refs[:len(hyps)])
+        self.rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
-    settings = {}  # id of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
+    def ours(self, name, sub, group, threads=None, batch1=False, **kw):
+        threads = threads or self.a.threads
+        hyps, secs = run_ours(self.a.model, sub, threads, self.a.passes, batch1=batch1, max_tokens=self.a.max_tokens,
+                              **kw)
+        self.record(name + (f" [first {len(sub)} lines]" if len(sub) < len(self.lines) and not batch1 else ""),
+                    hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
+                    threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")),
+                    our_kernels_isa=self.machine["our_kernels_isa"])
+        self.settings[id(self.rows[-1])] = (threads, batch1, {**kw, "max_tokens": self.a.max_tokens})
+        return self.rows[-1]
 
-    def ours(name, sub, group, threads=a.threads, batch1=False, **kw):
-        hyps, secs = run_ours(a.model, sub, threads, a.passes, batch1=batch1, max_tokens=a.max_tokens, **kw)
-        record(name + (f" [first {len(sub)} lines]" if len(sub) < len(lines) and not batch1 else ""),
-               hyps, secs, sub, "ours", group, precision=kw.get("precision", "fp32"), beam=kw.get("beam", 1),
-               threads=threads, workers=kw.get("workers", 0), shortlist=bool(kw.get("shortlist")),
-               our_kernels_isa=machine["our_kernels_isa"])
-        settings[id(rows[-1])] = (threads, batch1, {**kw, "max_tokens": a.max_tokens})
+    def greedy(self) -> tuple[dict, dict, str]:
+        """The ablation's rows, the composed and the shipped rows: (best, shipped, best's tag)."""
+        a, lines = self.a, self.lines
+        cumulative, variants = ablation()
+        if "ablation" in self.skip:
+            cumulative, variants = cumulative[-1:], [v for v in variants if v[0] == "+ int8 dynamic (PyTorch ops)"]
+        full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
+        measured = {}  # {name: (words/s, kw)} of the same rows, for the composed row
+        for name, kw in cumulative + variants:
+            naive_row = not kw.get("cache", True)
+            if naive_row and "naive" in self.skip:
+                continue
+            slow = naive_row or slow_here(kw, self.machine["flags"])
+            sub = lines[:a.naive_lines] if slow and a.naive_lines else lines
+            whole = len(sub) == len(lines)
+            r = self.ours(name, sub, ("throughput" if kw["beam"] == 1 else "beam4") if whole else None, **kw)
+            if whole and kw["beam"] == 1:
+                full.append((r["src_words_per_s"], r.get("bleu"), kw))
+                measured[name] = (r["src_words_per_s"], kw)
+        mix = compose(measured, cumulative[-1][1]) if "ablation" not in self.skip else None
+        shipped = defaults_row(measured)
+        for name, kw in ([mix] if mix else []) + [shipped]:
+            r = self.ours(name, lines, "throughput", **kw)
+            full.append((r["src_words_per_s"], r.get("bleu"), kw))
+        best = pick_best(full)
+        tag = f"defaults, {best['precision']}" if best.items() >= defaults().items() else describe(best)
+        return best, shipped[1], tag
 
-    def head_to_head(g, ct2_dir):
-        """The group's best row of each engine timed again, side by side (run_head_to_head)."""
-        o, c = group_best(rows, g, "ours"), group_best(rows, g, "ct2")
-        if o is None or c is None:
-            return
-        spec = settings[id(o)]
-        sub = b1 if spec[1] else lines
-        (oh, osec), (ch, csec) = run_head_to_head(a.model, ct2_dir, sub, spec, CT2Run(**c["ct2"]), a.passes)
-        record(f"head to head: {o['config']}", oh, osec, sub, "ours", g, h2h=True,
-               **{k: o[k] for k in ("precision", "beam", "threads", "workers", "shortlist", "our_kernels_isa")})
-        record(f"head to head: {c['config']}", ch, csec, sub, "ct2", g, h2h=True, precision=c["precision"],
-               beam=c["beam"], ct2=c["ct2"])
+    def spread_rows(self, best: dict, shipped: dict, tag: str) -> None:
+        """The best greedy configuration with workers and the shortlist. It is picked in one process
+        with --threads threads; the decoder as shipped may rank differently with one thread per
+        worker, so it gets the same rows."""
+        cands = [(f"best ({tag})", best)]
+        if shipped != best:
+            cands.append((f"shipped ({shipped['precision']})", shipped))
+        for label, ckw in cands:
+            for w, wkw in self.spread[1:]:
+                self.ours(f"{label}{w}", self.lines, "throughput", **{**ckw, **wkw})
+            for s, skw in self.extra:
+                for w, wkw in self.spread:
+                    self.ours(f"{label}{w}{s}", self.lines, "throughput", **{**ckw, **wkw, **skw})
 
-    has_shortlist = cfg.shortlist is not None  # rows with the switch only where there is a file
-    cumulative, variants = ablation()
-    if "ablation" in skip:
-        cumulative, variants = cumulative[-1:], [v for v in variants if v[0] == "+ int8 dynamic (PyTorch ops)"]
-    full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
-    measured = {}  # {name: (words/s, kw)} of the same rows, for the composed row
-    for name, kw in cumulative + variants:
-        naive_row = not kw.get("cache", True)
-        if naive_row and "naive" in skip:
-            continue
-        sub = lines[:a.naive_lines] if (naive_row or slow_here(kw, machine["flags"])) and a.naive_lines else lines
-        whole = len(sub) == len(lines)
-        ours(name, sub, ("throughput" if kw["beam"] == 1 else "beam4") if whole else None, **kw)
-        if whole and kw["beam"] == 1:
-            full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
-            measured[name] = (rows[-1]["src_words_per_s"], kw)
-    mix = compose(measured, cumulative[-1][1]) if "ablation" not in skip else None
-    shipped_row = defaults_row(measured)
-    shipped = shipped_row[1]
-    for name, kw in ([mix] if mix else []) + [shipped_row]:
-        ours(name, lines, "throughput", **kw)
-        full.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
-    best = pick_best(full)
-    tag = f"defaults, {best['precision']}" if best.items() >= defaults().items() else describe(best)
-    machine["best_config"] = {k: v for k, v in best.items()}
-    # every core as parallel 1-thread workers: our counterpart of CT2's inter_threads
-    spread = [("", {})] + ([(f", {a.threads} workers", {"workers": a.threads})] if a.threads > 1 else [])
-    extra = [(", + lexical shortlist", {"shortlist": True})] if has_shortlist else []
-    # "best" is picked in one process with a.threads threads; the decoder as shipped may
-    # rank differently with one thread per worker, so it gets the same rows
-    cands = [(f"best ({tag})", best)] + ([(f"shipped ({shipped['precision']})", shipped)] if shipped != best else [])
-    for label, ckw in cands:
-        for w, wkw in spread[1:]:
-            ours(f"{label}{w}", lines, "throughput", **{**ckw, **wkw})
-        for s, skw in extra:
-            for w, wkw in spread:
-                ours(f"{label}{w}{s}", lines, "throughput", **{**ckw, **wkw, **skw})
-    if "beam" not in skip:
+    def beam(self, best: dict, shipped: dict, tag: str) -> None:
+        """Beam 4 from the best greedy configuration, each beam kernel added; the fastest within
+        0.2 BLEU of the plain beam row with workers and shortlist."""
+        a, lines = self.a, self.lines
         timed = []
         for name, kw in beam_rows(best):
-            ours(name, lines, "beam4", **kw)
-            timed.append((rows[-1]["src_words_per_s"], rows[-1].get("bleu"), kw))
-        # the fastest beam kernels within 0.2 BLEU of the first (plain) beam row
+            r = self.ours(name, lines, "beam4", **kw)
+            timed.append((r["src_words_per_s"], r.get("bleu"), kw))
         ref = timed[0][1]
         bbest = max((r for r in timed if ref is None or r[1] is None or r[1] >= ref - 0.2), key=lambda r: r[0])[2]
         btag = ", ".join([tag] + [o.name for o in group("beam") if bbest.get(o.name)])
-        for s, skw in spread[1:] + extra:
-            ours(f"best beam ({btag}){s}", lines, "beam4", **{**bbest, **skw})
-        if has_shortlist and a.threads > 1:
-            ours(f"best beam ({btag}), {a.threads} workers, + lexical shortlist", lines, "beam4",
-                 **{**bbest, "workers": a.threads, "shortlist": True})
+        for s, skw in self.spread[1:] + self.extra:
+            self.ours(f"best beam ({btag}){s}", lines, "beam4", **{**bbest, **skw})
+        if self.has_shortlist and a.threads > 1:
+            self.ours(f"best beam ({btag}), {a.threads} workers, + lexical shortlist", lines, "beam4",
+                      **{**bbest, "workers": a.threads, "shortlist": True})
         if shipped != best and a.threads > 1:
-            for s, skw in [("", {})] + extra:
-                ours(f"shipped ({shipped['precision']}), beam 4, {a.threads} workers{s}", lines, "beam4",
-                     **{**shipped, "beam": 4, "workers": a.threads, **skw})
-    b1 = src[:a.batch1_lines]
-    if "batch1" not in skip:
+            for s, skw in [("", {})] + self.extra:
+                self.ours(f"shipped ({shipped['precision']}), beam 4, {a.threads} workers{s}", lines, "beam4",
+                          **{**shipped, "beam": 4, "workers": a.threads, **skw})
+
+    def batch1(self, best: dict, shipped: dict, tag: str) -> None:
+        """One thread, one sentence a call: the one-row levers' ladder, then best and shipped."""
         *ladder, (_, b1best) = batch1_rows(best)
         for name, kw in ladder:
-            ours(f"batch 1, 1 thread: ours {tag} greedy, {name}", b1, "batch1", threads=1, batch1=True, **kw)
-        for s, skw in [("", {})] + extra:
-            ours(f"batch 1, 1 thread: ours {tag} greedy{s}", b1, "batch1", threads=1, batch1=True,
-                 **{**b1best, **skw})
+            self.ours(f"batch 1, 1 thread: ours {tag} greedy, {name}", self.b1, "batch1", threads=1, batch1=True, **kw)
+        for s, skw in [("", {})] + self.extra:
+            self.ours(f"batch 1, 1 thread: ours {tag} greedy{s}", self.b1, "batch1", threads=1, batch1=True,
+                      **{**b1best, **skw})
             if shipped != b1best:
-                ours(f"batch 1, 1 thread: ours shipped ({shipped['precision']}) greedy{s}", b1, "batch1", threads=1,
-                     batch1=True, **{**shipped, **skw})
-    if "hf" not in skip:
-        torch.set_num_threads(a.threads)
-        hyps, secs = run_hf(a.model, lines, a.threads)
-        record("HF transformers M2M100, greedy, fp32", hyps, secs, lines, "hf", "throughput", precision="fp32")
-    if ctranslate2 is not None and "ct2" not in skip:
-        groups = [g for g in GROUPS if not (g == "batch1" and "batch1" in skip or g == "beam4" and "beam" in skip)]
+                self.ours(f"batch 1, 1 thread: ours shipped ({shipped['precision']}) greedy{s}", self.b1, "batch1",
+                          threads=1, batch1=True, **{**shipped, **skw})
+
+    def ct2(self) -> None:
+        """CTranslate2 as its guide advises, each group; then the head-to-head reruns."""
+        skipped = {"batch1": "batch1", "beam4": "beam"}  # group -> its --skip name
+        groups = [g for g in GROUPS if skipped.get(g) not in self.skip]
         with tempfile.TemporaryDirectory() as tmp:
-            ct2_dir = to_ctranslate2(a.model, os.path.join(tmp, "ct2"))
+            ct2_dir = to_ctranslate2(self.a.model, os.path.join(tmp, "ct2"))
             for g in groups:
                 # CT2 keeps its own 4096-token batches: it ran within 1% from 512 to 4096 tokens
                 # (decoder/README.md "Settings"), where ours is faster at MAX_TOKENS
-                runs = ct2_runs(g, a.threads, vmap=has_shortlist)
+                runs = ct2_runs(g, self.a.threads, vmap=self.has_shortlist)
                 if g == "throughput":  # the float32 reference row: same weights, no quantisation
-                    runs.append(CT2Run("float32", inter_threads=a.threads))
+                    runs.append(CT2Run("float32", inter_threads=self.a.threads))
                 for run in runs:
-                    sub = b1 if run.batch1 else lines
-                    hyps, secs = run_ct2(ct2_dir, a.model, sub, run, a.passes)
-                    record(run.label(), hyps, secs, sub, "ct2", g, precision=run.compute_type, beam=run.beam,
-                           ct2=asdict(run))
-            if "h2h" not in skip:
+                    sub = self.b1 if run.batch1 else self.lines
+                    hyps, secs = run_ct2(ct2_dir, self.a.model, sub, run, self.a.passes)
+                    self.record(run.label(), hyps, secs, sub, "ct2", g, precision=run.compute_type, beam=run.beam,
+                                ct2=asdict(run))
+            if "h2h" not in self.skip:
                 for g in groups:
-                    head_to_head(g, ct2_dir)
-    profile = profile_best(a.model, lines, a.threads, a.max_tokens, best) if a.profile else None
-    add_ratios(rows)
+                    self.head_to_head(g, ct2_dir)
+
+    def head_to_head(self, g: str, ct2_dir: str) -> None:
+        """The group's best row of each engine timed again, side by side (run_head_to_head)."""
+        o, c = group_best(self.rows, g, "ours"), group_best(self.rows, g, "ct2")
+        if o is None or c is None:
+            return
+        spec = self.settings[id(o)]
+        sub = self.b1 if spec[1] else self.lines
+        (oh, osec), (ch, csec) = run_head_to_head(self.a.model, ct2_dir, sub, spec, CT2Run(**c["ct2"]), self.a.passes)
+        self.record(f"head to head: {o['config']}", oh, osec, sub, "ours", g, h2h=True,
+                    **{k: o[k] for k in ("precision", "beam", "threads", "workers", "shortlist", "our_kernels_isa")})
+        self.record(f"head to head: {c['config']}", ch, csec, sub, "ct2", g, h2h=True, precision=c["precision"],
+                    beam=c["beam"], ct2=c["ct2"])
+
+
+def run_pass(a: argparse.Namespace, out: str) -> dict:
+    """Every row on this process's ISA; writes out.md, out.json; returns the JSON."""
+    machine, ctranslate2 = pass_machine(a)
+    src_path, src, ref = pass_input(a)
+    p = Pass(a, machine, src, ref)
+    best, shipped, tag = p.greedy()
+    machine["best_config"] = dict(best)
+    p.spread_rows(best, shipped, tag)
+    if "beam" not in p.skip:
+        p.beam(best, shipped, tag)
+    if "batch1" not in p.skip:
+        p.batch1(best, shipped, tag)
+    if "hf" not in p.skip:
+        torch.set_num_threads(a.threads)
+        hyps, secs = run_hf(a.model, p.lines, a.threads)
+        p.record("HF transformers M2M100, greedy, fp32", hyps, secs, p.lines, "hf", "throughput", precision="fp32")
+    if ctranslate2 is not None and "ct2" not in p.skip:
+        p.ct2()
+    profile = profile_best(a.model, p.lines, a.threads, a.max_tokens, best) if a.profile else None
+    add_ratios(p.rows)
     machine["load_avg_at_end"] = os.getloadavg()[0]
     result = {"machine": machine, "input": shown_path(src_path), "lines": len(src), "repeat": a.repeat,
-              "model": shown_path(a.model), "model_facts": model_facts(a.model), "ratios": group_ratios(rows),
-              "rows": rows}
+              "model": shown_path(a.model), "model_facts": model_facts(a.model), "ratios": group_ratios(p.rows),
+              "rows": p.rows}
+    write_pass(out, result, profile)
+    return result
+
+
+def write_pass(out: str, result: dict, profile: str | None) -> None:
+    """out.md (also printed), out.json and out-profile.txt of one pass."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    md = to_markdown(rows, machine, result["input"], len(src), a.repeat, result["model"], result["ratios"])
+    md = to_markdown(result["rows"], result["machine"], result["input"], result["lines"], result["repeat"],
+                     result["model"], result["ratios"])
     with open(out + ".md", "w") as fh:
         fh.write(md)
     with open(out + ".json", "w") as fh:
@@ -544,7 +599,6 @@ def run_pass(a: argparse.Namespace, out: str) -> dict:
         with open(out + "-profile.txt", "w") as fh:
             fh.write(profile)
     print(md)
-    return result
 
 
 def add_ratios(rows: list[dict]) -> None:
