@@ -1,5 +1,7 @@
+import json
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -41,3 +43,29 @@ def tiny_spm(tmp_path_factory):
                                    bos_id=0, pad_id=1, eos_id=2, unk_id=3, byte_fallback=False,
                                    minloglevel=2, num_threads=1)
     return str(d / "spm.model")
+
+
+_PYTHON_M_EACH = """
+import contextlib, io, json, runpy, sys
+out = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, buf, code = list(argv), io.StringIO(), "no exit"
+    with contextlib.redirect_stdout(buf):
+        try:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    out.append([code, buf.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def python_m_each(argvs: list[list[str]], env: dict, cwd: str = ROOT, python: str = sys.executable) -> list:
+    """[[exit code, stdout]] of `python -m <argv[0]> <argv[1:]...>` for each argv, as `python -m`
+    runs it, all in one interpreter: torch imports once, not once a command (about 3 s each on a
+    slow core). For options that print and exit (--help, --version); a command that returns
+    without exiting gives the code "no exit"."""
+    r = subprocess.run([python, "-c", _PYTHON_M_EACH, json.dumps(argvs)], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])

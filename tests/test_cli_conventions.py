@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, python_m_each
 from fixture_model import make_model_dir
 
 import decoder.__main__ as cli
@@ -246,26 +246,9 @@ def option_blocks(text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def helps() -> dict:
-    """{command: [exit code, stdout]} of `python -m <command> --help`, each as `python -m` runs it,
-    in one interpreter (torch imports once, not once a command: about 3 s each on a slow core)."""
-    run = """
-import contextlib, io, json, runpy, sys
-out = {}
-for command in sys.argv[1:]:
-    module, *sub = command.split()
-    sys.argv, buf, code = [module, *sub, "--help"], io.StringIO(), "no exit"
-    with contextlib.redirect_stdout(buf):
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code
-    out[command] = [code, buf.getvalue()]
-print(json.dumps(out))
-"""
-    r = subprocess.run([sys.executable, "-c", run, *sorted(HELP)], capture_output=True, text=True, env=ENV,
-                       cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.splitlines()[-1])
+    """{command: [exit code, stdout]} of `python -m <command> --help`, each as `python -m` runs it."""
+    commands = sorted(HELP)
+    return dict(zip(commands, python_m_each([[*c.split(), "--help"] for c in commands], env=ENV)))
 
 
 @pytest.mark.parametrize("command", sorted(HELP))

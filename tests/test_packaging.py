@@ -13,6 +13,7 @@ from importlib import metadata
 
 import pytest
 
+from conftest import python_m_each
 from decoder import cliargs
 from submission.image import sources
 
@@ -149,22 +150,8 @@ def test_every_python_m_command_says_its_version():
                "submission.image", "student.export", "student.data", "student.shortlist", "tools.cuda_check",
                "tools.bench_fused", "tools.bench_workers", "tools.bench_gpu", "tools.ablation_gpu", "tools.bench_chart", "student.chart",
                "student.shape_model"]
-    # each as `python -m` runs it, in one interpreter (torch imports once)
-    check = """
-import contextlib, io, runpy, sys
-for m in sys.argv[1:]:
-    sys.argv, buf, code = [m, "--version"], io.StringIO(), "no exit"
-    with contextlib.redirect_stdout(buf):
-        try:
-            runpy.run_module(m, run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code
-    print(m, code, buf.getvalue().strip())
-"""
-    r = subprocess.run([sys.executable, "-c", check, *modules], cwd=ROOT, capture_output=True, text=True,
-                       env=clean_env(PYTHONPATH=ROOT))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines() == [f"{m} 0 wmt-efficiency-kit {VERSION}" for m in modules]
+    out = python_m_each([[m, "--version"] for m in modules], env=clean_env(PYTHONPATH=ROOT))
+    assert dict(zip(modules, out)) == {m: [0, f"wmt-efficiency-kit {VERSION}\n"] for m in modules}
 
 
 def test_version_without_an_install_comes_from_pyproject(monkeypatch):
