@@ -23,6 +23,21 @@ def test_teacher_set_wins_over_the_auto_entry_and_a_named_preset_is_kept():
     assert teacher_choice("teacher-big", {}, "cuda") == ("teacher-big", {})
 
 
+def test_teacher_set_is_checked_on_the_teacher_the_device_trains(monkeypatch, capsys):
+    """`auto` on a GPU trains teacher-base (d 512): 1,024 heads divide teacher-big's d 1024, not
+    its, so the run is refused before any work, not at the teacher's first step."""
+    from student.distill.__main__ import options
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        options(["--teacher-set", "n_heads=1024"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "must divide d_model 512" in err[0], err
+    big = options(["--teacher-preset", "teacher-big", "--teacher-set", "n_heads=1024"])
+    assert big.teacher_set == {"n_heads": 1024}
+    # accepted on the GPU's teacher-base, where the CPU's teacher-tiny (d 256) would refuse it
+    assert options(["--teacher-set", "n_heads=512"]).teacher_set == {"n_heads": 512}
+
+
 def test_default_preset_on_cuda_takes_the_gpu_budgets_and_cpu_is_unchanged():
     cpu, gpu = DistillConfig.from_preset("default", device="cpu"), DistillConfig.from_preset("default", device="cuda")
     assert cpu == DistillConfig()
