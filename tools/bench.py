@@ -491,8 +491,8 @@ class Pass:
                     self.ours(f"{label}{w}{s}", self.lines, "throughput", **{**ckw, **wkw, **skw})
 
     def beam(self, best: dict, shipped: dict, tag: str) -> None:
-        """Beam 4 from the best greedy configuration, each beam kernel added; the fastest within
-        0.2 BLEU of the plain beam row with workers and shortlist."""
+        """Beam 4 from the best greedy configuration with each beam kernel added in turn; then the
+        fastest of those rows within 0.2 BLEU of the first, with workers and the shortlist."""
         a, lines = self.a, self.lines
         timed = []
         for name, kw in beam_rows(best):
