@@ -10,7 +10,8 @@ from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.modeldir import MAX_VOCAB, ModelDirError, read_config
 from student.data import DataError
-from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run, teacher_choice
+from student.distill.pipeline import (AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, device_kind, run,
+                                      teacher_choice)
 from student.train import sizing
 
 SIZED = (f"the trainer's for the device: on CPU {sizing.REF_TOKENS} tokens, lr {sizing.REF_LR:g}, "
@@ -194,8 +195,7 @@ def check(cfg: DistillConfig) -> None:
     check_model(cfg.student_preset, {"vocab_size": cfg.vocab_size, **cfg.student_set}, "--student-set")
     own_teacher = not (cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model)
     if own_teacher:  # the model the pipeline trains: `auto` is the device kind's entry (teacher_choice)
-        import torch
-        name, sets = teacher_choice(cfg.teacher_preset, cfg.teacher_set, "cuda" if torch.cuda.is_available() else "cpu")
+        name, sets = teacher_choice(cfg.teacher_preset, cfg.teacher_set, device_kind())
         check_model(name, {"vocab_size": cfg.vocab_size, **sets}, "--teacher-set")
     if cfg.min_ratio > cfg.max_ratio:
         raise ValueError(f"--min-ratio {cfg.min_ratio} is above --max-ratio {cfg.max_ratio}: no pair would be kept")

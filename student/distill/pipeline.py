@@ -113,7 +113,7 @@ class DistillConfig:
         cuda where torch sees a GPU) under it. Every override wins."""
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or device_kind()
         on_device = DEVICE_DEFAULTS[device] if preset == "default" else {}
         return cls(preset=preset, **{**PRESETS[preset], **on_device, **overrides})
 
@@ -159,6 +159,11 @@ DEVICE_DEFAULTS = {
     "cpu": {},
     "cuda": dict(teacher_minutes=6.0, student_minutes=3.0, student_preset="student-6-1", save_every=200),
 }
+
+
+def device_kind() -> str:
+    """cuda where torch sees a GPU, else cpu: the key of the tables above for this process."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def teacher_choice(teacher_preset: str, teacher_set: dict, device: str) -> tuple[str, dict]:
