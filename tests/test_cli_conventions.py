@@ -2,7 +2,6 @@
 -i/-o files, --beam-size/--max-batch-tokens/--batch-size (the old names still
 work), and translates line by line at a terminal."""
 import gzip
-import json
 import os
 import pty
 import select
