@@ -320,7 +320,7 @@ class Pipeline:
         self.rank, self.world = _dist_setup()
         self.log = _log(self.rank, verbose)
         self.runner = Run(os.path.join(cfg.runs_dir, cfg.name), dataclasses.asdict(cfg), self.rank, self.log)
-        self.on_gpu = torch.cuda.is_available()
+        self.on_gpu = device_kind() == "cuda"
         self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.on_gpu else "cpu"
         self.teacher = None
         if cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model:  # a plugged-in teacher fails before any work
