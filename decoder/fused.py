@@ -497,6 +497,92 @@ def linear_argmax(x, weight, bias=None, chunk: int = 1024):
 
 
 
+class _Probe:
+    """One dtype's round of the self-check: draws the inputs, records each op that disagrees."""
+
+    def __init__(self, device, dt, tol, g, call, bad):
+        self.device, self.dt, self.tol, self.g, self.call, self.bad = device, dt, tol, g, call, bad
+
+    def rnd(self, *shape, dtype=None):
+        return torch.randn(*shape, generator=self.g).to(self.device, dtype or self.dt)
+
+    def agree(self, name, got, want, tol=None):
+        tol = self.tol if tol is None else tol
+        ok = all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                 for a, b in zip(got, want))
+        if not ok and name not in self.bad:
+            self.bad.append(name)
+
+    def lengths_mask(self, lens, T):  # (B, 1, 1, T): key j of row b is seen when j < lens[b]
+        return (torch.arange(T)[None] < lens[:, None])[:, None, None, :].to(self.device)
+
+
+def _check_norm_and_relu(p):
+    x, h = p.rnd(5, 2, 67), p.rnd(5, 2, 67)
+    b, gm, bt = p.rnd(67), p.rnd(67), p.rnd(67)
+    want = add_bias_residual_layernorm_reference(x.float(), h.float(), b.float(), gm.float(), bt.float(), 1e-5)
+    p.agree("add_bias_residual_layernorm", p.call("add_bias_residual_layernorm", x, h, b, gm, bt, 1e-5), want)
+    p.agree("add_bias_relu", [p.call("add_bias_relu", x, b)], [add_bias_relu_reference(x.float(), b.float())])
+
+
+def _check_decode_attention(p):
+    q, kv = p.rnd(3, 2, 2, 16), p.rnd(2, 3, 2, 9, 16)
+    mask = p.lengths_mask(torch.tensor([9, 4, 1]), 9)
+    p.agree("decode_attention", [p.call("decode_attention", q, kv[0], kv[1], mask)],
+            [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)])
+
+
+def _check_decode_attention_warp(p):
+    # every features-per-lane variant, keys past one warp, a grid of many blocks
+    for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100), (1024, 4, 1, 20, 64)):
+        q, kv = p.rnd(B, H, Q, D), p.rnd(2, B, H, T, D)
+        mask = p.lengths_mask(torch.tensor([T, T // 2, 1] * B)[:B], T)
+        for m in (mask, None):
+            want = decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m)
+            try:
+                got = p.call("decode_attention_warp", q, kv[0], kv[1], m)
+            except RuntimeError:  # a launch this GPU refuses counts as a wrong answer
+                got = torch.full_like(want, float("nan"))
+            p.agree("decode_attention_warp", [got], [want])
+
+
+def _check_qkv_to_cache(p):
+    cache = torch.zeros(2, 3, 2, 5, 8, device=p.device, dtype=p.dt)
+    ref = torch.zeros(2, 3, 2, 5, 8, device=p.device)
+    qkv = p.rnd(3, 1, 48)
+    q_got = p.call("qkv_to_cache_", cache[0], cache[1], qkv, 2)
+    p.agree("qkv_to_cache_", [q_got, cache], [qkv_to_cache_reference(ref[0], ref[1], qkv.float(), 2), ref])
+
+
+def _check_log_softmax_topk(p):
+    logits = p.rnd(8, 301) * 4
+    scores = -torch.rand(8, generator=p.g).to(p.device)
+    v, i = p.call("log_softmax_topk", logits, scores, 4, 6)
+    cand = (torch.log_softmax(logits.float(), -1) + scores[:, None]).view(2, -1)
+    p.agree("log_softmax_topk", [v, cand.gather(1, i)], [log_softmax_topk_reference(logits, scores, 4, 6)[0], v])
+    lp = torch.log_softmax(logits.float(), -1)
+    p.agree("log_softmax_topk", list(p.call("log_softmax_topk", lp, scores, 4, 6, True)),
+            list(log_softmax_topk_reference(lp, scores, 4, 6, True)), 0)
+
+
+def _check_ngram_block(p):
+    hist = torch.randint(0, 11, (6, 4), generator=p.g).repeat(1, 3).to(p.device)
+    lg = p.rnd(6, 11)
+    want = ngram_block_reference(lg.clone(), hist, 3)
+    p.call("ngram_block_", lg, hist, 3, None)
+    p.agree("ngram_block_", [lg], [want], 0)
+
+
+def _check_argmax(p):
+    lg = p.rnd(7, 1001)
+    lg[3, 5] = lg[3, 900] = lg[3].max() + 1  # a tie: the first index wins
+    p.agree("argmax_rows", [p.call("argmax_rows", lg)], [lg.argmax(-1)], 0)
+    xs, w, wb = p.rnd(9, 32), p.rnd(1001, 32), p.rnd(1001)
+    full = F.linear(xs.float(), w.float(), wb.float())
+    got = p.call("linear_argmax", xs, w, wb, 256)
+    p.agree("linear_argmax", [full.gather(1, got[:, None])[:, 0]], [full.max(-1).values], 10 * p.tol)
+
+
 def self_check(device, call=None, warp: bool | None = None) -> list[str]:
     """Names of the ops whose kernels on `device` disagree with their references
     on small random inputs (fp32 and fp16 on CUDA, fp32 and bf16 on CPU); [] when
@@ -506,67 +592,15 @@ def self_check(device, call=None, warp: bool | None = None) -> list[str]:
     `warp`: check decode_attention_warp, which only CUDA has (default: on CUDA)."""
     call = call or (lambda name, *a: getattr(torch.ops.decoder_ops, name)(*a))
     warp = torch.device(device).type == "cuda" if warp is None else warp
+    checks = (_check_norm_and_relu, _check_decode_attention, *((_check_decode_attention_warp,) if warp else ()),
+              _check_qkv_to_cache, _check_log_softmax_topk, _check_ngram_block, _check_argmax)
+    half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     g = torch.Generator().manual_seed(11)
     bad: list[str] = []
-
-    def rnd(*shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=g).to(device, dtype)
-
-    def agree(name, got, want, tol):
-        ok = all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
-                 for a, b in zip(got, want))
-        if not ok and name not in bad:
-            bad.append(name)
-
-    half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     for dt, tol in ((torch.float32, 1e-4), (half, 5e-2)):
-        x, h = rnd(5, 2, 67, dtype=dt), rnd(5, 2, 67, dtype=dt)
-        b, gm, bt = rnd(67, dtype=dt), rnd(67, dtype=dt), rnd(67, dtype=dt)
-        want = add_bias_residual_layernorm_reference(x.float(), h.float(), b.float(), gm.float(), bt.float(), 1e-5)
-        agree("add_bias_residual_layernorm", call("add_bias_residual_layernorm", x, h, b, gm, bt, 1e-5), want, tol)
-        agree("add_bias_relu", [call("add_bias_relu", x, b)], [add_bias_relu_reference(x.float(), b.float())], tol)
-        q, kv = rnd(3, 2, 2, 16, dtype=dt), rnd(2, 3, 2, 9, 16, dtype=dt)
-        mask = (torch.arange(9)[None] < torch.tensor([9, 4, 1])[:, None])[:, None, None, :].to(device)
-        agree("decode_attention", [call("decode_attention", q, kv[0], kv[1], mask)],
-              [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)], tol)
-        # every features-per-lane variant, keys past one warp, a grid of many blocks
-        for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100), (1024, 4, 1, 20, 64)):
-            if not warp:
-                break
-            q, kv = rnd(B, H, Q, D, dtype=dt), rnd(2, B, H, T, D, dtype=dt)
-            lens = torch.tensor([T, T // 2, 1] * B)[:B]
-            mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :].to(device)
-            for m in (mask, None):
-                want = decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m)
-                try:
-                    got = call("decode_attention_warp", q, kv[0], kv[1], m)
-                except RuntimeError:  # a launch this GPU refuses counts as a wrong answer
-                    got = torch.full_like(want, float("nan"))
-                agree("decode_attention_warp", [got], [want], tol)
-        cache, ref = torch.zeros(2, 3, 2, 5, 8, device=device, dtype=dt), torch.zeros(2, 3, 2, 5, 8, device=device)
-        qkv = rnd(3, 1, 48, dtype=dt)
-        q_got = call("qkv_to_cache_", cache[0], cache[1], qkv, 2)
-        agree("qkv_to_cache_", [q_got, cache], [qkv_to_cache_reference(ref[0], ref[1], qkv.float(), 2), ref], tol)
-        logits = rnd(8, 301, dtype=dt) * 4
-        scores = -torch.rand(8, generator=g).to(device)
-        v, i = call("log_softmax_topk", logits, scores, 4, 6)
-        cand = (torch.log_softmax(logits.float(), -1) + scores[:, None]).view(2, -1)
-        agree("log_softmax_topk", [v, cand.gather(1, i)], [log_softmax_topk_reference(logits, scores, 4, 6)[0], v], tol)
-        lp = torch.log_softmax(logits.float(), -1)
-        agree("log_softmax_topk", list(call("log_softmax_topk", lp, scores, 4, 6, True)),
-              list(log_softmax_topk_reference(lp, scores, 4, 6, True)), 0)
-        hist = torch.randint(0, 11, (6, 4), generator=g).repeat(1, 3).to(device)
-        lg = rnd(6, 11, dtype=dt)
-        want = ngram_block_reference(lg.clone(), hist, 3)
-        call("ngram_block_", lg, hist, 3, None)
-        agree("ngram_block_", [lg], [want], 0)
-        lg = rnd(7, 1001, dtype=dt)
-        lg[3, 5] = lg[3, 900] = lg[3].max() + 1  # a tie: the first index wins
-        agree("argmax_rows", [call("argmax_rows", lg)], [lg.argmax(-1)], 0)
-        xs, w, wb = rnd(9, 32, dtype=dt), rnd(1001, 32, dtype=dt), rnd(1001, dtype=dt)
-        full = F.linear(xs.float(), w.float(), wb.float())
-        got = call("linear_argmax", xs, w, wb, 256)
-        agree("linear_argmax", [full.gather(1, got[:, None])[:, 0]], [full.max(-1).values], 10 * tol)
+        probe = _Probe(device, dt, tol, g, call, bad)
+        for check in checks:
+            check(probe)
     return bad
 
 
