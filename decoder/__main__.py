@@ -131,64 +131,75 @@ def translate(tr: Translator, src, out, flush: bool) -> None:
             out.flush()  # a pipe reader sees each line as soon as it is in order
 
 
-def main(argv=None) -> int:
-    closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
-    a = parse_args(argv)
+class _Refused(Exception):
+    """A refusal before any line is read: its message is the one line the user sees (exit 2)."""
+
+
+def _start(a, closed):
+    """The input opened and the translator loaded, or _Refused with why not."""
     error = lifecycle.closed_error(closed, stdin=a.input == "-", stdout=a.output == "-")
     if error:
-        print(error, file=sys.stderr)
-        return 2
+        raise _Refused(error)
     try:
         check_output(a.output)
     except OSError as e:
-        print(f"error: cannot write --output: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: cannot write --output: {e}") from None
     try:
         src = open_input(a.input)
     except OSError as e:
-        print(f"error: cannot read --input {a.input}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: cannot read --input {a.input}: {e.strerror or e}") from None
     options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=a.workers,
                    length_penalty=a.length_penalty, max_len_a=a.max_len_a, max_len_b=a.max_len_b,
                    no_repeat_ngram=a.no_repeat_ngram, **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
     options.update(reading_mode(a, sys.stdin))
     try:
-        tr = Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
+        return src, Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
     except (ModelDirError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: {e}") from None
     except (MemoryError, RuntimeError) as e:
         if not is_allocation_failure(e):
             raise
-        print(f"error: {a.model}: not enough memory to load the model ({first_line(e)})", file=sys.stderr)
+        raise _Refused(f"error: {a.model}: not enough memory to load the model ({first_line(e)})") from None
+
+
+def _translate_all(a, tr: Translator, src) -> int:
+    """Every line of `src` translated to --output; the exit status, with one line on stderr when not 0."""
+    try:
+        if a.output == "-":
+            translate(tr, src, sys.stdout.buffer, flush=True)
+            return 0
+        from .durable import atomic_write
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as out:
+                translate(tr, src, out, flush=False)
+        atomic_write(a.output, write)
+        return 0
+    except InputError as e:
+        print(f"error: cannot read --input {a.input} to its end: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # the reader went away (`| head`): cliargs.run ends quietly, as Unix tools do
+    except OSError as e:  # a full disk: the previous file stays, no partial one appears
+        print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
+    except RuntimeError as e:
+        if not lifecycle.thread_refused(e):
+            raise
+        print(lifecycle.thread_refused(e), file=sys.stderr)
+    return 1
+
+
+def main(argv=None) -> int:
+    closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
+    a = parse_args(argv)
+    try:
+        src, tr = _start(a, closed)
+    except _Refused as e:
+        print(e, file=sys.stderr)
         return 2
     if not a.quiet:
         print(describe(tr, a.precision), file=sys.stderr, flush=True)
     with tr, src:
-        try:
-            if a.output == "-":
-                translate(tr, src, sys.stdout.buffer, flush=True)
-                return 0
-            from .durable import atomic_write
-
-            def write(tmp: str) -> None:
-                with open(tmp, "wb") as out:
-                    translate(tr, src, out, flush=False)
-            atomic_write(a.output, write)
-        except InputError as e:
-            print(f"error: cannot read --input {a.input} to its end: {e}", file=sys.stderr)
-            return 1
-        except BrokenPipeError:
-            raise  # the reader went away (`| head`): cliargs.run ends quietly, as Unix tools do
-        except OSError as e:  # a full disk: the previous file stays, no partial one appears
-            print(f"error: cannot write {a.output}: {e.strerror or e}", file=sys.stderr)
-            return 1
-        except RuntimeError as e:
-            if not lifecycle.thread_refused(e):
-                raise
-            print(lifecycle.thread_refused(e), file=sys.stderr)
-            return 1
-    return 0
+        return _translate_all(a, tr, src)
 
 
 def cli() -> int:
