@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
@@ -21,6 +20,7 @@ from decoder.machine import cpu_info
 from decoder.optimisations import OPTIMISATIONS, group, kernels_off
 from decoder.translator import Translator
 
+from .baselines import alternating
 from .bench import add_test_set_args, read_test_set, scores
 
 PLAIN = kernels_off()  # every fused switch off, whatever the decoder's defaults: each row adds its own
@@ -53,7 +53,7 @@ def shipped_rows() -> tuple[dict, dict]:
     return g, b
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
                                 formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
@@ -65,7 +65,25 @@ def main(argv=None):
     p.add_argument("--against", choices=("plain", "shipped"), default="plain",
                    help="plain: each kernel against every fused switch off; shipped: each switch that ships off "
                         "against the shipped decoder (workers and shortlist as shipped)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def build_group(model: str, configs: dict, base: dict, precision: str) -> dict:
+    """name -> Translator of one group, its first row the group's baseline; a row whose plan runs
+    the same as the first's (the switch does not apply: its needs, this CPU) is left out."""
+    first_key, *others = configs
+    trs = {first_key: Translator(model, precision=precision, **{**base, **configs[first_key]})}
+    for k in others:
+        tr = Translator(model, precision=trs[first_key].precision, **{**base, **configs[k]})
+        if tr.plan.runs == trs[first_key].plan.runs:
+            tr.close()
+        else:
+            trs[k] = tr
+    return trs
+
+
+def main(argv=None):
+    a = parse_args(argv)
     shipped = a.against == "shipped"
     precision = a.precision or ("auto" if shipped else "fp32")
     src, ref = read_test_set(a)
@@ -77,33 +95,18 @@ def main(argv=None):
     table = []
     for configs in (shipped_rows() if shipped else rows()):
         configs = {k: kw for k, kw in configs.items() if shortlist or not kw.get("shortlist")}
-        first_key, *others = configs
-        first = Translator(a.model, precision=precision, **{**base, **configs[first_key]})
-        precision = first.precision  # `auto` timed once, not once per row
-        trs = {first_key: first}
-        for k in others:
-            tr = Translator(a.model, precision=precision, **{**base, **configs[k]})
-            if tr.plan.runs == first.plan.runs:  # does not apply here (its needs, this CPU): not timed
-                tr.close()
-            else:
-                trs[k] = tr
-        for tr in trs.values():
-            tr.translate(src[:8])  # warm-up
-        best, outs = {k: float("inf") for k in trs}, {}
-        for _ in range(a.passes):
-            for k, tr in trs.items():
-                t = time.perf_counter()
-                outs[k] = tr.translate(src)
-                best[k] = min(best[k], time.perf_counter() - t)
-        table += [(k, words / best[k], best[first_key] / best[k], scores(outs[k], ref)[0],
-                   outs[k] == outs[first_key]) for k in trs]
+        trs = build_group(a.model, configs, base, precision)
+        precision = next(iter(trs.values())).precision  # `auto` resolved once, not once per row
+        (first_out, first_s), *_ = timed = alternating([tr.translate for tr in trs.values()], src, a.passes)
+        table += [(k, words / s, first_s / s, scores(out, ref)[0], out == first_out)
+                  for k, (out, s) in zip(trs, timed)]
         for tr in trs.values():
             tr.close()
-    m = cpu_info()
     how = f"{a.threads} threads"
     if shipped:
         how = (f"{a.threads} 1-thread workers" if a.threads > 1 else "one thread") + \
             f", shortlist {'on' if shortlist else 'absent'}"
+    m = cpu_info()
     print(f"Machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; torch {torch.__version__}, "
           f"our kernels {ops.kernel_isa() if ops.available() else 'not loaded'}; {how}, {precision}. {len(src)} "
           f"lines ({words} words), fastest of {a.passes} interleaved passes.\n")
