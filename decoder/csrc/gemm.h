@@ -38,4 +38,8 @@ void dequant_rows(const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_
 // decoder/csrc/int8_linear.cpp's row quantisation: x (..., K) float -> (q (M, K) int8, scales (M,))
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x);
 
+// one row of it: q = round(x / s) (n values, then zeros up to np), s = amax / 127; returns s
+// (int8_gemv.cpp's rows, padded to its weights' stride)
+float quantize_row(const float* x, int8_t* q, int64_t n, int64_t np);
+
 }  // namespace decoder_gemm

@@ -33,6 +33,7 @@
 #define GEMV_X86 1
 #endif
 
+#include "gemm.h"
 #include "gemv.h"
 #include "multiversion.h"
 
@@ -40,21 +41,6 @@ namespace {
 
 constexpr int64_t kPad = 64;   // `in` padded to one zmm of int8 (zero weights there)
 constexpr int64_t kBlock = 4;  // output rows a block: their four sums reduce together
-
-// q = round(x / s), s = amax / 127, into a zero-padded row; returns s
-MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n, int64_t np), (x, q, n, np)) {
-  float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    amax = a > amax ? a : amax;
-  }
-  amax = amax > 1e-12f ? amax : 1e-12f;
-  const float inv = 127.f / amax;
-  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));  // half to even
-  for (int64_t i = n; i < np; ++i) q[i] = 0;
-  return amax * (1.f / 127.f);
-}
 
 struct Args {
   const int8_t* q;      // (M, Kp) quantised rows; VNNI: u8 q + 128 instead
@@ -191,7 +177,7 @@ void gemv(const float* xp, int64_t M, int64_t K, const Weights& w, bool relu, in
   std::vector<int32_t> acc(M * Np);
   for (int64_t r = 0; r < M; ++r) {
     int8_t* qr = q.data() + r * Kp;
-    xs[r] = quantize_row(xp + r * K, qr, K, Kp);
+    xs[r] = decoder_gemm::quantize_row(xp + r * K, qr, K, Kp);  // int8_linear.cpp's
     if (path == 2)  // u8 q + 128: the same bits with the sign bit flipped
       for (int64_t k = 0; k < Kp; ++k) qr[k] = static_cast<int8_t>(static_cast<uint8_t>(qr[k]) ^ 0x80u);
     if (path == 1)

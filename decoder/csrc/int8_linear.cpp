@@ -23,7 +23,8 @@
 
 namespace {
 
-MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n), (x, q, n)) {
+// q = round(x / s), s = amax / 127, zero-padded from n to np; returns s
+MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n, int64_t np), (x, q, n, np)) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
@@ -34,6 +35,7 @@ MULTIVERSION(float, quantize_row, (const float* x, int8_t* q, int64_t n), (x, q,
   const float inv = 127.f / amax;
   // round half to even, as torch.round; -fno-math-errno lets this vectorise
   for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  for (int64_t i = n; i < np; ++i) q[i] = 0;
   return amax * (1.f / 127.f);
 }
 
@@ -49,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = xs.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) sp[r] = quantize_row(xp + r * K, qp + r * K, K);
+    for (int64_t r = lo; r < hi; ++r) sp[r] = quantize_row(xp + r * K, qp + r * K, K, K);
   });
   return {xq, xs};
 }
@@ -145,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_quantized(const at::Tensor& x, co
     std::vector<float> row(p.N);
     for (int64_t r = lo; r < hi; ++r) {
       decoder_gemm::dequant_rows(p.ap + r * p.N, p.N, row.data(), p.N, 1, p.N, sp + r, p.wsp, p.bp, relu);
-      qsp[r] = quantize_row(row.data(), qp + r * p.N, p.N);
+      qsp[r] = quantize_row(row.data(), qp + r * p.N, p.N, p.N);
     }
   });
   auto shape = x.sizes().vec();
@@ -169,6 +171,7 @@ at::Tensor int8_linear_prequantized(const at::Tensor& xq, const at::Tensor& xs, 
 
 namespace decoder_gemm {
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) { return ::quantize_rows(x); }
+float quantize_row(const float* x, int8_t* q, int64_t n, int64_t np) { return ::quantize_row(x, q, n, np); }
 }  // namespace decoder_gemm
 
 TORCH_LIBRARY(decoder_ops, m) {
