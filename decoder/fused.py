@@ -503,8 +503,8 @@ class _Probe:
     def __init__(self, device, dt, tol, g, call, bad):
         self.device, self.dt, self.tol, self.g, self.call, self.bad = device, dt, tol, g, call, bad
 
-    def rnd(self, *shape, dtype=None):
-        return torch.randn(*shape, generator=self.g).to(self.device, dtype or self.dt)
+    def rnd(self, *shape):
+        return torch.randn(*shape, generator=self.g).to(self.device, self.dt)
 
     def agree(self, name, got, want, tol=None):
         tol = self.tol if tol is None else tol

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     trs = {name: Translator(a.model, device=dev, **kw) for name, kw in configurations(cuda)}
     # warm-up on 64 lines: kernels built, graphs captured once per shape, cuBLAS handles; translate returns
     # Python strings, so a pass ends when the GPU is done
-    (_, base_s), *_ = timed = alternating([tr.translate for tr in trs.values()], src, a.passes, warm=64)
+    timed = alternating([tr.translate for tr in trs.values()], src, a.passes, warm=64)  # [(outputs, s)]
+    base_s = timed[0][1]
     rows = [dict(configuration=k, words_per_s=round(words / s, 1), ratio=round(base_s / s, 3),
                  bleu=scores(out, ref)[0]) for k, (out, s) in zip(trs, timed)]
     prof_cfg = "fp16, eager" if cuda else "fp32, eager"

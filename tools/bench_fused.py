@@ -97,7 +97,8 @@ def main(argv=None):
         configs = {k: kw for k, kw in configs.items() if shortlist or not kw.get("shortlist")}
         trs = build_group(a.model, configs, base, precision)
         precision = next(iter(trs.values())).precision  # `auto` resolved once, not once per row
-        (first_out, first_s), *_ = timed = alternating([tr.translate for tr in trs.values()], src, a.passes)
+        timed = alternating([tr.translate for tr in trs.values()], src, a.passes)  # [(outputs, seconds)]
+        first_out, first_s = timed[0]
         table += [(k, words / s, first_s / s, scores(out, ref)[0], out == first_out)
                   for k, (out, s) in zip(trs, timed)]
         for tr in trs.values():
