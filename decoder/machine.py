@@ -87,6 +87,13 @@ def version(pkg: str) -> str | None:
         return None
 
 
+def device_kind() -> str:
+    """cuda where torch sees a GPU, else cpu: where a job runs that is not told (`make distill`'s
+    defaults and teachers, its report)."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def describe(packages=PACKAGES, cpuinfo: str = "/proc/cpuinfo", meminfo: str = "/proc/meminfo") -> dict:
     """Everything above, plus usable threads (this process's affinity), memory, GPU,
     kernel, Python, torch's CPU capability, package versions and today's UTC date."""

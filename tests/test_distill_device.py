@@ -96,6 +96,18 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("teacher") / "model", seed=3)
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_teacher_told_no_device_runs_where_the_pipeline_does(model_dir, cuda, monkeypatch):
+    """make_teacher without a device: the device kind the pipeline's defaults and report read
+    (decoder.machine.device_kind), with that device's precision and batches."""
+    from decoder.machine import device_kind
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    t = make_teacher(model_dirs=[str(model_dir)], beam=4)
+    assert t.device.type == device_kind() == ("cuda" if cuda else "cpu")
+    assert (t.precision == "fp16") == cuda
+    assert t.batches == ({"max_tokens": None, "max_sentences": None} if cuda else {})
+
+
 def test_distill_teacher_on_cuda_leaves_the_batch_to_the_decoder(model_dir, monkeypatch):
     """What the distillation stage's teacher hands decoder.Translator on each device (not loaded:
     the options are decided at construction)."""

@@ -8,10 +8,10 @@ import sys
 
 from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.machine import device_kind
 from decoder.modeldir import MAX_VOCAB, ModelDirError, read_config
 from student.data import DataError
-from student.distill.pipeline import (AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, device_kind, run,
-                                      teacher_choice)
+from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run, teacher_choice
 from student.train import sizing
 
 SIZED = (f"the trainer's for the device: on CPU {sizing.REF_TOKENS} tokens, lr {sizing.REF_LR:g}, "

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from decoder import durable, modeldir
+from decoder.machine import device_kind
 from student import chart
 from student.data import prepare
 from student.data.corpus import Lines
@@ -159,11 +160,6 @@ DEVICE_DEFAULTS = {
     "cpu": {},
     "cuda": dict(teacher_minutes=6.0, student_minutes=3.0, student_preset="student-6-1", save_every=200),
 }
-
-
-def device_kind() -> str:
-    """cuda where torch sees a GPU, else cpu: the key of the tables above for this process."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def teacher_choice(teacher_preset: str, teacher_set: dict, device: str) -> tuple[str, dict]:

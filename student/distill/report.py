@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from decoder.machine import cpu_info, isa
+from decoder.machine import cpu_info, device_kind, isa
 from student import chart
 from student.distill.stages import write_json
 from student.distill.teachers import ModelTeacher, cpu_workers, lean_translator, workers_for
@@ -15,7 +15,7 @@ from student.train.evaluate import score
 
 
 def machine() -> str:
-    if torch.cuda.is_available():
+    if device_kind() == "cuda":
         return f"GPU {torch.cuda.get_device_name(0)}"
     cpu = cpu_info()
     return f"CPU {cpu['cpu']} ({isa(cpu['flags'])}), {torch.get_num_threads()} threads"

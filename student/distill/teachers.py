@@ -20,6 +20,7 @@ import torch
 
 from decoder import modeldir
 from decoder.batching import pack
+from decoder.machine import device_kind
 from student.data import normalise
 from student.data.pipeline import file_digest
 from student.distill.beam import EnsembleSearch
@@ -120,7 +121,7 @@ class ModelTeacher:
                 modeldir.read_config(d)
             except modeldir.ModelDirError as e:
                 raise TeacherError(str(e)) from None
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device or device_kind())
         # the lean decoder's precision (fp32 | bf16 | int8 | fp16 | auto); the reference search is fp32
         self.precision = precision
         Translator = lean_translator()
@@ -277,7 +278,7 @@ class HFTeacher:
             raise TeacherError(f"{hf_dir}: no tokenizer in the Hugging Face dir (none of "
                                f"{', '.join(HF_TOKENIZER_FILES)}); save it with tokenizer.save_pretrained(DIR)")
         self.dir, self.beam, self.batch_size, self.max_new_tokens = os.path.abspath(hf_dir), beam, batch_size, max_new_tokens
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device or device_kind())
         self.name = f"hf: {self.dir} (beam {beam})"
         self.identity = {"type": "hf", "dir": dir_digest(self.dir), "beam": beam}
         self.engine = "transformers"
@@ -383,7 +384,7 @@ def make_teacher(*, cmd: str | None = None, hf_dir: str | None = None, model_dir
         return HFTeacher(hf_dir, beam=beam, device=device)
     # the decoder's fastest configuration: on CPU the precision its `auto` measures (int8
     # where int8 products beat fp32, else fp32) and one worker process per core; fp16 on a GPU
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device or device_kind())
     return ModelTeacher(model_dirs, beam=beam, engine=engine, device=str(dev),
                         precision="fp16" if dev.type == "cuda" else "auto",
                         workers=0 if dev.type == "cuda" else cpu_workers(world))
