@@ -99,7 +99,7 @@ def resolve_device_precision(device: str, precision: str | None, probe: Probe | 
     None: the device's default (`DEFAULT_PRECISION`). CPU `auto` times `probe`
     (decoder/quant.py: the model's step products at the rows the run will have) in
     int8 and fp32 and takes the faster."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if runs_on(device) != device:
         print("warning: CUDA is not available; running on CPU", file=sys.stderr, flush=True)
         device = "cpu"
         if precision == "fp16":
