@@ -33,7 +33,17 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model field, e.g. --set dropout=0.2 (repeatable)")
-    g = p.add_argument_group("data")
+    _data_options(p.add_argument_group("data"), d)
+    _optimisation_options(p.add_argument_group("optimisation"), d)
+    _stopping_options(p.add_argument_group("stopping, evaluation, checkpoints"), d)
+    p.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="start from this teacher model dir (its embeddings, encoder, decoder layers and final "
+                        "norms; shrink-and-fine-tune, docs/distill.md) instead of random weights; a resumed "
+                        "run keeps its own (default: random)")
+    return p
+
+
+def _data_options(g, d: TrainConfig) -> None:
     g.add_argument("--corpus", default=d.corpus, help="embedded corpus name (default %(default)s)")
     g.add_argument("--src", help="user source file (plain or .gz) instead of the embedded corpus")
     g.add_argument("--tgt", help="user target file, same line count as --src")
@@ -45,7 +55,9 @@ def train_parser() -> argparse.ArgumentParser:
     for split, default in (("dev", "the corpus' dev split"), ("test", "the corpus' test split")):
         g.add_argument(f"--{split}-src", help=f"your own {split} source file, e.g. a newstest (default: {default})")
         g.add_argument(f"--{split}-tgt", help="its reference translations, same line count")
-    g = p.add_argument_group("optimisation")
+
+
+def _optimisation_options(g, d: TrainConfig) -> None:
     cliargs.alias(g, "--max-tokens", g.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=d.max_tokens,
         help=f"padded tokens per batch (default: the device's: {sizing.REF_TOKENS} on CPU; on CUDA sized by "
@@ -67,7 +79,9 @@ def train_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on CPUs with AVX512-BF16/AMX and on GPUs with bf16, fp16 (loss-scaled) on "
                         "older GPUs, else fp32; weights and optimiser stay fp32")
     g.add_argument("--seed", type=nonneg_int, default=d.seed)
-    g = p.add_argument_group("stopping, evaluation, checkpoints")
+
+
+def _stopping_options(g, d: TrainConfig) -> None:
     g.add_argument("--max-steps", type=nonneg_int, default=0)
     g.add_argument("--max-epochs", type=nonneg_int, default=0)
     g.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="training-time budget (kept across resume)")
@@ -81,11 +95,6 @@ def train_parser() -> argparse.ArgumentParser:
                    help="steps between checkpoints: last.pt (resume) and a step checkpoint ckpt-STEP.pt")
     g.add_argument("--keep-last", type=nonneg_int, default=d.keep_last)
     g.add_argument("--no-test", action="store_true", help="skip the test-split BLEU at the end")
-    p.add_argument("--init-from", metavar="MODEL_DIR",
-                   help="start from this teacher model dir (its embeddings, encoder, decoder layers and final "
-                        "norms; shrink-and-fine-tune, docs/distill.md) instead of random weights; a resumed "
-                        "run keeps its own (default: random)")
-    return p
 
 
 def _value(v: str):
