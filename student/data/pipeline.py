@@ -214,22 +214,7 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
                       DEDUP_BOUND)
     sample = Sample(SPM_SAMPLE_PAIRS, SPM_SAMPLE_BYTES, options["seed"])
     routes, total = _routes(pairs, files, held, options["seed"], verbose)
-    with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
-            open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
-            tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, delay=1,
-                 disable=not verbose) as bar:
-        for chunk in _chunks(routes, CHUNK):
-            train = []
-            for split, p in chunk:
-                if split == "train":
-                    train.append(p)
-                elif split:
-                    own[split].append(p)
-            kept, sizes = cleaner.chunk(train)
-            fs.writelines(x + "\n" for x, _ in kept)
-            ft.writelines(y + "\n" for _, y in kept)
-            sample.add(kept, sizes)
-            bar.update(len(chunk))
+    _clean_train(out, (s_lang, t_lang), routes, total, own, cleaner, sample, verbose)
     cleaner.close()
     held.update(own)
     n_pairs, bad = pairs.src.n, bad + pairs.bad
@@ -261,6 +246,29 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
             "held_out": held_out_origin(files, book="book" in files)}
     with open(f"{out}/prepared.json", "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2, ensure_ascii=False)
+
+
+def _clean_train(out: str, langs: tuple, routes, total: int, own: dict, cleaner: Cleaner, sample: Sample,
+                 verbose: bool) -> None:
+    """The routed pairs a chunk at a time: the train ones cleaned, written and sampled for
+    SentencePiece, the corpus' own dev/test ones kept in `own`."""
+    s_lang, t_lang = langs
+    with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
+            open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
+            tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, delay=1,
+                 disable=not verbose) as bar:
+        for chunk in _chunks(routes, CHUNK):
+            train = []
+            for split, p in chunk:
+                if split == "train":
+                    train.append(p)
+                elif split:
+                    own[split].append(p)
+            kept, sizes = cleaner.chunk(train)
+            fs.writelines(x + "\n" for x, _ in kept)
+            ft.writelines(y + "\n" for _, y in kept)
+            sample.add(kept, sizes)
+            bar.update(len(chunk))
 
 
 def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
