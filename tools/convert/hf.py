@@ -87,6 +87,47 @@ def save_hf(model_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+def _hf_configs(hf_dir: str):
+    """The dir's model and generation configs, checked to be an M2M100 the decoder runs."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model dir)")
+    try:  # bounded and fully checked before transformers reads it (no limit there)
+        modeldir.read_json(os.path.join(hf_dir, "config.json"))
+    except modeldir.ModelDirError as e:
+        raise ValueError(str(e)) from None
+    hc = AutoConfig.from_pretrained(hf_dir)
+    try:
+        gc = GenerationConfig.from_pretrained(hf_dir)
+    except OSError:  # no generation_config.json: the model config's own values
+        gc = GenerationConfig.from_model_config(hc)
+    _check_m2m100(hc, gc, os.path.join(hf_dir, "config.json"))
+    return hc, gc
+
+
+def _model_config(hf_dir: str, hc, gc, spm_path: str, src_lang: str | None, tgt_lang: str | None):
+    """Our config.json's contents for the HF configs; languages and normaliser from the
+    dir's kit.json where the arguments do not give them."""
+    kit = read_kit(hf_dir)
+    src_lang = src_lang or kit.get("languages", {}).get("src")
+    tgt_lang = tgt_lang or kit.get("languages", {}).get("tgt")
+    if not (src_lang and tgt_lang):
+        raise ValueError(f"{hf_dir}: no kit.json with the languages; pass --src-lang and --tgt-lang")
+    start = gc.decoder_start_token_id if gc.decoder_start_token_id is not None else hc.decoder_start_token_id
+    arch = modeldir.Arch(vocab_size=hc.vocab_size, d_model=hc.d_model, n_heads=hc.encoder_attention_heads,
+                         ffn_dim=hc.encoder_ffn_dim, encoder_layers=hc.encoder_layers,
+                         decoder_layers=hc.decoder_layers, max_positions=hc.max_position_embeddings,
+                         activation=hc.activation_function, tie_embeddings=bool(hc.tie_word_embeddings))
+    cfg = modeldir.ModelConfig(arch=arch, bos_id=hc.bos_token_id, pad_id=hc.pad_token_id, eos_id=hc.eos_token_id,
+                               unk_id=_unk_id(spm_path), decoder_start_id=start, src_lang=src_lang,
+                               tgt_lang=tgt_lang, normaliser=kit.get("normaliser", {}),
+                               provenance={"converted_from": os.path.basename(os.path.abspath(hf_dir)),
+                                           "hf_model_type": hc.model_type})
+    modeldir.check_config(cfg.to_json(), os.path.join(hf_dir, "config.json"))
+    return cfg
+
+
 def _check_m2m100(hc, gc, where: str) -> None:
     """Refuse what our decoder does not implement, naming the setting."""
     from transformers import M2M100Config
@@ -121,37 +162,11 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
     SentencePiece model's ids (as save_hf writes them). Languages and normaliser come
     from the dir's kit.json when it has one, else from the arguments (no normaliser)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, GenerationConfig, M2M100ForConditionalGeneration
+    from transformers import M2M100ForConditionalGeneration
 
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model dir)")
-    try:  # bounded and fully checked before transformers reads it (no limit there)
-        modeldir.read_json(os.path.join(hf_dir, "config.json"))
-    except modeldir.ModelDirError as e:
-        raise ValueError(str(e)) from None
-    hc = AutoConfig.from_pretrained(hf_dir)
-    try:
-        gc = GenerationConfig.from_pretrained(hf_dir)
-    except OSError:  # no generation_config.json: the model config's own values
-        gc = GenerationConfig.from_model_config(hc)
-    _check_m2m100(hc, gc, os.path.join(hf_dir, "config.json"))
+    hc, gc = _hf_configs(hf_dir)
     spm_path = _find_spm(hf_dir, spm_path)
-    kit = read_kit(hf_dir)
-    src_lang = src_lang or kit.get("languages", {}).get("src")
-    tgt_lang = tgt_lang or kit.get("languages", {}).get("tgt")
-    if not (src_lang and tgt_lang):
-        raise ValueError(f"{hf_dir}: no kit.json with the languages; pass --src-lang and --tgt-lang")
-    start = gc.decoder_start_token_id if gc.decoder_start_token_id is not None else hc.decoder_start_token_id
-    arch = modeldir.Arch(vocab_size=hc.vocab_size, d_model=hc.d_model, n_heads=hc.encoder_attention_heads,
-                         ffn_dim=hc.encoder_ffn_dim, encoder_layers=hc.encoder_layers,
-                         decoder_layers=hc.decoder_layers, max_positions=hc.max_position_embeddings,
-                         activation=hc.activation_function, tie_embeddings=bool(hc.tie_word_embeddings))
-    cfg = modeldir.ModelConfig(arch=arch, bos_id=hc.bos_token_id, pad_id=hc.pad_token_id, eos_id=hc.eos_token_id,
-                               unk_id=_unk_id(spm_path), decoder_start_id=start, src_lang=src_lang,
-                               tgt_lang=tgt_lang, normaliser=kit.get("normaliser", {}),
-                               provenance={"converted_from": os.path.basename(os.path.abspath(hf_dir)),
-                                           "hf_model_type": hc.model_type})
-    modeldir.check_config(cfg.to_json(), os.path.join(hf_dir, "config.json"))
+    cfg = _model_config(hf_dir, hc, gc, spm_path, src_lang, tgt_lang)
     model = _load_hf_model(M2M100ForConditionalGeneration, hf_dir)
     sd = {k.removeprefix("model."): v.float().contiguous() for k, v in model.state_dict().items()}
     for side in ("encoder", "decoder"):  # one input embedding for both sides, as fairseq's M2M100 has
@@ -159,7 +174,7 @@ def from_hf(hf_dir: str, out_dir: str, spm_path: str | None = None,
         if k in sd and not torch.equal(sd[k], sd["shared.weight"]):
             raise ValueError(f"{hf_dir}: model.{k} differs from model.shared.weight; "
                              f"the decoder has one embedding for source and target")
-    want = modeldir.tensor_shapes(arch)
+    want = modeldir.tensor_shapes(cfg.arch)
     weights = {k: sd[k].clone() for k in want}  # the rest: tied copies and computed position tables
 
     def write(tmp):
