@@ -46,6 +46,7 @@
 #include "gemv.h"
 #include "multiversion.h"
 #include "checks.h"
+#include "vocab_chunks.h"
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -969,32 +970,19 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// x (R, d), weight (V, d), bias (V,): the product is taken `chunk` vocabulary
-// rows at a time into one (R, chunk) buffer that stays in cache, and each row
-// keeps its running best; ties and NaNs resolve as in argmax over the full row.
-// Every chunk has the same width (the last one starts at V - chunk and overlaps
-// its neighbour) because a GEMM's rounding can depend on the width: a narrow
-// tail once broke an exact tie the full product kept.
+// argmax(x W^T + b) per row without the (R, V) logits: each vocabulary chunk's
+// product (vocab_chunks.h) updates each row's running best; ties and NaNs resolve
+// as in argmax over the full row.
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          int64_t chunk) {
   check_linear_argmax(x, weight, bias, chunk);
-  const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
-  auto xr = x.contiguous();
-  std::optional<at::Tensor> b1d;
-  if (bias.has_value()) b1d = bias->reshape({-1});
+  const int64_t R = x.size(0);
   auto out = at::zeros({R}, x.options().dtype(at::kLong));
   if (R == 0) return out;
   std::vector<float> best(R, -std::numeric_limits<float>::infinity());
-  auto buf = at::empty({R * cw}, xr.options());
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t s0 = 0; s0 < V; s0 += cw) {
-    const int64_t s = std::min(s0, V - cw), w = cw;
-    auto o = buf.view({R, w});
-    auto ws = weight.narrow(0, s, w).t();
-    if (b1d.has_value())
-      at::addmm_out(o, b1d->narrow(0, s, w), xr, ws);
-    else
-      at::mm_out(o, xr, ws);
+  vocab_chunks::for_each(x, weight, bias, chunk, [&](const at::Tensor& o, int64_t s) {
+    const int64_t w = o.size(1);
     auto of = o.scalar_type() == at::kFloat ? o : o.to(at::kFloat);
     const float* p = of.data_ptr<float>();
     at::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
@@ -1008,7 +996,7 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& weight, const st
         }
       }
     });
-  }
+  });
   return out;
 }
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include "checks.h"
+#include "vocab_chunks.h"
 
 namespace {
 
@@ -537,30 +538,18 @@ at::Tensor argmax_rows_cuda(const at::Tensor& logits) {
   return best_i;
 }
 
-// cuBLAS per vocabulary chunk into one (R, chunk) buffer, the running best per row beside it
+// each vocabulary chunk's cuBLAS product (vocab_chunks.h) merged into the running best per row
 at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                               int64_t chunk) {
   check_linear_argmax(x, weight, bias, chunk);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t V = weight.size(0), R = x.size(0), cw = std::min(chunk, V);
-  auto xr = x.contiguous();
-  std::optional<at::Tensor> b1d;
-  if (bias.has_value()) b1d = bias->reshape({-1});
-  auto best_v = at::empty({R}, xr.options().dtype(at::kFloat));
-  auto best_i = at::zeros({R}, xr.options().dtype(at::kLong));
+  const int64_t R = x.size(0);
+  auto best_v = at::empty({R}, x.options().dtype(at::kFloat));
+  auto best_i = at::zeros({R}, x.options().dtype(at::kLong));
   if (R == 0) return best_i;
-  auto buf = at::empty({R * cw}, xr.options());
-  // equal-width chunks, the last one overlapping, as on the CPU: the GEMM's rounding may depend on the width
-  for (int64_t s0 = 0; s0 < V; s0 += cw) {
-    const int64_t s = std::min(s0, V - cw), w = cw;
-    auto o = buf.view({R, w});
-    auto ws = weight.narrow(0, s, w).t();
-    if (b1d.has_value())
-      at::addmm_out(o, b1d->narrow(0, s, w), xr, ws);
-    else
-      at::mm_out(o, xr, ws);
-    launch_argmax(o, s, best_v, best_i, s0 > 0);
-  }
+  vocab_chunks::for_each(x, weight, bias, chunk, [&](const at::Tensor& o, int64_t s) {
+    launch_argmax(o, s, best_v, best_i, s > 0);
+  });
   return best_i;
 }
 
