@@ -205,21 +205,31 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
     todo, queue = _Todo(batches, more, source, srcs), deque()
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
     ready = np.zeros(rows, dtype=np.int64)  # (N,) the first block whose finished flag is owner's
-    snaps, issued = deque(), 0  # (block, its finished flags on their way to the host)
     _refill(loop, encode, srcs, model, todo, queue, owner, ready, 0)
+    yield from blocks(loop, s, phase, owner, ready, model, lambda flags: flags,
+                      lambda issued: _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued))
+    return todo.later
+
+
+def blocks(loop, s: Search, phase, owner: np.ndarray, ready: np.ndarray, model,
+           finished: Callable[[np.ndarray], np.ndarray], refill: Callable[[int], None]) -> Iterator:
+    """A refilled state's blocks, two in flight, until no row or output slot is busy: after each
+    read, the slots `finished(read)` says ended, whose flag is their sentence's (`ready`), leave
+    (the sentences' indices and their Outputs), then `refill(blocks issued)` fills free ones."""
+    snaps, issued = deque(), 0  # (block, its read on its way to the host)
     while True:
         while len(snaps) < 2 and (owner >= 0).any():
             snaps.append(issue(loop, s, phase, issued))
             issued += 1
         if not snaps:
-            return todo.later
-        i, flags = snaps.popleft()
-        fin = np.flatnonzero(flags.array() & (owner >= 0) & (ready <= i))
+            return
+        i, read = snaps.popleft()
+        fin = np.flatnonzero(finished(read.array()) & (owner >= 0) & (ready <= i))
         if fin.size:
             out = hostsync.later(loop.out.index_select(0, _on(fin, model)), "outputs")
             yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
             owner[fin] = -1
-        _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued)
+        refill(issued)
 
 
 def issue(loop, s: Search, phase, i: int) -> tuple:

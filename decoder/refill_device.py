@@ -26,10 +26,9 @@ from collections import deque
 import numpy as np
 import torch
 
-from . import hostsync
 from .cache import DecoderState
-from .refill import RefillCache, RefillGreedy, _on, _pending, _Todo, issue
-from .search import Outputs, Search
+from .refill import RefillCache, RefillGreedy, _on, _pending, _Todo, blocks
+from .search import Search
 
 # a state of N rows: at most N // PER_STEP_SHARE rows refilled a step (4,096 rows: 256, about twice
 # the pace at which the Bible's sentences finish; a sixteenth of the rows of the test model's
@@ -153,24 +152,18 @@ def device_segment(model, s: Search, encode, batches, srcs, rows: int, source: i
     todo, queue = _Todo(batches, more, source, srcs), deque()
     owner = np.full(P, -1)  # (P,) the sentence of each output slot, -1: none
     ready = np.zeros(P, dtype=np.int64)  # (P,) the first block whose finished flag is owner's
-    snaps, issued, taken = deque(), 0, 0
+    taken = 0  # sentences the ring has handed to rows, as of the latest read
+
+    def finished(read: np.ndarray) -> np.ndarray:
+        nonlocal taken
+        taken = max(taken, int(read[-1]))
+        return read[:-1].astype(bool)
+
     _fill(loop, encode, srcs, model, todo, queue, owner, ready, 0, rows, into_rows=True)
     _fill(loop, encode, srcs, model, todo, queue, owner, ready, 0, ring)
-    while True:
-        while len(snaps) < 2 and (owner >= 0).any():
-            snaps.append(issue(loop, s, phase, issued))
-            issued += 1
-        if not snaps:
-            return todo.later
-        i, read = snaps.popleft()
-        read = read.array()
-        taken = max(taken, int(read[-1]))
-        fin = np.flatnonzero(read[:-1].astype(bool) & (owner >= 0) & (ready <= i))
-        if fin.size:
-            out = hostsync.later(loop.out.index_select(0, _on(fin, model)), "outputs")
-            yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
-            owner[fin] = -1
-        _fill(loop, encode, srcs, model, todo, queue, owner, ready, issued, loop.ring.free(taken))
+    yield from blocks(loop, s, phase, owner, ready, model, finished, lambda issued: _fill(
+        loop, encode, srcs, model, todo, queue, owner, ready, issued, loop.ring.free(taken)))
+    return todo.later
 
 
 def _fill(loop, encode, srcs, model, todo, queue, owner, ready, first: int, room: int, into_rows=False) -> None:
