@@ -24,8 +24,8 @@ CHUNK_LINES = 20000
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
     p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")

@@ -155,6 +155,15 @@ def refuse(message) -> NoReturn:
     raise Refused(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line: the error and where the options
+    are, without argparse's usage block first (the decoder's is 60 lines, for one typo).
+    Every command's parser and subparsers are this one (tests/test_cli_conventions.py)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with each option's default, said once: also for options without a help
     text, not where the text already says it, nor for options whose default is

@@ -11,7 +11,6 @@ Redraw from what a run recorded (a distill report.json, or metrics.json files):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -67,9 +66,9 @@ def curves_in(path: str) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import HelpFormatter, add_version
-    p = argparse.ArgumentParser(prog="python -m student.chart", formatter_class=HelpFormatter,
-                                description="Draw dev-BLEU curves from a distill report.json or "
+    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
+    p = ArgumentParser(prog="python -m student.chart", formatter_class=HelpFormatter,
+                       description="Draw dev-BLEU curves from a distill report.json or "
                                             "student.train metrics.json files.")
     add_version(p)
     p.add_argument("json", nargs="+", help="report.json of student.distill, or metrics.json of student.train")

@@ -8,7 +8,6 @@ exists under OUT_DIR).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -19,7 +18,7 @@ import warnings
 import torch
 
 from decoder import modeldir
-from decoder.cliargs import add_version
+from decoder.cliargs import ArgumentParser, add_version
 from student.model import ModelArgs, Transformer
 from student.modeldir import write_model_dir
 from student.train.trainer import TrainConfig
@@ -104,8 +103,8 @@ def _training_cwd(run_dir: str, out_dir: str) -> str | None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m student.export",
-                                description="Write a model dir (config.json, model.safetensors, "
+    p = ArgumentParser(prog="python -m student.export",
+                       description="Write a model dir (config.json, model.safetensors, "
                                             "spm.model) from a student.train checkpoint.")
     add_version(p)
     p.add_argument("checkpoint", help="checkpoint written by student.train (best.pt / last.pt)")

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from decoder import durable, modeldir
-from decoder.cliargs import add_version, run
+from decoder.cliargs import ArgumentParser, add_version, run
 from student.model import PRESETS, preset
 
 
@@ -76,8 +76,8 @@ def shape_model(name: str, like: str, out: str, seed: int = 0) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_version(p)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the shape")
     p.add_argument("--like", required=True, metavar="MODEL_DIR",

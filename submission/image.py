@@ -29,7 +29,6 @@ rebuild takes the last tag from is removed: nothing is left dangling.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import os
@@ -454,9 +453,9 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import HelpFormatter, add_version
-    ap = argparse.ArgumentParser(prog="python -m submission.image", description=__doc__.splitlines()[0],
-                                 formatter_class=HelpFormatter)
+    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
+    ap = ArgumentParser(prog="python -m submission.image", description=__doc__.splitlines()[0],
+                        formatter_class=HelpFormatter)
     add_version(ap)
     ap.add_argument("--model", help="model dir to bake at /model (default: latest student under runs/)")
     ap.add_argument("--device", choices=DEVICES, default="cpu",

@@ -46,25 +46,27 @@ def tiny_spm(tmp_path_factory):
 
 
 _PYTHON_M_EACH = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, runpy, sys, warnings
+# an artefact of one interpreter for many commands (a module imported by an earlier one), not of theirs
+warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
 out = []
 for argv in json.loads(sys.argv[1]):
-    sys.argv, buf, code = list(argv), io.StringIO(), "no exit"
-    with contextlib.redirect_stdout(buf):
+    sys.argv, buf, err, code = list(argv), io.StringIO(), io.StringIO(), "no exit"
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
         try:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code
-    out.append([code, buf.getvalue()])
+    out.append([code, buf.getvalue(), err.getvalue()])
 print(json.dumps(out))
 """
 
 
 def python_m_each(argvs: list[list[str]], env: dict, cwd: str = ROOT, python: str = sys.executable) -> list:
-    """[[exit code, stdout]] of `python -m <argv[0]> <argv[1:]...>` for each argv, as `python -m`
-    runs it, all in one interpreter: torch imports once, not once a command (about 3 s each on a
-    slow core). For options that print and exit (--help, --version); a command that returns
-    without exiting gives the code "no exit"."""
+    """[[exit code, stdout, stderr]] of `python -m <argv[0]> <argv[1:]...>` for each argv, as
+    `python -m` runs it, all in one interpreter: torch imports once, not once a command (about 3 s
+    each on a slow core). For options that print and exit (--help, --version, a usage error); a
+    command that returns without exiting gives the code "no exit"."""
     r = subprocess.run([python, "-c", _PYTHON_M_EACH, json.dumps(argvs)], capture_output=True, text=True, env=env,
                        cwd=cwd, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -252,13 +252,56 @@ def helps() -> dict:
 
 @pytest.mark.parametrize("command", sorted(HELP))
 def test_help_names_the_command_and_says_each_default_once(helps, command):
-    code, text = helps[command]
+    code, text, _ = helps[command]
     assert code == 0 and text.startswith(f"usage: python -m {command} "), text[:200]
     blocks = option_blocks(text)
     for option, block in blocks.items():
         assert block.count("(default") <= 1, block
     for option, want in HELP[command].items():
         assert want in blocks[option], blocks[option]
+
+
+def parser_modules() -> dict[str, str]:
+    """{`python -m` name: source} of every module that builds an argument parser."""
+    out = {}
+    for top in ("decoder", "student", "submission", "tools"):
+        for d, dirs, names in os.walk(os.path.join(ROOT, top)):
+            for n in names:
+                path = os.path.join(d, n)
+                if n.endswith(".py") and "ArgumentParser(" in open(path).read():
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__main__")
+                    out[name] = open(path).read()
+    return out
+
+
+PARSERS = parser_modules()
+# every command, its subcommands, and one bad value; each with an option no command has
+USAGE_ERRORS = {**{m: [m, "--no-such-option"] for m in PARSERS if m != "decoder.cliargs"},
+                "student.data prepare": ["student.data", "prepare", "--no-such-option"],
+                "student.train average": ["student.train", "average", "--no-such-option"],
+                "decoder --max-batch-tokens 0": ["decoder", "--model", "m", "--max-batch-tokens", "0"]}
+
+
+def test_every_command_parses_its_arguments_with_the_kits_parser():
+    # argparse's own prints its usage before the error: 60 lines for the decoder's options
+    assert [m for m, text in PARSERS.items() if "argparse.ArgumentParser(" in text] == []
+    assert {"decoder", "student.train", "student.distill", "submission.evaluate", "tools.convert"} <= set(PARSERS)
+
+
+@pytest.fixture(scope="module")
+def usage_errors() -> dict:
+    """{case: [exit code, stdout, stderr]}, each as `python -m` runs it."""
+    return dict(zip(USAGE_ERRORS, python_m_each(list(USAGE_ERRORS.values()), env=ENV)))
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_a_usage_error_is_one_line_naming_the_command_and_its_help(usage_errors, case):
+    code, out, err = usage_errors[case]
+    prog = f"python -m {USAGE_ERRORS[case][0]}"
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert err.startswith(prog) and ": error: " in err and err.endswith(" --help)\n"), err
+    if case.startswith("decoder --max"):
+        assert err == (f"{prog}: error: argument --max-batch-tokens: must be >= 1, got 0 (see {prog} --help)\n")
 
 
 def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):

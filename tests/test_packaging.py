@@ -151,7 +151,7 @@ def test_every_python_m_command_says_its_version():
                "tools.bench_fused", "tools.bench_workers", "tools.bench_gpu", "tools.ablation_gpu", "tools.bench_chart", "student.chart",
                "student.shape_model"]
     out = python_m_each([[m, "--version"] for m in modules], env=clean_env(PYTHONPATH=ROOT))
-    assert dict(zip(modules, out)) == {m: [0, f"wmt-efficiency-kit {VERSION}\n"] for m in modules}
+    assert {m: o[:2] for m, o in zip(modules, out)} == {m: [0, f"wmt-efficiency-kit {VERSION}\n"] for m in modules}
 
 
 def test_version_without_an_install_comes_from_pyproject(monkeypatch):

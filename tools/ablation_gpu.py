@@ -14,7 +14,6 @@ graphs): the path the tests take. With --out, writes PREFIX.md and PREFIX.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -87,8 +86,8 @@ def gemm_profile(tr, lines: list[str]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.ablation_gpu", description=__doc__.split("\n\n")[1],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.ablation_gpu", description=__doc__.split("\n\n")[1],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")

@@ -226,8 +226,8 @@ def our_kernels_isa() -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     p.add_argument("--model", default=os.path.join(DEFAULT_DATA, "model"))
     cliargs.alias(p, "--input", p.add_argument(

@@ -11,11 +11,10 @@ command redraws it from the JSON a run wrote, without rerunning anything:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from decoder.cliargs import HelpFormatter, add_version
+from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
 
 from .bench_groups import GROUPS, group_best, head_to_head_rows, ratio
 
@@ -86,8 +85,8 @@ def plot(results: list[dict], path: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_chart", formatter_class=HelpFormatter,
-                                description="Redraw a bench run's chart (ours against CTranslate2 per "
+    p = ArgumentParser(prog="python -m tools.bench_chart", formatter_class=HelpFormatter,
+                       description="Redraw a bench run's chart (ours against CTranslate2 per "
                                             "group) from the JSON tools.bench wrote.")
     add_version(p)
     p.add_argument("json", nargs="+", help="one tools.bench JSON per ISA pass, in panel order")

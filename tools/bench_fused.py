@@ -54,8 +54,8 @@ def shipped_rows() -> tuple[dict, dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.bench_fused", description=__doc__.split("\n\n")[1],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)

@@ -543,8 +543,8 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[1],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     add_test_set_args(p)
     p.add_argument("--beam-lines", type=cliargs.positive_int, default=2000, help="lines of the beam 4 group")

@@ -22,7 +22,6 @@ as the cores free up, and must give the tokens of `1 process, 1 thread`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -140,8 +139,8 @@ def measure(model: str, lines: list[str], kw: dict, passes: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_workers", description=__doc__.split("\n\n")[0],
-                                formatter_class=cliargs.HelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.bench_workers", description=__doc__.split("\n\n")[0],
+                               formatter_class=cliargs.HelpFormatter)
     cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir")
     p.add_argument("--src", required=True, help="source lines")

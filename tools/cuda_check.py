@@ -15,7 +15,6 @@ loads them prebuilt (submission/image.py).
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import shutil
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from decoder.cliargs import add_version
+from decoder.cliargs import ArgumentParser, add_version
 
 SYSTEM_CUDA = "/usr/local/cuda"
 
@@ -166,7 +165,7 @@ def check(arch: str, build_dir: str | None, verbose: bool, out: str | None = Non
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.cuda_check", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog="python -m tools.cuda_check", description=__doc__.split("\n\n")[1])
     add_version(p)
     p.add_argument("--venv", help="when this torch has no CUDA: make/use this venv with the CUDA build and nvcc")
     p.add_argument("--arch", default="8.0;9.0",

@@ -19,6 +19,8 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from decoder.cliargs import ArgumentParser
+
 BLOCK = 50_000
 VOCAB = 30_000
 COUNTER = 1_000
@@ -82,8 +84,8 @@ def generate(pairs: int, out: str, src_lang: str = "en", tgt_lang: str = "de", s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--pairs", type=int, required=True, help="pairs to write")
     ap.add_argument("--out", required=True, help="directory for train.SRC and train.TGT")
     ap.add_argument("--src-lang", default="en")

@@ -1,19 +1,18 @@
 """python -m student.data prepare [bible-en-es | --src FILE --tgt FILE ...]"""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from decoder.cliargs import (HelpFormatter, add_version, int_range, nonneg_float, nonneg_int, positive_float,
-                             positive_int)
+from decoder.cliargs import (ArgumentParser, HelpFormatter, add_version, int_range, nonneg_float, nonneg_int,
+                             positive_float, positive_int)
 from decoder.modeldir import MAX_VOCAB
 
 from . import DataError, prepare
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m student.data",
-                                 description="Prepare a parallel corpus: clean, split, normalise, SentencePiece.")
+    ap = ArgumentParser(prog="python -m student.data",
+                        description="Prepare a parallel corpus: clean, split, normalise, SentencePiece.")
     add_version(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", formatter_class=HelpFormatter,

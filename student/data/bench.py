@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from decoder.cliargs import positive_int
+from decoder.cliargs import ArgumentParser, positive_int
 from student.data import indexed
 
 
@@ -104,8 +104,8 @@ def first_step(a) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--src", required=True)
     ap.add_argument("--tgt", required=True)
     ap.add_argument("--work", help="data dir and run dirs go here (required)")

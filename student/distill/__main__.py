@@ -22,7 +22,7 @@ from student.distill.teachers import TeacherError
 
 def parser() -> argparse.ArgumentParser:
     d = DistillConfig()
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         prog="python -m student.distill", formatter_class=cliargs.HelpFormatter,
         description="Sequence-level knowledge distillation, end to end: train (or plug in) a teacher, "
                     "translate the training source side in resumable shards, clean the result, train a "

@@ -1,18 +1,17 @@
 """python -m student.shortlist --model DIR --src FILE --tgt FILE [--k 100] [--frequent 100]"""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from decoder.cliargs import HelpFormatter, add_version, nonneg_int, positive_int
+from decoder.cliargs import ArgumentParser, HelpFormatter, add_version, nonneg_int, positive_int
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.shortlist import add_to_model_dir
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m student.shortlist", formatter_class=HelpFormatter,
         description="Build a lexical shortlist from a parallel corpus (the student's distilled training "
                     "data) and add it to a model dir: shortlist.safetensors, listed in config.json. "

@@ -23,7 +23,7 @@ from student.train.trainer import TrainConfig, train
 
 def train_parser() -> argparse.ArgumentParser:
     d = TrainConfig(out_dir="")
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         prog="python -m student.train", formatter_class=HelpFormatter,
         description="Train a Transformer (teacher or student) on a prepared corpus. Rerunning the same "
                     "command resumes from OUT/last.pt. Launch with torchrun for DDP "
@@ -105,8 +105,8 @@ def _value(v: str):
 
 
 def average_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
-                                description="Average the weights of the last N step checkpoints of a run.")
+    p = cliargs.ArgumentParser(prog="python -m student.train average", formatter_class=HelpFormatter,
+                               description="Average the weights of the last N step checkpoints of a run.")
     cliargs.add_version(p)
     p.add_argument("--run", required=True, metavar="DIR", help="run dir of student.train (holds ckpt-*.pt)")
     p.add_argument("--last", type=positive_int, default=4, metavar="N",

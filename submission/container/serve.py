@@ -9,7 +9,6 @@ per input line whatever the bytes.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -65,7 +64,8 @@ def hardware_settings(hardware: str, model_dir: str) -> dict:
 def main(argv=None) -> int:
     from decoder import lifecycle
     closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from decoder.cliargs import ArgumentParser
+    ap = ArgumentParser(prog="python -m submission.container.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="auto", choices=["auto", "GPU", "CPU-1", "CPU-ALL"])
     ap.add_argument("--task", default="throughput", choices=["latency", "throughput"])
     ap.add_argument("--model", default=os.environ.get("MODEL_DIR", "/model"))

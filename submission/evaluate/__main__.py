@@ -30,8 +30,8 @@ class _Help(cliargs.HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 def parser() -> argparse.ArgumentParser:
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = argparse.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=_Help)
+    p = cliargs.ArgumentParser(prog="python -m submission.evaluate", description=__doc__.split("\n\n")[0],
+                               epilog=__doc__.split("\n\n", 1)[1], formatter_class=_Help)
     cliargs.add_version(p)
     g = p.add_argument_group("systems")
     g.add_argument("--model", action="append", default=[], metavar="[NAME=]DIR",
