@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from .modeldir import MAX_POSITIONS
+from .modeldir import MAX_POSITIONS, ModelDirError, first_line, read_config
 
 # the widest beam a command accepts: wider only costs time (100000 ran for
 # minutes before anything was refused)
@@ -153,6 +153,19 @@ class Refused(SystemExit):
 def refuse(message) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise Refused(2)
+
+
+def refuse_missing(model: str | None = None, **files: str | None) -> None:
+    """A tool's --model whose config does not read, or an input file (by its option's name) that
+    is not there: one error line and status 2 before anything loads, not a traceback from it."""
+    if model is not None:
+        try:
+            read_config(model)
+        except ModelDirError as e:
+            refuse(f"--model {first_line(e)}")
+    for flag, path in files.items():
+        if path is not None and not os.path.isfile(path):
+            refuse(f"--{flag} {path}: {'is a directory' if os.path.isdir(path) else 'no such file'}")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -46,7 +46,7 @@ def tiny_spm(tmp_path_factory):
 
 
 _PYTHON_M_EACH = """
-import contextlib, io, json, runpy, sys, warnings
+import contextlib, io, json, runpy, sys, traceback, warnings
 # an artefact of one interpreter for many commands (a module imported by an earlier one), not of theirs
 warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
 out = []
@@ -57,6 +57,9 @@ for argv in json.loads(sys.argv[1]):
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code
+        except Exception:  # what `python -m` would show: the traceback, for this command alone
+            code = "traceback"
+            traceback.print_exc()
     out.append([code, buf.getvalue(), err.getvalue()])
 print(json.dumps(out))
 """
@@ -66,7 +69,7 @@ def python_m_each(argvs: list[list[str]], env: dict, cwd: str = ROOT, python: st
     """[[exit code, stdout, stderr]] of `python -m <argv[0]> <argv[1:]...>` for each argv, as
     `python -m` runs it, all in one interpreter: torch imports once, not once a command (about 3 s
     each on a slow core). For options that print and exit (--help, --version, a usage error); a
-    command that returns without exiting gives the code "no exit"."""
+    command that returns without exiting gives the code "no exit", one that raises "traceback"."""
     r = subprocess.run([python, "-c", _PYTHON_M_EACH, json.dumps(argvs)], capture_output=True, text=True, env=env,
                        cwd=cwd, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

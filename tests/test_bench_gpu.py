@@ -377,8 +377,8 @@ def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "run_all", stopped)
     out = tmp_path / "gpu"
     with pytest.raises(KeyboardInterrupt):
-        bench_gpu.main(["--model", "m", "--src", str(src), "--ref", str(src), "--out", str(out),
-                        "--summary", str(tmp_path / "summary.json")])
+        bench_gpu.main(["--model", f"{ROOT}/tests/fixtures/bible-tiny/model", "--src", str(src), "--ref", str(src),
+                        "--out", str(out), "--summary", str(tmp_path / "summary.json")])
     record = json.loads((tmp_path / "gpu.json").read_text())
     assert record["complete"] is False and record["rows"] == [first]
     assert bench_gpu.PARTIAL in (tmp_path / "gpu.md").read_text()

@@ -275,11 +275,13 @@ def parser_modules() -> dict[str, str]:
 
 
 PARSERS = parser_modules()
-# every command, its subcommands, and one bad value; each with an option no command has
+# every command and subcommand given an option none has, and a value out of range
 USAGE_ERRORS = {**{m: [m, "--no-such-option"] for m in PARSERS if m != "decoder.cliargs"},
                 "student.data prepare": ["student.data", "prepare", "--no-such-option"],
                 "student.train average": ["student.train", "average", "--no-such-option"],
                 "decoder --max-batch-tokens 0": ["decoder", "--model", "m", "--max-batch-tokens", "0"]}
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
+TOOLS = ("tools.bench", "tools.bench_fused", "tools.bench_workers", "tools.decode_steps", "tools.bench_gil")
 
 
 def test_every_command_parses_its_arguments_with_the_kits_parser():
@@ -301,7 +303,22 @@ def test_a_usage_error_is_one_line_naming_the_command_and_its_help(usage_errors,
     assert (code, out, err.count("\n")) == (2, "", 1), err
     assert err.startswith(prog) and ": error: " in err and err.endswith(" --help)\n"), err
     if case.startswith("decoder --max"):
-        assert err == (f"{prog}: error: argument --max-batch-tokens: must be >= 1, got 0 (see {prog} --help)\n")
+        assert err == f"{prog}: error: argument --max-batch-tokens: must be >= 1, got 0 (see {prog} --help)\n"
+
+
+def test_a_tools_model_dir_or_input_that_is_not_there_is_one_error_line(tmp_path):
+    src, model = os.path.join(FIXTURE, "test.en"), os.path.join(FIXTURE, "model")
+    cases = {**{(m, "model"): [m, "--model", "/no/model", "--src", src] for m in TOOLS},
+             **{(m, "src"): [m, "--model", model, "--src", "/no/in.en"] for m in TOOLS}}
+    says = {"model": "error: --model /no/model: model dir does not exist\n",
+            "src": "error: --src /no/in.en: no such file\n"}
+    for (m, what), (code, out, err) in zip(cases, python_m_each(list(cases.values()), env=ENV)):
+        assert (code, out, err) == (2, "", says[what]), (m, what)
+    # --src given, --ref not: the references are --src's .es file, which is not there
+    (tmp_path / "in.en").write_text("one\n")
+    (code, out, err), = python_m_each([["tools.bench_fused", "--model", model, "--src", str(tmp_path / "in.en")]],
+                                      env=ENV)
+    assert (code, out, err) == (2, "", f"error: --ref {tmp_path / 'in.es'}: no such file\n")
 
 
 def test_average_of_last_4_with_2_checkpoints_says_so(tmp_path, capsys):

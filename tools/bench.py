@@ -69,7 +69,9 @@ def add_test_set_args(p) -> None:
 
 def read_test_set(a) -> tuple[list[str], list[str]]:
     """(source lines, reference lines) of add_test_set_args' options."""
-    src, ref = read(a.src), read(a.ref or a.src[:-3] + ".es")
+    ref_path = a.ref or a.src[:-3] + ".es"
+    cliargs.refuse_missing(a.model, src=a.src, ref=ref_path)
+    src, ref = read(a.src), read(ref_path)
     return (src[:a.lines], ref[:a.lines]) if a.lines else (src, ref)
 
 
@@ -337,6 +339,7 @@ def model_facts(model_dir: str) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    input_paths(a)  # refused here, not in each ISA pass's child
     flags = cpu_info()["flags"]
     try:
         passes = isa_passes(a.isa, flags)
@@ -394,12 +397,20 @@ def pass_machine(a: argparse.Namespace) -> tuple[dict, object]:
     return machine, ctranslate2
 
 
-def pass_input(a: argparse.Namespace) -> tuple[str, list[str], list[str] | None]:
-    """(source path, source lines, reference lines or None) of --src/--ref/--lines; by default the
-    test split next to the model."""
+def input_paths(a: argparse.Namespace) -> tuple[str, str | None]:
+    """(--src, --ref), by default the test split beside the model; one error line if the model dir
+    or a file given is not there (test.es may be missing: no BLEU then)."""
     model_base = os.path.dirname(os.path.abspath(a.model))
     src_path = a.src or os.path.join(model_base, "test.en")
     ref_path = a.ref or (os.path.join(model_base, "test.es") if a.src is None else None)
+    cliargs.refuse_missing(a.model, src=src_path, ref=a.ref)
+    return src_path, ref_path
+
+
+def pass_input(a: argparse.Namespace) -> tuple[str, list[str], list[str] | None]:
+    """(source path, source lines, reference lines or None) of --src/--ref/--lines; by default the
+    test split next to the model."""
+    src_path, ref_path = input_paths(a)
     src = read(src_path)
     ref = read(ref_path) if ref_path and os.path.exists(ref_path) else None
     if a.lines:

@@ -127,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    cliargs.refuse_missing(a.model, src=a.src)
     machine = one_line(describe())
     rows, reads = run(a), read_rows_ms()
     md = to_markdown(rows, machine) + (

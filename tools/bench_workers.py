@@ -152,6 +152,7 @@ def main(argv=None) -> None:
                    help="timed passes of every arrangement, in turns; the fastest counts")
     p.add_argument("--out", default=None, help="also write PREFIX.json and PREFIX.md")
     a = p.parse_args(argv)
+    cliargs.refuse_missing(a.model, src=a.src)
     lines = read(a.src)[:a.lines or None]
     machine = describe()
     print(f"machine: {one_line(machine)}", flush=True)

@@ -107,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    cliargs.refuse_missing(a.model, src=a.src)
     lines = read(a.src)[:a.lines]
     settings = {"lines": len(lines), "max_tokens": a.max_tokens, "max_sentences": a.max_sentences,
                 "sync_every": a.sync_every, "chunk_lines": a.chunk_lines}
