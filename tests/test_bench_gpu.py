@@ -292,17 +292,33 @@ class FakeClock:
 def test_a_row_starts_only_where_the_slowest_of_its_group_would_end_in_time():
     clock = FakeClock()
     d = bench_gpu.Deadline(10.0, clock)
-    assert d.allows("throughput")  # nothing timed yet
-    with d.timing("throughput"):
+    ours, ours_b1 = bench_gpu.slot("throughput", "ours fp16"), bench_gpu.slot("batch1", "ours fp16")
+    assert d.allows(ours)  # nothing timed yet
+    with d.timing(ours):
         clock.t += 4.0
-    assert d.allows("throughput") and d.allows("batch1")  # 4 + 4 < 10
+    assert d.allows(ours) and d.allows(ours_b1)  # 4 + 4 < 10
     clock.t = 6.5
-    assert not d.allows("throughput") and d.allows("batch1")  # 6.5 + 4 past 10; batch 1 untimed
+    assert not d.allows(ours) and d.allows(ours_b1)  # 6.5 + 4 past 10; batch 1 untimed
     clock.t = 10.0
-    assert not d.allows("batch1")  # the time is up for every group
+    assert not d.allows(ours_b1)  # the time is up for every group
     with pytest.raises(bench_gpu.TimeUp):
-        d.check("batch1")
-    assert bench_gpu.Deadline(None, clock).allows("throughput", 100.0)  # no limit: everything runs
+        d.check(ours_b1)
+    assert bench_gpu.Deadline(None, clock).allows(ours, 100.0)  # no limit: everything runs
+
+
+def test_ours_extra_rows_are_estimated_from_ours_rows_not_a_slower_engines():
+    """H200, 2026-11-27: CTranslate2's first throughput row (27 s with its conversion) left out every
+    ablation row of ours (7 s each) under the group's slowest row."""
+    clock = FakeClock()
+    d = bench_gpu.Deadline(10.0, clock)
+    with d.timing(bench_gpu.slot("throughput", "ct2 float16")):
+        clock.t += 6.0
+    with d.timing(bench_gpu.slot("throughput", "ours fp16")):
+        clock.t += 1.0
+    assert d.allows(bench_gpu.slot("throughput", f"{bench_gpu.ABLATION} without graph_steps"))  # 7 + 1
+    assert d.allows(bench_gpu.slot("throughput", f"{bench_gpu.ABLATION} chunks of 5000 lines"))
+    assert not d.allows(bench_gpu.slot("throughput", "ct2 float16"))  # 7 + 6
+    assert bench_gpu.slot("throughput", "ct2 float16") != bench_gpu.slot("throughput", "ct2 int8_float16")
 
 
 def test_sweep_records_the_sizes_the_time_limit_leaves_out():
@@ -362,6 +378,44 @@ def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_lef
     assert len(written) == len(rows) and written[-1] == [r.get("error") for r in rows]
     assert [len(w) for w in written] == list(range(1, len(rows) + 1))  # one write a row
     assert prof is None
+
+
+def test_a_time_limited_run_still_runs_our_ablation_rows_after_a_slower_engines_rows(monkeypatch):
+    import argparse
+    clock = FakeClock()
+
+    class Loaded:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def __enter__(self):
+            def go(ls):
+                clock.t += self.seconds / 2  # the warm-up pass and the timed one
+                return list(ls)
+            return go
+
+        def __exit__(self, *exc):
+            return None
+
+    class Eng:
+        def __init__(self, *a):
+            pass
+
+        def ours(self, group, size, **switches):
+            return Loaded(1.0)
+    monkeypatch.setattr(bench_gpu, "Engines", Eng)
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
+        ("ours fp16", lambda e, g, s: Loaded(1.0)), ("ct2 float16", lambda e, g, s: Loaded(6.0))])
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (1, 2), "ct2": (1,)}})
+    src = [f"a b c {i}" for i in range(4)]
+    a = argparse.Namespace(model="m", engines=["ours", "ct2"], passes=1, beam_lines=1, batch1_lines=1,
+                           ablate=["fast_normaliser"], chunked=0, time_limit=12.0)
+    rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu", clock=clock)
+    # ours 0-1 and 1-2 s, CTranslate2 2-8 s; the ablation row of ours (1 s) fits at 8 where 6 s would not
+    assert [(r["engine"], r.get("error")) for r in rows] == [
+        ("ours fp16", None), ("ours fp16", None), ("ct2 float16", None),
+        (f"{bench_gpu.ABLATION} without fast_normaliser", None)]
 
 
 def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
