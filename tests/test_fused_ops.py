@@ -495,6 +495,31 @@ def test_cuda_warp_decode_attention_never_reads_a_masked_value_and_gives_nan_whe
     assert got[3].isnan().all()  # as SDPA and the block kernel
 
 
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_warp_decode_attention_stops_at_each_rows_last_live_key_with_the_same_bits(dtype):
+    # the kernel skips the keys past a row's last live one (the fixed-shape state's buffer past its
+    # position or source): the same bits as the buffer cut there, and holes before it still masked
+    g = torch.Generator().manual_seed(7)
+    B, H, T, D = 300, 8, 96, 64
+    q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(B, H, T, D, generator=g).to("cuda", dtype) for _ in range(2))
+    mask = torch.rand(B, T, generator=g) < 0.7  # holes anywhere after the first key
+    last = torch.randint(1, T + 1, (B,), generator=g)  # keys from last on masked
+    mask &= torch.arange(T)[None] < last[:, None]
+    mask[:, 0] = True
+    mask[0], mask[1, T - 1] = False, True  # a row with none, a row live at the buffer's end
+    m = mask[:, None, None, :].cuda()
+    got = torch.ops.decoder_ops.decode_attention_warp(q, k, v, m)
+    close(got[1:], fused.decode_attention_reference(q.float(), k.float(), v.float(), m)[1:].to(dtype), dtype)
+    assert got[0].isnan().all()
+    for b in (1, 2, 3, 50, 299):
+        n = int(mask[b].nonzero().max()) + 1
+        cut = torch.ops.decoder_ops.decode_attention_warp(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                                          m[b:b + 1, ..., :n])
+        assert torch.equal(got[b:b + 1], cut)
+
+
 @pytest.mark.parametrize("rows, kernel", [(1, "decode_attention"), (263, "decode_attention"),
                                           (264, "decode_attention_warp"), (4096, "decode_attention_warp")])
 def test_warp_attention_leaves_too_few_rows_to_fill_the_gpu_to_the_block_kernel(rows, kernel, monkeypatch):
