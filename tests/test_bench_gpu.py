@@ -332,20 +332,16 @@ def test_sweep_records_the_sizes_the_time_limit_leaves_out():
                             {"batch": 4, "error": bench_gpu.NOT_RUN}, {"batch": 8, "error": bench_gpu.NOT_RUN}]
 
 
-def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_left_out(monkeypatch):
-    """A lent GPU's call has a hard limit: rows that would pass --time-limit are recorded as not run,
-    the others written after each row, so the files hold what was measured whenever the run stops."""
-    import argparse
-    clock = FakeClock()
-    cost = {"throughput": 3.0, "batch1": 0.25}
-
+def fake_engines(monkeypatch, clock, seconds: dict) -> None:
+    """Engines (named as in seconds' keys) whose rows take seconds[engine, group] on clock, half in the
+    warm-up pass and half in the timed one."""
     class Loaded:
-        def __init__(self, group):
-            self.group = group
+        def __init__(self, took):
+            self.took = took
 
         def __enter__(self):
             def go(ls):
-                clock.t += cost[self.group] / 2  # the warm-up pass and the timed one
+                clock.t += self.took / 2
                 return list(ls)
             return go
 
@@ -357,9 +353,19 @@ def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_lef
             pass
 
         def ours(self, group, size, **switches):
-            return Loaded(group)
+            return Loaded(seconds["ours fp16", group])
+    names = list(dict.fromkeys(name for name, _ in seconds))
     monkeypatch.setattr(bench_gpu, "Engines", Eng)
-    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [("ours fp16", lambda e, g, s: Loaded(g))])
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
+        (name, lambda e, g, s, name=name: Loaded(seconds[name, g])) for name in names])
+
+
+def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_left_out(monkeypatch):
+    """A lent GPU's call has a hard limit: rows that would pass --time-limit are recorded as not run,
+    the others written after each row, so the files hold what was measured whenever the run stops."""
+    import argparse
+    clock = FakeClock()
+    fake_engines(monkeypatch, clock, {("ours fp16", "throughput"): 3.0, ("ours fp16", "batch1"): 0.25})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (1, 2, 3, 4, 5)}, "batch1": {"ours": (1,)}})
     src = [f"a b c {i}" for i in range(4)]
@@ -383,29 +389,7 @@ def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_lef
 def test_a_time_limited_run_still_runs_our_ablation_rows_after_a_slower_engines_rows(monkeypatch):
     import argparse
     clock = FakeClock()
-
-    class Loaded:
-        def __init__(self, seconds):
-            self.seconds = seconds
-
-        def __enter__(self):
-            def go(ls):
-                clock.t += self.seconds / 2  # the warm-up pass and the timed one
-                return list(ls)
-            return go
-
-        def __exit__(self, *exc):
-            return None
-
-    class Eng:
-        def __init__(self, *a):
-            pass
-
-        def ours(self, group, size, **switches):
-            return Loaded(1.0)
-    monkeypatch.setattr(bench_gpu, "Engines", Eng)
-    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
-        ("ours fp16", lambda e, g, s: Loaded(1.0)), ("ct2 float16", lambda e, g, s: Loaded(6.0))])
+    fake_engines(monkeypatch, clock, {("ours fp16", "throughput"): 1.0, ("ct2 float16", "throughput"): 6.0})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (1, 2), "ct2": (1,)}})
     src = [f"a b c {i}" for i in range(4)]
