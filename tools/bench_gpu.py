@@ -573,8 +573,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "its longest output, so shorter chunks also add steps")
     p.add_argument("--time-limit", type=cliargs.positive_float, default=None, metavar="SECONDS",
                    help="start a row only where the slowest row so far of its group and engine (ours' for the "
-                        "--ablate and --chunked rows) would still end within this many seconds of the start; the others are recorded as not run (a lent GPU's call has a "
-                        "hard limit). Default: none. PREFIX.md and PREFIX.json are written after every row either way")
+                        "--ablate and --chunked rows) would still end within this many seconds of the start; the "
+                        "others are recorded as not run (a lent GPU's call has a hard limit). Default: none. "
+                        "PREFIX.md and PREFIX.json are written after every row either way")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json (default: "
                                                    "docs/bench/gpu-DATE-GPU)")
     p.add_argument("--summary", metavar="FILE", default=os.path.join("docs", "bench", "summary-gpu.json"),
