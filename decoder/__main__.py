@@ -94,18 +94,19 @@ def open_input(path: str):
 
 
 def check_output(path: str) -> None:
-    """Refuse an output path that cannot be written before minutes of decoding, not after."""
+    """Refuse an output path that cannot be written before minutes of decoding, not after:
+    OSError saying why, the words after `--output PATH: `."""
     if path == "-":
         return
     from .durable import resolve
     target, in_place = resolve(path)  # where atomic_write will write
     if os.path.isdir(target):
-        raise OSError(f"{path} is a directory")
+        raise OSError("is a directory")
     if in_place:  # a device or a FIFO: opening it is the check
         return
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
-        raise OSError(f"no such directory: {parent}")
+        raise OSError(f"no such directory {parent}")
     if not os.access(parent, os.W_OK):
         raise OSError(f"cannot write in {parent}")
 
@@ -143,23 +144,25 @@ def _start(a, closed):
     try:
         check_output(a.output)
     except OSError as e:
-        raise _Refused(f"error: cannot write --output: {e}") from None
+        raise _Refused(f"error: --output {a.output}: {e}") from None
     try:
         src = open_input(a.input)
     except OSError as e:
-        raise _Refused(f"error: cannot read --input {a.input}: {e.strerror or e}") from None
+        raise _Refused(f"error: {cliargs.path_error('--input', a.input, e)}") from None
     options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=a.workers,
                    length_penalty=a.length_penalty, max_len_a=a.max_len_a, max_len_b=a.max_len_b,
                    no_repeat_ngram=a.no_repeat_ngram, **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
     options.update(reading_mode(a, sys.stdin))
     try:
         return src, Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
-    except (ModelDirError, ValueError) as e:
+    except ModelDirError as e:
+        raise _Refused(f"error: --model {first_line(e)}") from None
+    except ValueError as e:
         raise _Refused(f"error: {e}") from None
     except (MemoryError, RuntimeError) as e:
         if not is_allocation_failure(e):
             raise
-        raise _Refused(f"error: {a.model}: not enough memory to load the model ({first_line(e)})") from None
+        raise _Refused(f"error: --model {a.model}: not enough memory to load the model ({first_line(e)})") from None
 
 
 def _translate_all(a, tr: Translator, src) -> int:

@@ -155,23 +155,49 @@ def refuse(message) -> NoReturn:
     raise Refused(2)
 
 
+def model_dir_error(flag: str, path: str) -> str | None:
+    """Why `flag path` is no model dir whose config reads, as one line naming the option
+    ("--model m: model dir does not exist"), or None. Every command says it so."""
+    try:
+        read_config(path)
+    except ModelDirError as e:
+        return f"{flag} {first_line(e)}"
+    return None
+
+
+def file_error(flag: str, path: str) -> str | None:
+    """Why `flag path` is no input file, as one line naming the option, or None."""
+    if os.path.isfile(path):
+        return None
+    return f"{flag} {path}: {'is a directory' if os.path.isdir(path) else 'no such file'}"
+
+
+def path_error(flag: str, path: str, e: OSError) -> str:
+    """An input or output path the OS refused, as one line naming the option, in the
+    words of a missing input file ("--src in.en: no such file")."""
+    why = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory"}.get(type(e))
+    return f"{flag} {path}: {why or (e.strerror or str(e)).lower()}"
+
+
 def refuse_missing(model: str | None = None, **files: str | None) -> None:
     """A tool's --model whose config does not read, or an input file (by its option's name) that
     is not there: one error line and status 2 before anything loads, not a traceback from it."""
-    if model is not None:
-        try:
-            read_config(model)
-        except ModelDirError as e:
-            refuse(f"--model {first_line(e)}")
+    if model is not None and (why := model_dir_error("--model", model)):
+        refuse(why)
     for flag, path in files.items():
-        if path is not None and not os.path.isfile(path):
-            refuse(f"--{flag} {path}: {'is a directory' if os.path.isdir(path) else 'no such file'}")
+        if path is not None and (why := file_error(f"--{flag}", path)):
+            refuse(why)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line: the error and where the options
     are, without argparse's usage block first (the decoder's is 60 lines, for one typo).
-    Every command's parser and subparsers are this one (tests/test_cli_conventions.py)."""
+    Every command's parser and subparsers are this one (tests/test_cli_conventions.py), and
+    its --help says each default the kit's way (HelpFormatter) unless told otherwise."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

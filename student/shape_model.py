@@ -11,7 +11,6 @@ it times the encoder alone.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -76,8 +75,7 @@ def shape_model(name: str, like: str, out: str, seed: int = 0) -> str:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1])
     add_version(p)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the shape")
     p.add_argument("--like", required=True, metavar="MODEL_DIR",

@@ -254,8 +254,8 @@ def default_model() -> str:
     found = [os.path.dirname(p) for p in glob.glob(os.path.join(HOME, "runs", "**", "model.safetensors"),
                                                     recursive=True) if "student" in os.path.relpath(p, HOME)]
     if not found:
-        raise SystemExit("error: no exported student under runs/ (make distill), "
-                         "or pass MODEL=DIR")
+        from decoder.cliargs import refuse
+        refuse("no exported student under runs/ (make distill), or pass MODEL=DIR")
     return max(found, key=lambda d: os.path.getmtime(os.path.join(d, "model.safetensors")))
 
 
@@ -453,7 +453,7 @@ def build(model_dir: str, tag: str | None = None, base: str | None = None, quiet
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
+    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version, model_dir_error, refuse
     ap = ArgumentParser(prog="python -m submission.image", description=__doc__.splitlines()[0],
                         formatter_class=HelpFormatter)
     add_version(ap)
@@ -468,6 +468,8 @@ def main(argv=None) -> int:
     if a.stage_only and a.device != "cpu":
         ap.error("--stage-only stages the CPU image, which `docker build .` reads; "
                  "the GPU image is built by `make image DEVICE=gpu`")
+    if a.model and (why := model_dir_error("--model", a.model)):
+        refuse(why)  # before the docker daemon and minutes of wheels
     model = a.model or default_model()
     if a.stage_only:
         staged = os.path.relpath(stage(model), HOME)

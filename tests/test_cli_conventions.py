@@ -15,6 +15,7 @@ from conftest import ROOT, python_m_each
 from fixture_model import make_model_dir
 
 import decoder.__main__ as cli
+from decoder import cliargs
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -87,8 +88,8 @@ def test_unusable_input_or_output_path_is_one_error_line_before_loading(fake, tm
     (tmp_path / "in.txt").write_text("a\n")
     paths[which] = str(tmp_path / "missing" / "x.txt")
     assert cli.main(["--model", "m", "-i", paths["input"], "-o", paths["output"]]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: cannot {'read' if which == 'input' else 'write'}")
+    why = {"input": "no such file", "output": f"no such directory {tmp_path / 'missing'}"}[which]
+    assert capsys.readouterr().err == f"error: --{which} {paths[which]}: {why}\n"
     assert fake == [] and not os.path.exists(tmp_path / "missing")
 
 
@@ -257,6 +258,7 @@ def test_help_names_the_command_and_says_each_default_once(helps, command):
     blocks = option_blocks(text)
     for option, block in blocks.items():
         assert block.count("(default") <= 1, block
+        assert not any(f"(default: {d})" in block for d in ("None", "False", "[]")), block  # say nothing
     for option, want in HELP[command].items():
         assert want in blocks[option], blocks[option]
 
@@ -287,6 +289,18 @@ TOOLS = ("tools.bench", "tools.bench_fused", "tools.bench_workers", "tools.decod
 def test_every_command_parses_its_arguments_with_the_kits_parser():
     # argparse's own prints its usage before the error: 60 lines for the decoder's options
     assert [m for m, text in PARSERS.items() if "argparse.ArgumentParser(" in text] == []
+    # and argparse's own formatter says "(default: None)" after every option without one
+    assert [m for m, text in PARSERS.items() if "ArgumentDefaultsHelpFormatter" in text] == ["decoder.cliargs"]
+
+
+def test_the_kits_parser_says_defaults_that_mean_something_without_being_told():
+    p = cliargs.ArgumentParser(prog="x")
+    p.add_argument("--n", type=int, default=3, help="how many")
+    p.add_argument("--spm", help="its model")
+    p.add_argument("--force", action="store_true", help="replace it")
+    blocks = {k: " ".join(v.split()) for k, v in option_blocks(p.format_help()).items()}
+    assert (blocks["--n"], blocks["--spm"], blocks["--force"]) == ("--n N how many (default: 3)", "--spm SPM its model",
+                                                                    "--force replace it")
     assert {"decoder", "student.train", "student.distill", "submission.evaluate", "tools.convert"} <= set(PARSERS)
 
 

@@ -110,7 +110,7 @@ def test_max_positions_1e9_is_one_error_line_before_any_allocation(model_copy, t
     (tmp_path / "in.txt").write_text("hello\n")
     assert main(["--model", str(model_copy), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {model_copy / 'config.json'}: architecture.max_positions must be in [2, 65,536], "
+    assert err == [f"error: --model {model_copy / 'config.json'}: architecture.max_positions must be in [2, 65,536], "
                    f"got 1000000000"]
 
 
@@ -126,7 +126,7 @@ def test_a_model_that_cannot_be_allocated_is_one_error_line(tmp_path, capsys, mo
     (tmp_path / "in.txt").write_text("hello\n")
     assert main(["--model", FIXTURE, "-q", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {FIXTURE}: not enough memory to load the model ("), err
+    assert len(err) == 1 and err[0].startswith(f"error: --model {FIXTURE}: not enough memory to load the model ("), err
     assert not (tmp_path / "out.txt").exists()
 
 

@@ -54,6 +54,54 @@ def test_prepare_with_a_bad_src_file_is_one_error_line(corpus, capsys, src, expe
     assert expected in one_error_line(out.err)
 
 
+# -- a model dir or an input that is not there, in every command ----------------------------
+
+MISSING = {  # case: (module, argv, what the one line says after "error: "); NONE is a path not there
+    "decoder --model": ("decoder", ["--model", "NONE"], "--model NONE: model dir does not exist"),
+    "decoder --input": ("decoder", ["--model", "MODEL", "--input", "NONE"], "--input NONE: no such file"),
+    "decoder --output": ("decoder", ["--model", "MODEL", "--input", "SRC", "--output", "NONE/out"],
+                         "--output NONE/out: no such directory NONE"),
+    "evaluate --model": ("submission.evaluate", ["--model", "NONE"], "--model NONE: model dir does not exist"),
+    "evaluate --teacher": ("submission.evaluate", ["--model", "MODEL", "--teacher", "NONE"],
+                           "--teacher NONE: model dir does not exist"),
+    "evaluate --model NAME=": ("submission.evaluate", ["--model", "s=NONE"], "--model NONE: model dir does not exist"),
+    "evaluate --src": ("submission.evaluate", ["--model", "MODEL", "--src", "NONE", "--ref", "SRC"],
+                       "--src NONE: no such file"),
+    "evaluate --ref": ("submission.evaluate", ["--model", "MODEL", "--src", "SRC", "--ref", "NONE"],
+                       "--ref NONE: no such file"),
+    "distill --teacher-model": ("student.distill", ["--teacher-model", "NONE"],
+                                "--teacher-model NONE: model dir does not exist"),
+    "distill --teacher-hf": ("student.distill", ["--teacher-hf", "NONE"],
+                             "--teacher-hf NONE: Hugging Face model dir does not exist"),
+    "distill --src": ("student.distill", ["--src", "NONE", "--tgt", "SRC", "--src-lang", "en", "--tgt-lang", "es"],
+                      "--src NONE: no such file"),
+    "train --init-from": ("student.train", ["--out", "OUT", "--init-from", "NONE"],
+                          "--init-from NONE: model dir does not exist"),
+    "train --src": ("student.train", ["--out", "OUT", "--src", "NONE", "--tgt", "SRC"], "--src NONE: no such file"),
+    "image --model": ("submission.image", ["--model", "NONE"], "--model NONE: model dir does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING))
+def test_a_model_dir_or_input_that_is_not_there_is_one_line_naming_its_option(case, model_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    import importlib
+    module, argv, says = MISSING[case]
+    paths = {"NONE": str(tmp_path / "none"), "MODEL": model_dir, "SRC": str(tmp_path / "in.en"),
+             "OUT": str(tmp_path / "out")}
+    (tmp_path / "in.en").write_text("the dog\n")
+    fill = lambda text: next((text.replace(k, v) for k, v in paths.items() if k in text), text)  # noqa: E731
+    main = importlib.import_module(module if module.startswith("submission.image") else f"{module}.__main__").main
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    try:
+        code = main([fill(x) for x in argv])
+    except SystemExit as e:  # a check's refusal in a command whose main lets it through
+        code = e.code
+    out = capsys.readouterr()
+    assert (code, out.out, out.err) == (2, "", f"error: {fill(says)}\n")
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "none")
+
+
 # -- student.export -----------------------------------------------------------------------
 
 def test_export_of_a_pickle_is_refused_with_one_error_line(tmp_path):

@@ -78,7 +78,7 @@ def test_a_model_the_decoder_could_not_load_is_refused_before_any_work(tmp_path,
 def test_a_bad_init_from_model_dir_is_refused_before_any_work(tmp_path, capsys, no_training):
     from student.train.__main__ import main
     assert main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "nothing")]) == 2
-    assert error_lines(capsys) == [f"error: {tmp_path / 'nothing'}: model dir does not exist"] and not no_training
+    assert error_lines(capsys) == [f"error: --init-from {tmp_path / 'nothing'}: model dir does not exist"] and not no_training
 
 
 def tiny_corpus(tmp_path):
@@ -155,4 +155,4 @@ def test_a_truncated_model_safetensors_in_a_model_dir_is_one_error_line(tmp_path
     (tmp_path / "in.txt").write_text("hello\n")
     assert main(["--model", str(d), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {w}: unreadable safetensors ("), err
+    assert len(err) == 1 and err[0].startswith(f"error: --model {w}: unreadable safetensors ("), err

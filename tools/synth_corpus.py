@@ -12,7 +12,6 @@ pairs but the 2,000 it holds out for dev and test. Deterministic for a seed.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -84,8 +83,7 @@ def generate(pairs: int, out: str, src_lang: str = "en", tgt_lang: str = "de", s
 
 
 def main(argv=None) -> int:
-    ap = ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, required=True, help="pairs to write")
     ap.add_argument("--out", required=True, help="directory for train.SRC and train.TGT")
     ap.add_argument("--src-lang", default="en")

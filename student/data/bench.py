@@ -104,8 +104,7 @@ def first_step(a) -> None:
 
 
 def parse_args(argv=None):
-    ap = ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", required=True)
     ap.add_argument("--tgt", required=True)
     ap.add_argument("--work", help="data dir and run dirs go here (required)")

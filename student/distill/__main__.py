@@ -9,7 +9,7 @@ import sys
 from decoder import cliargs
 from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.machine import device_kind
-from decoder.modeldir import MAX_VOCAB, ModelDirError, read_config
+from decoder.modeldir import MAX_VOCAB, ModelDirError
 from student.data import DataError
 from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run, teacher_choice
 from student.train import sizing
@@ -199,8 +199,11 @@ def check(cfg: DistillConfig) -> None:
         check_model(name, {"vocab_size": cfg.vocab_size, **sets}, "--teacher-set")
     if cfg.min_ratio > cfg.max_ratio:
         raise ValueError(f"--min-ratio {cfg.min_ratio} is above --max-ratio {cfg.max_ratio}: no pair would be kept")
-    for d in cfg.teacher_model:
-        read_config(d)  # the full check (weights) comes with the teacher
+    for d in cfg.teacher_model:  # the full check (weights) comes with the teacher
+        if why := cliargs.model_dir_error("--teacher-model", d):
+            raise ValueError(why)
+    if cfg.teacher_hf and not os.path.isdir(cfg.teacher_hf):
+        raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")
 
 
 def main(argv=None) -> int:

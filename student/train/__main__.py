@@ -145,8 +145,8 @@ def options(argv) -> argparse.Namespace:
     try:
         a.overrides = model_overrides(a.set, a.preset, a.vocab_size)
         check_files(a)
-        if a.init_from:
-            modeldir.read_config(a.init_from)  # the full check (weights) comes with the student
+        if a.init_from and (why := cliargs.model_dir_error("--init-from", a.init_from)):
+            raise ValueError(why)  # the full check (weights) comes with the student
         if os.path.exists(a.out) and not os.path.isdir(a.out):
             raise ValueError(f"--out {a.out}: exists and is not a directory")
     except (ValueError, ModelDirError, DataError, OSError, EOFError) as e:

@@ -75,8 +75,7 @@ def batch_list(text: str) -> list[int | None]:
 
 
 def main(argv=None):
-    p = cliargs.ArgumentParser(prog="python -m student.train.speed", description=__doc__.split("\n")[0],
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m student.train.speed", description=__doc__.split("\n")[0])
     cliargs.add_version(p)
     p.add_argument("--preset", default="teacher-tiny", help="model preset (student.model)")
     p.add_argument("--steps", type=int, default=24, help="steps per configuration and pass")

@@ -125,6 +125,9 @@ def check(a) -> None:
     elif a.src or a.ref:
         if not (a.src and a.ref):
             raise EvalError("--src and --ref go together")
+        for flag, path in (("--src", a.src), *(("--ref", r) for r in a.ref)):
+            if why := cliargs.file_error(flag, path):
+                raise EvalError(why)
     elif a.langpair:
         raise EvalError("-l/--langpair goes with -t/--test-set or --src/--ref")
 
@@ -132,17 +135,22 @@ def check(a) -> None:
 def build_systems(a):
     from .systems import System, container_systems, default_models, grid, parse_named_dir
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    given = [("--model", x) for x in a.model] + [("--teacher", x) for x in a.teacher]
+    for flag, x in given:  # the full check (shapes) happens where each system loads it
+        name, sep, path = x.partition("=")
+        if why := cliargs.model_dir_error(flag, path if sep else x):
+            raise EvalError(why)
     models = [parse_named_dir(x) for x in a.model] + [parse_named_dir("teacher=" + x) for x in a.teacher]
     if not models and a.container in (None, "build"):
         models = default_models(ROOT)
         if not models:
             raise EvalError("no models given and none under runs/*/ (make distill, or --model DIR)")
-    from decoder.modeldir import ModelDirError, read_config
-    for name, path in models:
-        try:
-            read_config(path)  # the full check (shapes) happens where each system loads it
-        except ModelDirError as e:
-            raise EvalError(str(e)) from None
+        from decoder.modeldir import ModelDirError, read_config
+        for name, path in models:
+            try:
+                read_config(path)
+            except ModelDirError as e:
+                raise EvalError(f"{name}: {e}") from None
     modes = ["throughput", "latency"] if a.mode == "both" else [a.mode]
     beams, threads = a.beam, a.threads  # lists of ints, checked by argparse
     engines = _list(a.engines)

@@ -17,8 +17,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int16", "float16", "bf
 
 
 def parse_args(argv=None):
-    p = cliargs.ArgumentParser(prog="python -m tools.convert", description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cliargs.ArgumentParser(prog="python -m tools.convert", description=__doc__.split("\n\n")[0])
     cliargs.add_version(p)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["ct2", "hf"], help="convert the model dir IN_DIR to this engine's format")
