@@ -88,19 +88,24 @@ class Options:
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "fp16"}
 
 
+NO_CUDA = "warning: CUDA is not available; running on CPU"
+
+
 def runs_on(device: str) -> str:
     """The device that will run: CUDA asked for where there is none runs on the CPU
     (`resolve_device_precision` says so)."""
     return "cpu" if device.startswith("cuda") and not torch.cuda.is_available() else device
 
 
-def resolve_device_precision(device: str, precision: str | None, probe: Probe | None = None) -> tuple[str, str]:
-    """(device, precision) that will actually run; falls back to CPU without CUDA.
-    None: the device's default (`DEFAULT_PRECISION`). CPU `auto` times `probe`
-    (decoder/quant.py: the model's step products at the rows the run will have) in
-    int8 and fp32 and takes the faster."""
+def resolve_device_precision(device: str, precision: str | None, probe: Probe | None = None,
+                             warn: bool = True) -> tuple[str, str]:
+    """(device, precision) that will actually run; falls back to CPU without CUDA, with a
+    warning (`warn`: a caller resolving many rows says it once itself). None: the device's
+    default (`DEFAULT_PRECISION`). CPU `auto` times `probe` (decoder/quant.py: the model's
+    step products at the rows the run will have) in int8 and fp32 and takes the faster."""
     if runs_on(device) != device:
-        print("warning: CUDA is not available; running on CPU", file=sys.stderr, flush=True)
+        if warn:
+            print(NO_CUDA, file=sys.stderr, flush=True)
         device = "cpu"
         if precision == "fp16":
             precision = "auto"

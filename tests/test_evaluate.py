@@ -138,6 +138,16 @@ def test_default_precisions_put_ours_and_ct2_int8_on_the_chart(tiny, tmp_path):
     assert {(s.engine, s.precision) for s in systems} >= {("decoder", "int8"), ("ct2", "int8")}
 
 
+def test_cuda_asked_for_without_one_is_said_once_and_every_row_runs_on_cpu(monkeypatch, capsys):
+    import torch
+    from submission.evaluate.systems import grid
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    systems = grid([("m", "/m"), ("n", "/n")], ["decoder", "ct2"], ["fp16", "int8"], [1, 4], [2], ["throughput"],
+                   device="cuda")
+    assert systems and {s.device for s in systems} == {"cpu"}
+    assert capsys.readouterr().err == "warning: CUDA is not available; running on CPU\n"
+
+
 def test_ct2_throughput_runs_one_worker_per_thread_as_its_guide_recommends():
     from submission.evaluate.systems import grid
     by_mode = {s.mode: s for s in grid([("m", "/m")], ["ct2"], ["int8"], [1], [4], ["throughput", "latency"])}

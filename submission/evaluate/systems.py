@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
-from decoder.translator import resolve_device_precision
+from decoder.translator import NO_CUDA, resolve_device_precision, runs_on
 from submission.container.serve import has_shortlist
 
 ENGINES = ("decoder", "ct2", "hf")
@@ -84,13 +85,15 @@ def grid(models: list[tuple[str, str]], engines: list[str], precisions: list[str
     for engine in engines:
         if engine not in ENGINES:
             raise EvalError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if runs_on(device) != device:  # once, not once a row
+        print(NO_CUDA, file=sys.stderr, flush=True)
     for name, path in models:
         for engine in engines:
             precs = ["fp32"] if engine == "hf" else precisions
             seen = set()
             for prec in precs:
                 try:
-                    dev, prec = resolve_device_precision(device, prec)
+                    dev, prec = resolve_device_precision(device, prec, warn=False)
                 except ValueError:
                     continue
                 if engine == "hf":
