@@ -66,7 +66,7 @@ def curves_in(path: str) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def main(argv=None) -> int:
-    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
+    from decoder.cliargs import ArgumentParser, HelpFormatter, add_version, path_error
     p = ArgumentParser(prog="python -m student.chart", formatter_class=HelpFormatter,
                        description="Draw dev-BLEU curves from a distill report.json or "
                                             "student.train metrics.json files.")
@@ -79,7 +79,10 @@ def main(argv=None) -> int:
     for f in a.json:
         try:
             curves.update(curves_in(f))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except OSError as e:
+            print(f"error: {path_error(None, f, e)}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError) as e:
             print(f"error: {f}: {e}", file=sys.stderr)
             return 2
     out = plot_dev_bleu(curves, a.out, a.title)

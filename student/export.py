@@ -39,7 +39,7 @@ def read_checkpoint(path: str) -> dict:
 def load_weights_only(path: str):
     """torch.load of a file we wrote, refusing arbitrary pickles; CheckpointError names the file."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such checkpoint")
+        raise CheckpointError(f"{path}: {'is a directory, not a' if os.path.isdir(path) else 'no such'} checkpoint")
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing
             warnings.simplefilter("ignore", UserWarning)

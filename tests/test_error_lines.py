@@ -79,7 +79,18 @@ MISSING = {  # case: (module, argv, what the one line says after "error: "); NON
                           "--init-from NONE: model dir does not exist"),
     "train --src": ("student.train", ["--out", "OUT", "--src", "NONE", "--tgt", "SRC"], "--src NONE: no such file"),
     "image --model": ("submission.image", ["--model", "NONE"], "--model NONE: model dir does not exist"),
+    "shortlist --model": ("student.shortlist", ["--model", "NONE", "--src", "SRC", "--tgt", "SRC"],
+                          "--model NONE: model dir does not exist"),
+    "shortlist --tgt": ("student.shortlist", ["--model", "MODEL", "--src", "SRC", "--tgt", "NONE"],
+                        "--tgt NONE: no such file"),
+    "export checkpoint": ("student.export", ["NONE", "OUT"], "NONE: no such checkpoint"),
+    "export a directory": ("student.export", ["OUTSIDE", "OUT"], "OUTSIDE: is a directory, not a checkpoint"),
+    "chart": ("student.chart", ["NONE", "--out", "OUT"], "NONE: no such file"),
+    "bench_chart": ("tools.bench_chart", ["NONE", "--out", "OUT"], "NONE: no such file"),
 }
+
+
+SINGLE_FILE = ("submission.image", "student.export", "student.chart", "tools.bench_chart")
 
 
 @pytest.mark.parametrize("case", sorted(MISSING))
@@ -88,10 +99,10 @@ def test_a_model_dir_or_input_that_is_not_there_is_one_line_naming_its_option(ca
     import importlib
     module, argv, says = MISSING[case]
     paths = {"NONE": str(tmp_path / "none"), "MODEL": model_dir, "SRC": str(tmp_path / "in.en"),
-             "OUT": str(tmp_path / "out")}
+             "OUTSIDE": str(tmp_path), "OUT": str(tmp_path / "out")}
     (tmp_path / "in.en").write_text("the dog\n")
     fill = lambda text: next((text.replace(k, v) for k, v in paths.items() if k in text), text)  # noqa: E731
-    main = importlib.import_module(module if module.startswith("submission.image") else f"{module}.__main__").main
+    main = importlib.import_module(module if module in SINGLE_FILE else f"{module}.__main__").main
     monkeypatch.setattr(sys, "stdin", open(os.devnull))
     try:
         code = main([fill(x) for x in argv])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from decoder.cliargs import ArgumentParser, HelpFormatter, add_version
+from decoder.cliargs import ArgumentParser, HelpFormatter, add_version, path_error
 
 from .bench_groups import GROUPS, group_best, head_to_head_rows, ratio
 
@@ -99,7 +99,10 @@ def main(argv=None) -> int:
                 r = json.load(fh)
             if not isinstance(r, dict) or not {"rows", "machine", "model"} <= set(r):
                 raise ValueError("no rows, machine and model: not a tools.bench JSON")
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            print(f"error: {path_error(None, f, e)}", file=sys.stderr)
+            return 2
+        except ValueError as e:
             print(f"error: {f}: {e}", file=sys.stderr)
             return 2
         results.append(r)

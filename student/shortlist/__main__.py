@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from decoder.cliargs import ArgumentParser, HelpFormatter, add_version, nonneg_int, positive_int
+from decoder.cliargs import (ArgumentParser, HelpFormatter, add_version, file_error, model_dir_error, nonneg_int,
+                             positive_int)
 from decoder.modeldir import ModelDirError
 from student.data import DataError
 from student.shortlist import add_to_model_dir
@@ -31,6 +32,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    why = model_dir_error("--model", a.model) or file_error("--src", a.src) or file_error("--tgt", a.tgt)
+    if why:  # before the corpus is read
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     try:
         info = add_to_model_dir(a.model, a.src, a.tgt, k=a.k, n_frequent=a.frequent, identity=a.identity,
                                 max_lines=a.max_lines, verbose=True)
