@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import toy_parallel
+from conftest import python_m_each, toy_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "model")
@@ -95,22 +95,33 @@ def test_help_says_what_no_value_means_and_not_default_none():
     assert "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--to", "ct2", "/nonexistent/model", "OUT"], "no such directory"),
-    (["--to", "hf", "--quantization", "int8", FIXTURE, "OUT"], "--quantization applies to --to ct2 only"),
-    (["--to", "ct2", "--spm", "x.model", FIXTURE, "OUT"], "apply to --from-hf only"),
-    (["--to", "xx", FIXTURE, "OUT"], "invalid choice"),
-    (["--to", "ct2", "--from-hf", FIXTURE, "OUT"], "not allowed with"),
-    (["--from-hf", FIXTURE, "OUT"], "model_type"),  # our model dir is not an HF dir
-    (["--to", "ct2", FIXTURE, FIXTURE], "replace the input"),
-])
-def test_bad_input_is_one_error_line_and_exit_2(args, says, tmp_path):
-    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
-    r = _convert(*args)
-    err = r.stderr.strip().splitlines()
+BAD_INPUT = {  # what the one error line says: the arguments
+    "no such directory": ["--to", "ct2", "/nonexistent/model", "OUT"],
+    "--quantization applies to --to ct2 only": ["--to", "hf", "--quantization", "int8", FIXTURE, "OUT"],
+    "apply to --from-hf only": ["--to", "ct2", "--spm", "x.model", FIXTURE, "OUT"],
+    "invalid choice": ["--to", "xx", FIXTURE, "OUT"],
+    "not allowed with": ["--to", "ct2", "--from-hf", FIXTURE, "OUT"],
+    "model_type": ["--from-hf", FIXTURE, "OUT"],  # our model dir is not an HF dir
+    "replace the input": ["--to", "ct2", FIXTURE, FIXTURE],
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory) -> tuple:
+    """(OUT's path, {case: [exit code, stdout, stderr]}), each as `python -m tools.convert` runs it."""
+    out = str(tmp_path_factory.mktemp("bad") / "out")
+    argvs = [["tools.convert", *(out if a == "OUT" else a for a in args)] for args in BAD_INPUT.values()]
+    return out, dict(zip(BAD_INPUT, python_m_each(argvs, env=ENV)))
+
+
+@pytest.mark.parametrize("says", sorted(BAD_INPUT))
+def test_bad_input_is_one_error_line_and_exit_2(bad_input, says):
+    out, results = bad_input
+    code, stdout, stderr = results[says]
+    err = stderr.strip().splitlines()
     # ours: "error: ..."; the parser's: "python -m tools.convert: error: ... (see ... --help)"
-    assert r.returncode == 2 and len(err) == 1 and "error: " in err[0] and says in err[0], r.stderr
-    assert "Traceback" not in r.stderr and not os.path.exists(tmp_path / "out")
+    assert code == 2 and len(err) == 1 and "error: " in err[0] and says in err[0], stderr
+    assert "Traceback" not in stderr and not os.path.exists(out)
 
 
 def test_existing_output_is_kept_without_force(tmp_path):
