@@ -111,6 +111,36 @@ def test_the_profile_goes_to_the_log_in_one_line():
         "profile    ours fp16 batch    65536: GPU busy 42%, 25,218 kernels, 160 greedy steps of 4096 rows; "
         "GPU idle in the profiled pass: 41 ms before its first kernel, 12 ms between kernels, 2 ms after its last; "
         "80% flash_fwd, 20% gemm")
+    prof.update(host_wall_s=0.74, host_phases={"encode": {"first_s": 0.095, "last_s": 0.5, "inside_s": 0.02},
+                                               "decode steps": {"first_s": 0.102, "last_s": 0.699, "inside_s": 0.3}})
+    assert bench_gpu.profile_line(prof).endswith(
+        "2 ms after its last; unprofiled, the host first encoded at 95 ms of 740, stepped 102-699 ms; "
+        "80% flash_fwd, 20% gemm")
+
+
+def test_the_timeline_keeps_each_phases_first_entry_last_exit_and_time_inside():
+    clock = FakeClock()
+    tl = bench_gpu.Timeline(clock)
+    for start, end, name in ((0.1, 0.2, "encode"), (0.2, 0.5, "decode steps"), (0.6, 0.9, "decode steps")):
+        clock.t = start
+        with tl.phase(name):
+            clock.t = end
+    assert tl.summary() == {"encode": {"first_s": 0.1, "last_s": 0.2, "inside_s": 0.1},
+                            "decode steps": {"first_s": 0.2, "last_s": 0.9, "inside_s": 0.6}}
+
+
+def test_the_host_timeline_of_a_pass_orders_its_phases_and_gives_the_hook_back(tiny_translator):
+    tr, lines = tiny_translator
+
+    def go(ls):
+        return tr.translate(ls)
+    go.translator = tr
+    t = bench_gpu.host_timeline(go, lines)
+    ph = t["host_phases"]
+    assert 0 < ph["encode"]["first_s"] <= ph["decode steps"]["first_s"] < ph["decode steps"]["last_s"] \
+        <= t["host_wall_s"]
+    assert 0 < ph["decode steps"]["inside_s"] <= ph["decode steps"]["last_s"] - ph["decode steps"]["first_s"]
+    assert "phase" not in vars(tr) and tr.phase("encode") is not None  # the class's hook, unchanged
 
 
 def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
@@ -260,19 +290,27 @@ def test_a_row_whose_graph_capture_failed_says_it_ran_eagerly():
         assert ("| ours fp16 (graph capture failed: eager) | 32768 |" in md) is failed
 
 
-def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch):
-    """On CPU the profiler sees no kernels, but the fixed-shape loop's blocks are counted the same."""
+@pytest.fixture(scope="module")
+def tiny_translator():
+    """(the fixed-shape greedy loop on CPU, the fixture's first 60 test lines)."""
     import os
-    import warnings
 
     from decoder import Translator
     model = os.path.join(os.path.dirname(__file__), "fixtures", "bible-tiny", "model")
     if not os.path.exists(os.path.join(model, "config.json")):
         pytest.skip("trained fixture tests/fixtures/bible-tiny is absent")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     tr = Translator(model, static_shapes=True, sync_every=4, max_tokens=1024, max_sentences=64)
     with open(os.path.join(os.path.dirname(model), "test.en"), encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:60]
+    with tr:
+        yield tr, lines
+
+
+def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch, tiny_translator):
+    """On CPU the profiler sees no kernels, but the fixed-shape loop's blocks are counted the same."""
+    import warnings
+    tr, lines = tiny_translator
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles none
         prof = bench_gpu.profile_busy(tr.translate, lines, 1.0)

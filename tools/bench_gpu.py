@@ -226,6 +226,46 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
 PASS = "kit.bench_pass"  # the profiled pass's own range, in the kernels' clock
 
 
+class Timeline:
+    """The host's clock through a Translator's `phase` hook: each phase's first entry and last exit
+    after `start`, and the seconds spent inside it (threads of the pipeline may overlap)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock, self.start, self.spans = clock, clock(), {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t = self.clock()
+        try:
+            yield
+        finally:
+            end = self.clock()
+            first, last, inside = self.spans.get(name, (t, end, 0.0))
+            self.spans[name] = (min(first, t), max(last, end), inside + end - t)
+
+    def summary(self) -> dict:
+        """{phase: {first_s, last_s, inside_s}}, offsets from `start`."""
+        return {name: {"first_s": round(a - self.start, 4), "last_s": round(b - self.start, 4),
+                       "inside_s": round(inside, 4)} for name, (a, b, inside) in self.spans.items()}
+
+
+def host_timeline(go, lines: list[str], clock=time.perf_counter) -> dict:
+    """The pass once more, unprofiled, with the host's clock on the translator's phases: when the
+    host first encoded a batch and first issued a decode step (before that the GPU waits for the
+    text pipeline: normalisation, SentencePiece, sorting), and when it last did (after that, the
+    last reads and the detokenising). The profiler's idle split slows the host it measures."""
+    tr, timeline = go.translator, Timeline(clock)
+    tr.phase = timeline.phase
+    try:
+        go(lines)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = clock() - timeline.start
+    finally:
+        del tr.phase  # the class's hook again
+    return {"host_wall_s": round(wall, 4), "host_phases": timeline.summary()}
+
+
 # -- the engines: each a context giving go(lines) -> hypotheses for one (group, batch size) ------------
 
 class Engines:
@@ -436,7 +476,7 @@ def profiled(eng: "Engines", src: list[str], rows: list[dict], deadline: Deadlin
         return None
     with deadline.timing(("throughput", "profile")), eng.ours("throughput", top["batch"]) as go:
         go(src[:64])
-        prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"])}
+        prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"]), **host_timeline(go, src)}
     log(profile_line(prof))
     return prof
 
@@ -479,7 +519,17 @@ def profile_line(prof: dict) -> str:
     steps = (f", {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows"
              if prof.get("steps") else "")  # the fixed-shape loops' (tools.decode_steps)
     return (f"profile    ours fp16 batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
-            f"{prof['kernels']:,} kernels{steps}{idle_words(prof)}; {top}")
+            f"{prof['kernels']:,} kernels{steps}{idle_words(prof)}{host_words(prof)}; {top}")
+
+
+def host_words(prof: dict) -> str:
+    """'; unprofiled, the host first encoded at 95 ms of 740, stepped 102-699 ms' ('' where not measured)."""
+    ph = prof.get("host_phases", {})
+    if "decode steps" not in ph:
+        return ""
+    enc, steps = ph.get("encode", ph["decode steps"]), ph["decode steps"]
+    return (f"; unprofiled, the host first encoded at {1e3 * enc['first_s']:.0f} ms of {1e3 * prof['host_wall_s']:.0f}, "
+            f"stepped {1e3 * steps['first_s']:.0f}-{1e3 * steps['last_s']:.0f} ms")
 
 
 def idle_words(prof: dict) -> str:
@@ -540,7 +590,7 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
                   f"{prof['kernels']:,} kernels"
                   + (f"; {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows, "
                      f"{1000 * prof['kernel_s'] / prof['steps']:.2f} ms of kernels a step" if prof.get("steps") else "")
-                  + idle_words(prof)
+                  + idle_words(prof) + host_words(prof)
                   + f"). {NOT_PROFILED}.")
         if prof.get("top_kernels"):
             md += ["", "GPU time by kernel, that row (share of all kernels' time):", "",
