@@ -85,6 +85,26 @@ def test_a_data_tarball_is_unpacked_where_data_is_absent(tmp_path):
     assert (tree / "data" / "marker.txt").read_text() == "corpus\n"
 
 
+def test_a_stopped_distill_still_brings_back_each_finished_trainings_metrics(tmp_path):
+    """A lent call may end before the report: the teacher's metrics (its test BLEU) come back anyway."""
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "tools" / "gpu_session.sh").write_text(open(SCRIPT).read())
+    run = tree / "runs" / "gpu-default"
+    (run / "teacher-1a2b" / "train").mkdir(parents=True)
+    (run / "teacher-1a2b" / "train" / "metrics.json").write_text('{"test_bleu": 25.3}')
+    (run / "student-3c4d" / "train").mkdir(parents=True)  # still training: no metrics yet
+    (run / "manifest.json").write_text("{}")
+    py, log = _fake_python(tmp_path)
+    py.write_text(f'#!/bin/sh\necho "$@" >> {log}\n[ "$2" = student.distill ] && exit 124\nexit 0\n')
+    r = subprocess.run(["bash", str(tree / "tools" / "gpu_session.sh"), "distill"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PY": str(py), "OUT": str(tmp_path / "out")})
+    assert r.returncode == 1 and "-m student.distill --name gpu-default" in log.read_text()
+    got = tmp_path / "out" / "distill"
+    assert sorted(os.listdir(got)) == ["manifest.json", "teacher-1a2b.metrics.json"]
+    assert (got / "teacher-1a2b.metrics.json").read_text() == '{"test_bleu": 25.3}'
+
+
 def _fake_python(tmp_path):
     """A python that says yes to every check and logs its arguments, a line a call."""
     py, log = tmp_path / "py", tmp_path / "py.log"
