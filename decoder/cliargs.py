@@ -170,14 +170,18 @@ def file_error(flag: str | None, path: str) -> str | None:
     argument, the path alone), or None."""
     if os.path.isfile(path):
         return None
-    return f"{flag + ' ' if flag else ''}{path}: {'is a directory' if os.path.isdir(path) else 'no such file'}"
+    return f"{_named(flag, path)}: {'is a directory' if os.path.isdir(path) else 'no such file'}"
 
 
 def path_error(flag: str | None, path: str, e: OSError) -> str:
     """An input or output path the OS refused, as one line naming the option (None: a
     positional argument), in the words of a missing input file ("--src in.en: no such file")."""
     why = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory"}.get(type(e))
-    return f"{flag + ' ' if flag else ''}{path}: {why or (e.strerror or str(e)).lower()}"
+    return f"{_named(flag, path)}: {why or (e.strerror or str(e)).lower()}"
+
+
+def _named(flag: str | None, path: str) -> str:
+    return f"{flag} {path}" if flag else path
 
 
 def refuse_missing(model: str | None = None, **files: str | None) -> None:

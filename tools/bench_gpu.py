@@ -528,8 +528,8 @@ def host_words(prof: dict) -> str:
     if "decode steps" not in ph:
         return ""
     enc, steps = ph.get("encode", ph["decode steps"]), ph["decode steps"]
-    return (f"; unprofiled, the host first encoded at {1e3 * enc['first_s']:.0f} ms of {1e3 * prof['host_wall_s']:.0f}, "
-            f"stepped {1e3 * steps['first_s']:.0f}-{1e3 * steps['last_s']:.0f} ms")
+    return (f"; unprofiled, the host first encoded at {1e3 * enc['first_s']:.0f} ms of "
+            f"{1e3 * prof['host_wall_s']:.0f}, stepped {1e3 * steps['first_s']:.0f}-{1e3 * steps['last_s']:.0f} ms")
 
 
 def idle_words(prof: dict) -> str:

@@ -135,12 +135,7 @@ def check(a) -> None:
 def build_systems(a):
     from .systems import System, container_systems, default_models, grid, parse_named_dir
     ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    given = [("--model", x) for x in a.model] + [("--teacher", x) for x in a.teacher]
-    for flag, x in given:  # the full check (shapes) happens where each system loads it
-        name, sep, path = x.partition("=")
-        if why := cliargs.model_dir_error(flag, path if sep else x):
-            raise EvalError(why)
-    models = [parse_named_dir(x) for x in a.model] + [parse_named_dir("teacher=" + x) for x in a.teacher]
+    models = [parse_named_dir(x) for x in a.model] + [parse_named_dir("teacher=" + x, "--teacher") for x in a.teacher]
     if not models and a.container in (None, "build"):
         models = default_models(ROOT)
         if not models:

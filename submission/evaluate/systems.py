@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+from decoder.cliargs import model_dir_error
 from decoder.translator import NO_CUDA, resolve_device_precision, runs_on
 from submission.container.serve import has_shortlist
 
@@ -51,14 +52,16 @@ class System:
         return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
 
 
-def parse_named_dir(arg: str) -> tuple[str, str]:
-    """`NAME=DIR` or `DIR` (named after the directory, or its parent for `.../model`)."""
+def parse_named_dir(arg: str, flag: str = "--model") -> tuple[str, str]:
+    """`NAME=DIR` or `DIR` (named after the directory, or its parent for `.../model`), given as
+    `flag`; EvalError naming it where DIR's config does not read (the full check, shapes
+    included, happens where each system loads it)."""
     name, sep, path = arg.partition("=")
     if not sep:
         name, path = "", arg
+    if why := model_dir_error(flag, path):
+        raise EvalError(why)
     path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise EvalError(f"model dir {path} does not exist")
     if not name:
         name = os.path.basename(path)
         if name == "model":  # runs/<run>/student-<key>/model: the parent says what it is
