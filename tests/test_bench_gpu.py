@@ -127,6 +127,7 @@ def test_the_timeline_keeps_each_phases_first_entry_last_exit_and_time_inside():
             clock.t = end
     assert tl.summary() == {"encode": {"first_s": 0.1, "last_s": 0.2, "inside_s": 0.1},
                             "decode steps": {"first_s": 0.2, "last_s": 0.9, "inside_s": 0.6}}
+    assert tl.seconds == pytest.approx({"encode": 0.1, "decode steps": 0.6})  # tools.bench's phase table
 
 
 def test_the_host_timeline_of_a_pass_orders_its_phases_and_gives_the_hook_back(tiny_translator):

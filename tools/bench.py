@@ -625,26 +625,39 @@ def add_ratios(rows: list[dict]) -> None:
             r["x_ct2_best"] = round(r["src_words_per_s"] / best["src_words_per_s"], 2)
 
 
-class Phases:
-    """Seconds per decoding phase, through the Translator's `phase` hook."""
+class Timeline:
+    """The host's clock through a Translator's `phase` hook: each phase's first entry and last exit
+    after `start`, and the seconds spent inside it (threads of the pipeline may overlap)."""
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
+    def __init__(self, clock=time.perf_counter):
+        self.clock, self.start, self.spans = clock, clock(), {}
 
     @contextmanager
     def phase(self, name: str):
-        t = time.perf_counter()
+        t = self.clock()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+            end = self.clock()
+            first, last, inside = self.spans.get(name, (t, end, 0.0))
+            self.spans[name] = (min(first, t), max(last, end), inside + end - t)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """{phase: seconds spent inside it}."""
+        return {name: inside for name, (_, _, inside) in self.spans.items()}
+
+    def summary(self) -> dict:
+        """{phase: {first_s, last_s, inside_s}}, offsets from `start`."""
+        return {name: {"first_s": round(a - self.start, 4), "last_s": round(b - self.start, 4),
+                       "inside_s": round(inside, 4)} for name, (a, b, inside) in self.spans.items()}
 
 
 def profile_best(model_dir, lines, threads, max_tokens, best: dict) -> str:
     """Where the time of the best configuration goes: phases, then ops."""
     tr = Translator(model_dir, threads=threads, **{**best, "max_tokens": max_tokens, "pipeline": False})
     tr.translate(lines[:8])
-    phases = Phases()
+    phases = Timeline()
     tr.phase = phases.phase
     t = time.perf_counter()
     tr.translate(lines)

@@ -43,7 +43,7 @@ from decoder import Options, cliargs, machine, modeldir
 from decoder.optimisations import BY_NAME
 
 from .baselines import CT2Run, ct2_translator, fastest, hf_translator
-from .bench import GROUPS, SUMMARY_RATIOS, add_test_set_args, ours_go, read_test_set, scores
+from .bench import GROUPS, SUMMARY_RATIOS, Timeline, add_test_set_args, ours_go, read_test_set, scores
 
 BEAM = {"throughput": 1, "beam4": 4, "batch1": 1}
 CT2_TYPES = ("float16", "int8_float16")
@@ -224,29 +224,6 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
 
 
 PASS = "kit.bench_pass"  # the profiled pass's own range, in the kernels' clock
-
-
-class Timeline:
-    """The host's clock through a Translator's `phase` hook: each phase's first entry and last exit
-    after `start`, and the seconds spent inside it (threads of the pipeline may overlap)."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock, self.start, self.spans = clock, clock(), {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t = self.clock()
-        try:
-            yield
-        finally:
-            end = self.clock()
-            first, last, inside = self.spans.get(name, (t, end, 0.0))
-            self.spans[name] = (min(first, t), max(last, end), inside + end - t)
-
-    def summary(self) -> dict:
-        """{phase: {first_s, last_s, inside_s}}, offsets from `start`."""
-        return {name: {"first_s": round(a - self.start, 4), "last_s": round(b - self.start, 4),
-                       "inside_s": round(inside, 4)} for name, (a, b, inside) in self.spans.items()}
 
 
 def host_timeline(go, lines: list[str], clock=time.perf_counter) -> dict:

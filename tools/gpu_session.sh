@@ -10,7 +10,8 @@
 # Everything it writes goes under $OUT (default runs/gpu-session): one log per stage, timings.tsv
 # (stage, seconds, exit status), the bench's tables and summary, the trainer's and the distillation's
 # reports (and each of the distillation's finished trainings' metrics, the report or not). Stages are
-# independent where they can be: bench uses BENCH_MODEL, else the train stage's model; a rerun of distill resumes its run (runs/gpu-default), so a time limit per call costs nothing.
+# independent where they can be: bench uses BENCH_MODEL, else the train stage's model; a rerun of distill
+# resumes its run (runs/gpu-default), so a time limit per call costs nothing.
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present, unpacked from build/carry/data.tar.xz if only that is), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
 # BENCH_ABLATE (the switches also measured flipped and settings changed, --ablate: refill_rows,refill_on_device,
