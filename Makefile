@@ -16,7 +16,7 @@ help:
 	@echo "make setup     create $(VENV) and install what the kit needs"
 	@echo "make cuda-check  compile the CUDA kernels with nvcc (no GPU needed; fetches a CUDA torch)"
 	@echo "make image     the submission image [MODEL=dir] [DEVICE=gpu]; make image-context, then docker build -t kit ."
-	@echo "make gpu-carry  the corpus and wheels tools/gpu_session.sh needs on a GPU machine without network"
+	@echo "make gpu-carry  the corpus, wheels and prebuilt fused ops tools/gpu_session.sh needs on a GPU machine without network"
 	@echo "make oldest-torch-check  the fused ops built and tested on the oldest torch the kit supports"
 
 setup: $(STAMP)
@@ -95,12 +95,19 @@ evaluate: setup
 
 # What tools/gpu_session.sh needs on a lent GPU machine, which reaches no network: the embedded
 # corpus extracted and prepared (build/carry/data.tar.xz, 3 MB; the script unpacks it) and the
-# wheels the machine lacks in the host's versions, for its Python (.whl/). Carry both with the call.
+# wheels the machine lacks in the host's versions, for its Python (.whl/), and the fused ops compiled
+# against its torch for its GPUs (build/carry/ops: the script loads them where they load, and builds
+# its own where not; the first time about 5 GB of CUDA torch and nvcc into build/). Carry build/carry
+# and .whl with the call.
 GPU_PYTHON ?= 3.12
 GPU_WHEELS ?= sacremoses ctranslate2
+GPU_TORCH ?= 2.11.0
+GPU_ARCH ?= 9.0
 gpu-carry: setup
 	KIT_DATA_DIR=$(CURDIR)/data $(VPY) -m student.data prepare -q bible-en-es >/dev/null
 	mkdir -p build/carry && tar cJf build/carry/data.tar.xz data
+	$(VPY) -m tools.cuda_check --venv build/cuda-venv-$(GPU_TORCH) --torch $(GPU_TORCH) --arch "$(GPU_ARCH)" \
+	  --build-dir build/ops-build-carry --out build/carry/ops
 	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 	  --platform manylinux_2_28_x86_64 -d .whl $(shell $(VPY) -c "import sys; from importlib.metadata import \
 	  version as v; print(*(f'{p}=={v(p)}' for p in sys.argv[1:]))" $(GPU_WHEELS) 2>/dev/null)

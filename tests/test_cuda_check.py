@@ -52,6 +52,32 @@ def test_cpu_torch_without_venv_is_one_clear_error(capsys, monkeypatch):
     assert "--venv" in capsys.readouterr().err
 
 
+def test_torch_version_without_venv_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cuda_check.main(["--torch", "2.11.0"])
+    assert e.value.code == 2 and "--torch VERSION needs --venv DIR" in capsys.readouterr().err
+
+
+def test_a_venv_holding_another_torch_version_gets_the_one_asked_for(monkeypatch, tmp_path):
+    """make gpu-carry builds for the lent machine's torch: a venv left with another version (an
+    earlier GPU_TORCH) must not build the carried libraries against it."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    have = {"torch": "2.13.0"}
+    installs = []
+
+    def run(cmd, env=None, check=False, **kw):
+        installs.append(next(a for a in cmd if a.startswith("torch==")))
+        have["torch"] = installs[-1].split("==")[1]
+    monkeypatch.setattr(cuda_check.subprocess, "run", run)
+    monkeypatch.setattr(cuda_check, "_cuda_of", lambda py: "13.0")
+    monkeypatch.setattr(cuda_check, "_torch_of", lambda py: have["torch"])
+    monkeypatch.setattr(cuda_check, "_nvcc", lambda py, major: "nvcc")
+    cuda_check.setup_venv(str(tmp_path), "2.11.0")
+    cuda_check.setup_venv(str(tmp_path), "2.11.0")  # now it holds it: nothing installed
+    assert installs == ["torch==2.11.0"]
+
+
 def test_the_check_wants_a_kernel_for_each_op_the_cuda_source_registers(tmp_path):
     """Not every op has a CUDA kernel (the int8 GEMMs, the one-row CPU steps): the
     check expects those fused_cuda.cu registers for CUDA, and only those."""

@@ -113,6 +113,68 @@ def _fake_python(tmp_path):
     return py, log
 
 
+def test_carried_fused_ops_are_taken_where_they_load_and_built_where_not(tmp_path):
+    """build/carry/ops (make gpu-carry) saves the lent machine its compile where both libraries
+    load into its torch; a probe that fails (another torch) leaves the kit to build its own."""
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "tools" / "gpu_session.sh").write_text(open(SCRIPT).read())
+
+    def session(fails: bool) -> tuple[subprocess.CompletedProcess, list[str]]:
+        log = tmp_path / "py.log"
+        log.unlink(missing_ok=True)
+        py = tmp_path / "py"  # logs the libraries each call sees; the probe fails where asked
+        py.write_text(f'#!/bin/sh\necho "${{DECODER_OPS_LIBRARY:-}}|${{DECODER_OPS_CUDA_LIBRARY:-}}" >> {log}\n'
+                      + ('[ -n "$DECODER_OPS_LIBRARY" ] && echo "cpu no (load failed: undefined symbol)" && exit 1\n'
+                         if fails else "") + "exit 0\n")
+        py.chmod(0o755)
+        r = subprocess.run(["bash", str(tree / "tools" / "gpu_session.sh"), "build"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PY": str(py), "OUT": str(tmp_path / "out")})
+        return r, log.read_text().splitlines()
+
+    r, calls = session(fails=False)  # nothing carried: no probe, the build stage compiles
+    assert r.returncode == 0 and calls[-1] == "|" and "fused ops: the carried" not in r.stderr
+    ops = tree / "build" / "carry" / "ops"
+    ops.mkdir(parents=True)
+    for name in ("decoder_ops.so", "decoder_ops_cuda.so", "sources.sha256"):
+        (ops / name).write_bytes(b"\x7fELF")
+    r, calls = session(fails=False)
+    assert r.returncode == 0 and "carried build/carry/ops loaded" in r.stderr
+    assert calls[-1] == f"{ops}/decoder_ops.so|{ops}/decoder_ops_cuda.so"  # the build stage's python
+    r, calls = session(fails=True)
+    assert r.returncode == 0 and "did not load (cpu no (load failed: undefined symbol)); building" in r.stderr
+    assert calls[-2] == f"{ops}/decoder_ops.so|{ops}/decoder_ops_cuda.so" and calls[-1] == "|"
+
+
+def test_carried_ops_are_refused_once_their_sources_changed(tmp_path):
+    """The digest make gpu-carry writes beside the libraries: any byte, file or flag of the sources
+    changed since, and the lent machine builds its own instead of measuring stale kernels."""
+    import shutil
+    from decoder import ops
+    from tools.cuda_check import sources_digest
+    csrc = tmp_path / "decoder" / "csrc"
+    shutil.copytree(ops._HERE, csrc)
+    shutil.copyfile(os.path.join(ROOT, "decoder", "ops.py"), tmp_path / "decoder" / "ops.py")
+    digest = sources_digest(str(csrc))
+    assert digest == sources_digest() and len(digest) == 64
+    kernel = csrc / "fused_cuda.cu"
+    kernel.write_text(kernel.read_text().replace("32", "16", 1))
+    assert sources_digest(str(csrc)) != digest
+    kernel.write_text(open(os.path.join(ops._HERE, "fused_cuda.cu")).read())
+    (csrc / "new.h").write_text("")
+    assert sources_digest(str(csrc)) != digest
+    (csrc / "new.h").unlink()
+    (tmp_path / "decoder" / "ops.py").write_text("CFLAGS = ['-O2']\n")
+    assert sources_digest(str(csrc)) != digest
+    # the script's probe compares the carried digest with this checkout's, before loading anything
+    probe = re.search(r'\$PY -c "\n(.*?)" "\$CARRIED/sources.sha256"', open(SCRIPT).read(), re.S).group(1)
+    stale = tmp_path / "stale.sha256"
+    stale.write_text(digest.replace(digest[0], "0" if digest[0] != "0" else "1") + "\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(stale)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("built from other sources")
+
+
 def test_the_bench_gets_what_is_left_of_the_calls_seconds(tmp_path):
     """A lent machine's call has a hard limit (CALL_SECONDS): the bench's --time-limit is what is
     left of it less a margin, and a bench with under 30 s left does not start."""
@@ -171,6 +233,9 @@ def test_make_gpu_carry_packs_what_the_script_unpacks_and_pins_the_hosts_wheels(
     recipe = " ".join(r.stdout.replace("\\\n", " ").split())
     script = open(SCRIPT).read()
     assert "tar cJf build/carry/data.tar.xz data" in recipe and '"$ROOT/build/carry/data.tar.xz"' in script
+    check = recipe.split(" -m tools.cuda_check ", 1)[1].split(" pip download ")[0].split()
+    assert check[check.index("--out") + 1] == "build/carry/ops" and "CARRIED=$ROOT/build/carry/ops" in script
+    assert check[check.index("--torch") + 1] == "2.11.0"  # the lent machines' torch (GPU.md)
     assert "student.data prepare -q bible-en-es" in recipe  # the embedded corpus the distill stage reads
     download = recipe.split(" pip download ", 1)[1].split()
     assert download[-2:] == pins and "-d .whl" in " ".join(download)

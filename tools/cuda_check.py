@@ -1,4 +1,4 @@
-"""python -m tools.cuda_check [--venv DIR] [--arch LIST] [--build-dir DIR] [--out DIR]
+"""python -m tools.cuda_check [--venv DIR [--torch VERSION]] [--arch LIST] [--build-dir DIR] [--out DIR]
 
 Compiles the CUDA kernels (decoder/csrc/fused_cuda.cu) with nvcc against a CUDA
 build of torch and checks that every fused op then has a CUDA kernel
@@ -16,6 +16,7 @@ loads them prebuilt (submission/image.py).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import re
@@ -41,7 +42,7 @@ def setup_venv(venv: str, torch_version: str, find_links: str | None = None) -> 
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     env = registry_env()
     pip = [py, "-m", "pip", "install", "-q", *(["--find-links", find_links] if find_links else [])]
-    if not _cuda_of(py):
+    if not _cuda_of(py) or _torch_of(py) != torch_version:
         print(f"installing torch=={torch_version} (CUDA build) into {venv} ...", flush=True)
         subprocess.run(pip + [f"torch=={torch_version}", "numpy", "ninja"], env=env, check=True)
     cuda = _cuda_of(py)
@@ -72,6 +73,14 @@ def _cuda_of(py: str) -> str:
         return ""
 
 
+def _torch_of(py: str) -> str:
+    """The venv's torch version without its local tag (2.11.0 of 2.11.0+cu130)."""
+    try:
+        return _run([py, "-c", "import torch; print(torch.__version__.split('+')[0])"], stderr=subprocess.DEVNULL)
+    except (subprocess.CalledProcessError, OSError):
+        return ""
+
+
 def _nvcc(py: str, major: str) -> str:
     code = f"import sys, glob; print(next(iter(sum((glob.glob(p + '/nvidia/cu{major}/bin/nvcc') for p in sys.path), [])), ''))"
     return _run([py, "-c", code])
@@ -86,6 +95,21 @@ def cuda_ops(source: str | None = None) -> set[str]:
     text = open(source).read()
     block = re.search(r"TORCH_LIBRARY_IMPL\(decoder_ops,\s*CUDA,\s*m\)\s*\{(.*?)\n\}", text, re.S)
     return set(re.findall(r'm\.impl\("(\w+)"', block.group(1))) if block else set()
+
+
+DIGEST = "sources.sha256"  # beside the libraries --out copies: what they were built from
+
+
+def sources_digest(csrc: str | None = None) -> str:
+    """sha256 of decoder/csrc (each file's name and bytes) and decoder/ops.py (the flags): a
+    library carried to another machine is taken there only while this is what it was built from."""
+    if csrc is None:
+        from decoder import ops
+        csrc = ops._HERE
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(csrc, "*"))) + [os.path.join(os.path.dirname(csrc), "ops.py")]:
+        h.update(os.path.basename(path).encode() + b"\0" + open(path, "rb").read() + b"\0")
+    return h.hexdigest()
 
 
 def find_toolkit() -> str | None:
@@ -159,7 +183,9 @@ def check(arch: str, build_dir: str | None, verbose: bool, out: str | None = Non
                    os.path.join(build_dir or _get_build_directory("decoder_ops_cuda", False), "decoder_ops_cuda.so")):
             shutil.copyfile(so, os.path.join(out, os.path.basename(so)))
             os.chmod(os.path.join(out, os.path.basename(so)), 0o644)
-        print(f"copied decoder_ops.so and decoder_ops_cuda.so to {out}")
+        with open(os.path.join(out, DIGEST), "w") as fh:
+            fh.write(sources_digest() + "\n")
+        print(f"copied decoder_ops.so and decoder_ops_cuda.so to {out}, with the digest of their sources")
     print("ok" + ("" if torch.cuda.is_available() else "; no GPU here, so the kernels were not run"))
     return 0
 
@@ -171,15 +197,20 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="8.0;9.0",
                    help="targets without a GPU (TORCH_CUDA_ARCH_LIST wins when set; default: %(default)s)")
     p.add_argument("--build-dir", help="where the library is built (default: torch's extension cache)")
+    p.add_argument("--torch", metavar="VERSION",
+                   help="with --venv: the CUDA torch to build against (default: this torch's version; the "
+                        "libraries load only into the torch they were built for, as a lent GPU machine's)")
     p.add_argument("--find-links", help="with --venv: a folder of wheels tried before the registry (the CUDA torch)")
     p.add_argument("--out", help="copy the built CPU and CUDA libraries into this folder")
     p.add_argument("--verbose", action="store_true", help="show the nvcc and ninja commands")
     a = p.parse_args(argv)
     import torch
+    if a.torch and not a.venv:
+        p.error("--torch VERSION needs --venv DIR: the venv it is installed into")
     if torch.version.cuda is None:
         if not a.venv:
             p.error("this torch is a CPU build; pass --venv DIR to check in a venv with the CUDA build")
-        py = setup_venv(a.venv, torch.__version__.split("+")[0], a.find_links)
+        py = setup_venv(a.venv, a.torch or torch.__version__.split("+")[0], a.find_links)
         rest = ["--arch", a.arch] + (["--build-dir", os.path.abspath(a.build_dir)] if a.build_dir else []) + \
             (["--out", os.path.abspath(a.out)] if a.out else []) + (["--verbose"] if a.verbose else [])
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu_session.sh [STAGE ...]: the kit's GPU checks and measurements on a fresh CUDA machine,
 # one command. Stages, in this order (default: all of them):
-#   build    compile the fused CPU ops and the CUDA kernels; say which loaded        (~1 min)
+#   build    compile the fused CPU ops and the CUDA kernels (or load build/carry/ops); say which loaded (~1 min)
 #   test     pytest tests/test_decoder_gpu.py tests/test_fused_ops.py tests/test_shortlist.py
 #   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
 #   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
@@ -66,6 +66,27 @@ print(next(iter(sorted(glob.glob(d + '/nvidia/*/lib/libcublas.so.1[3-9]*'))), ''
       ln -sf "$(ls "$(dirname "$LIB")"/$f.so.1[3-9]* | head -1)" "$LINKS/$f.so.12"
     done
     export LD_LIBRARY_PATH=$LINKS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+fi
+
+# The fused ops built ahead where there is network (make gpu-carry: build/carry/ops, against the lent machine's
+# torch, with the digest of their sources): where both load here and the sources are this checkout's, every
+# stage takes them as they are and nothing compiles (the build stage took 58 s of a 15-minute lease); where
+# not (another torch, changed sources), the kit builds its own, as without them.
+CARRIED=$ROOT/build/carry/ops
+if [ -z "${DECODER_OPS_LIBRARY:-}" ] && [ -f "$CARRIED/sources.sha256" ]; then
+  if DECODER_OPS_LIBRARY=$CARRIED/decoder_ops.so DECODER_OPS_CUDA_LIBRARY=$CARRIED/decoder_ops_cuda.so $PY -c "
+import sys
+from decoder import fused, ops
+from tools.cuda_check import sources_digest
+if open(sys.argv[1]).read().strip() != sources_digest():
+    sys.exit('built from other sources than decoder/csrc here: make gpu-carry again')
+print(fused.describe())
+sys.exit(0 if ops.available() and ops.cuda_available() else 1)" "$CARRIED/sources.sha256" >"$OUT/carried-ops.log" 2>&1; then
+    export DECODER_OPS_LIBRARY=$CARRIED/decoder_ops.so DECODER_OPS_CUDA_LIBRARY=$CARRIED/decoder_ops_cuda.so
+    say "fused ops: the carried build/carry/ops loaded; nothing to compile"
+  else
+    say "fused ops: the carried build/carry/ops did not load ($(tail -n 1 "$OUT/carried-ops.log")); building them here"
   fi
 fi
 
