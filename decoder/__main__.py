@@ -14,7 +14,7 @@ import sys
 from . import cliargs, lifecycle, refill
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
-from .modeldir import ModelDirError, first_line, is_allocation_failure
+from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
 from .translator import DEFAULT_PRECISION, Translator
@@ -155,6 +155,8 @@ def _start(a, closed):
     options.update(reading_mode(a, sys.stdin))
     try:
         return src, Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)
+    except NoShortlist as e:
+        raise _Refused(f"error: --shortlist: {first_line(e)}") from None
     except ModelDirError as e:
         raise _Refused(f"error: --model {first_line(e)}") from None
     except ValueError as e:

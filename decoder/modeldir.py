@@ -31,6 +31,11 @@ class ModelDirError(Exception):
     """A model dir that cannot be used; str(e) is one line naming the file."""
 
 
+class NoShortlist(ModelDirError):
+    """The shortlist switch is on for a model dir that lists no shortlist: the option is at fault
+    as much as the dir, so the CLI names it."""
+
+
 # -- resource bounds ---------------------------------------------------------------------
 # A config.json is a few KB; reading more than this is a wrong file (a link to
 # /dev/zero, a weights file renamed), never a config.
@@ -423,7 +428,7 @@ def read_shortlist(model_dir: str, cfg: ModelConfig):
     from safetensors.torch import load_file
 
     if cfg.shortlist is None:
-        raise ModelDirError(f"{os.path.join(model_dir, CONFIG)}: no shortlist listed (files.shortlist); "
+        raise NoShortlist(f"{os.path.join(model_dir, CONFIG)}: no shortlist listed (files.shortlist); "
                             f"build one with python -m student.shortlist")
     path = os.path.join(model_dir, cfg.shortlist)
     if not os.path.lexists(path):

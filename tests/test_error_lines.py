@@ -61,6 +61,9 @@ MISSING = {  # case: (module, argv, what the one line says after "error: "); NON
     "decoder --input": ("decoder", ["--model", "MODEL", "--input", "NONE"], "--input NONE: no such file"),
     "decoder --output": ("decoder", ["--model", "MODEL", "--input", "SRC", "--output", "NONE/out"],
                          "--output NONE/out: no such directory NONE"),
+    "decoder --shortlist": ("decoder", ["--model", "MODEL", "--input", "SRC", "--shortlist"],
+                            "--shortlist: MODEL/config.json: no shortlist listed (files.shortlist); "
+                            "build one with python -m student.shortlist"),
     "evaluate --model": ("submission.evaluate", ["--model", "NONE"], "--model NONE: model dir does not exist"),
     "evaluate --teacher": ("submission.evaluate", ["--model", "MODEL", "--teacher", "NONE"],
                            "--teacher NONE: model dir does not exist"),
