@@ -37,6 +37,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned resolve pulls the multi-GB CUDA build
 	$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" || $(VPY) -m pip install -q "torch>=2.4"
 	$(VPY) -m pip install -q -e ".[test,baselines]"
+	# a CUDA torch without a CUDA toolkit: nvcc from the registry, for the CUDA kernels
+	$(VPY) -m tools.cuda_check --install-nvcc
 	# the fused C++ ops now, not in the first decode (20-45 s); prints whether they (and the CUDA
 	# kernels) loaded and if not why: then the PyTorch references run
 	$(VPY) -c "from decoder import fused; print(fused.describe())"

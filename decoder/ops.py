@@ -148,10 +148,14 @@ def _build_cuda() -> bool:
     """The CUDA kernels are a library of their own, so a failed nvcc build costs
     only them (CUDA tensors then take the references), never the CPU ops."""
     from torch.utils.cpp_extension import CUDA_HOME
+
+    from . import toolkit
     prebuilt = os.environ.get("DECODER_OPS_CUDA_LIBRARY")  # the GPU image: no nvcc in there
-    if not prebuilt and (torch.version.cuda is None or CUDA_HOME is None):
-        _state["cuda_why"] = "no nvcc (CUDA_HOME)"
-        print("warning: no nvcc (CUDA_HOME) for the fused CUDA kernels; CUDA uses the PyTorch reference",
+    if not prebuilt and CUDA_HOME is None and (home := toolkit.wheels(torch.version.cuda)):
+        toolkit.use(home)  # a pip-only machine: the nvcc wheels make setup installed
+    elif not prebuilt and (torch.version.cuda is None or CUDA_HOME is None):
+        _state["cuda_why"] = "no nvcc (CUDA_HOME, or the nvcc wheels of make setup)"
+        print(f"warning: {_state['cuda_why']} for the fused CUDA kernels; CUDA uses the PyTorch reference",
               file=sys.stderr, flush=True)
         return False
     try:

@@ -1,19 +1,25 @@
 """tools/cuda_check.py: finding nvcc for the CUDA kernels' build (the build
 itself needs a CUDA torch: `make cuda-check`)."""
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
+from decoder import toolkit
 from tools import cuda_check
 
 
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
-    monkeypatch.delenv("CUDA_HOME", raising=False)
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("CUDA_HOME", "")  # so that delenv restores what was there, even nothing
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # toolkit.use sets it
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored afterwards
-    monkeypatch.setattr(cuda_check, "SYSTEM_CUDA", str(tmp_path / "no-system-cuda"))
+    monkeypatch.setattr(toolkit, "SYSTEM_CUDA", str(tmp_path / "no-system-cuda"))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     return monkeypatch
 
@@ -87,3 +93,29 @@ def test_the_check_wants_a_kernel_for_each_op_the_cuda_source_registers(tmp_path
     assert cuda_check.cuda_ops(str(cu)) == {"a_", "b"}
     assert {"decode_attention", "add_bias_residual_layernorm"} <= cuda_check.cuda_ops()
     assert "int8_gemm" not in cuda_check.cuda_ops()
+
+
+@pytest.mark.parametrize("cuda,found,installs", [
+    (None, None, False),               # a CPU torch: nothing to build
+    ("13.0", "/usr/local/cuda", False),  # a toolkit is there
+    ("13.0", None, True),              # a pip-only GPU machine: the nvcc wheels
+    ("12.8", None, False),             # no nvcc wheels before CUDA 13: a note, nothing installed
+])
+def test_setup_installs_nvcc_only_for_a_cuda_torch_without_a_toolkit(monkeypatch, capsys, cuda, found, installs):
+    calls = []
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(toolkit, "find", lambda c: found)
+    monkeypatch.setattr(cuda_check.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert cuda_check.main(["--install-nvcc"]) == 0
+    assert calls == ([[sys.executable, "-m", "pip", "install", "-q", *toolkit.nvcc_wheels("13.0")]]
+                     if installs else [])
+    assert ("no nvcc on PyPI" in capsys.readouterr().err) == (cuda == "12.8")
+    assert toolkit.nvcc_wheels("13.0")[0] == "nvidia-cuda-nvcc==13.0.*" and toolkit.nvcc_wheels("12.8") == []
+
+
+def test_make_setup_asks_for_nvcc_after_torch():
+    r = subprocess.run(["make", "-s", "-n", "-B", "setup", "PY=python3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    lines = [x for x in r.stdout.splitlines() if " -m pip install" in x or "--install-nvcc" in x]
+    assert "--install-nvcc" in lines[-1] and "torch==" in " ".join(lines[:-1])

@@ -78,7 +78,8 @@ def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeyp
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.delenv(ops.ISA_CAP, raising=False)
     yes = f"cpu yes ({ops.kernel_isa()} kernels)"
-    assert ops.available() and fused.describe() == f"fused ops: {yes}, cuda no (no nvcc (CUDA_HOME))"
+    assert ops.available() and \
+        fused.describe() == f"fused ops: {yes}, cuda no (no nvcc (CUDA_HOME, or the nvcc wheels of make setup))"
 
     def nvcc_fails(*a, **k):
         raise RuntimeError("Error building extension 'decoder_ops_cuda'\nfused_cuda.cu(12): error: identifier x")
@@ -87,6 +88,31 @@ def test_cuda_reasons_name_a_missing_nvcc_and_a_failed_nvcc_build(fresh, monkeyp
     monkeypatch.setattr(ops, "build_cuda_library", nvcc_fails)
     assert fused.describe() == f"fused ops: {yes}, cuda no (build failed: fused_cuda.cu(12): error: identifier x)"
 
+
+
+def test_cuda_kernels_build_with_the_nvcc_wheels_where_no_toolkit_is_installed(fresh, monkeypatch, tmp_path):
+    """A GPU machine set up with pip alone: torch finds no CUDA_HOME, make setup installed the nvcc
+    wheels (site-packages/nvidia/cu13), and the build takes them instead of the references."""
+    from torch.utils import cpp_extension
+    home = tmp_path / "site" / "nvidia" / "cu13"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("")
+    (home / "lib").mkdir()
+    (home / "lib" / "libcudart.so.13").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")] + sys.path)
+    monkeypatch.setattr(ops, "build_library", lambda *a, **k: None)
+    monkeypatch.setattr(ops, "_register_fakes", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setenv("CUDA_HOME", "restored after the test")
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    built = []
+    monkeypatch.setattr(ops, "build_cuda_library", lambda *a, **k: built.append(cpp_extension.CUDA_HOME))
+    assert ops.available() and ops.cuda_available() and built == [str(home)]
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(home / "bin")
+    assert os.readlink(home / "lib" / "libcudart.so") == "libcudart.so.13"  # for the link's -lcudart
 
 
 def test_settings_line_says_the_self_check_refused_cuda_kernels_that_built(fresh, monkeypatch, capsys):

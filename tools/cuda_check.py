@@ -24,10 +24,8 @@ import subprocess
 import sys
 import time
 
+from decoder import toolkit
 from decoder.cliargs import ArgumentParser, add_version
-
-SYSTEM_CUDA = "/usr/local/cuda"
-
 
 def _run(cmd, env=None, stderr=None) -> str:
     return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, stderr=stderr).stdout.strip()
@@ -48,11 +46,9 @@ def setup_venv(venv: str, torch_version: str, find_links: str | None = None) -> 
     cuda = _cuda_of(py)
     if not cuda:
         sys.exit(f"error: PyPI gave torch=={torch_version} without CUDA; install a CUDA build into {venv} by hand")
-    major, minor = cuda.split(".")[:2]
-    if not _nvcc(py, major) and int(major) >= 13:
-        print(f"installing nvcc {major}.{minor} (nvidia-cuda-nvcc wheels) ...", flush=True)
-        subprocess.run(pip + [f"nvidia-{n}=={major}.{minor}.*" for n in
-                              ("cuda-nvcc", "nvvm", "cuda-crt", "cuda-cccl", "cuda-runtime")], env=env, check=True)
+    if not _nvcc(py, cuda.split(".")[0]) and toolkit.nvcc_wheels(cuda):
+        print(f"installing nvcc {cuda} (nvidia-cuda-nvcc wheels) ...", flush=True)
+        subprocess.run(pip + toolkit.nvcc_wheels(cuda), env=env, check=True)
     return py
 
 
@@ -113,33 +109,28 @@ def sources_digest(csrc: str | None = None) -> str:
 
 
 def find_toolkit() -> str | None:
-    """CUDA_HOME for the build: $CUDA_HOME, /usr/local/cuda, the nvidia/cuNN
-    folder of pip wheels matching this torch, or nvcc on $PATH, in that order
-    (a /usr/local/bin/nvcc may be a wrapper script, so PATH comes last). Sets
-    $CUDA_HOME and $PATH; must run before torch.utils.cpp_extension is
-    imported, which reads them once."""
-    import shutil
-
+    """CUDA_HOME for the build (decoder/toolkit.py `find`: $CUDA_HOME, /usr/local/cuda, the
+    nvidia/cuNN folder of pip wheels matching this torch, nvcc on $PATH), set for this process."""
     import torch
-    home = os.environ.get("CUDA_HOME")
-    if not home and os.path.exists(os.path.join(SYSTEM_CUDA, "bin", "nvcc")):
-        home = SYSTEM_CUDA
-    if not home:
-        major = (torch.version.cuda or "0").split(".")[0]
-        found = sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", f"cu{major}", "bin", "nvcc")))
-        if found:
-            home = os.path.dirname(os.path.dirname(found[0]))
-            # the wheels ship libcudart.so.N only; the extension links -lcudart
-            lib = os.path.join(home, "lib")
-            so = sorted(glob.glob(os.path.join(lib, "libcudart.so.*")))
-            if so and not os.path.exists(os.path.join(lib, "libcudart.so")):
-                os.symlink(os.path.basename(so[0]), os.path.join(lib, "libcudart.so"))
-    if not home and shutil.which("nvcc"):
-        home = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("nvcc"))))
-    if home:
-        os.environ["CUDA_HOME"] = home
-        os.environ["PATH"] = os.path.join(home, "bin") + os.pathsep + os.environ.get("PATH", "")
-    return home
+    home = toolkit.find(torch.version.cuda)
+    return toolkit.use(home) if home else None
+
+
+def install_nvcc() -> int:
+    """`make setup`: nvcc from the package registry into this venv where its torch is a CUDA
+    build of 13 or later and no toolkit is found, so the first decode on the GPU builds the CUDA
+    kernels instead of running the PyTorch references. Nothing on a CPU torch."""
+    import torch
+    cuda = torch.version.cuda
+    if not cuda or toolkit.find(cuda):
+        return 0
+    want = toolkit.nvcc_wheels(cuda)
+    if not want:
+        print(f"note: torch's CUDA {cuda} has no nvcc on PyPI; the CUDA kernels need a CUDA toolkit "
+              "($CUDA_HOME or /usr/local/cuda)", file=sys.stderr)
+        return 0
+    print(f"installing nvcc {cuda} for the CUDA kernels (nvidia-cuda-nvcc wheels) ...", flush=True)
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", *want], env=registry_env()).returncode
 
 
 def check(arch: str, build_dir: str | None, verbose: bool, out: str | None = None) -> int:
@@ -203,7 +194,12 @@ def main(argv=None) -> int:
     p.add_argument("--find-links", help="with --venv: a folder of wheels tried before the registry (the CUDA torch)")
     p.add_argument("--out", help="copy the built CPU and CUDA libraries into this folder")
     p.add_argument("--verbose", action="store_true", help="show the nvcc and ninja commands")
+    p.add_argument("--install-nvcc", action="store_true",
+                   help="only install nvcc from the registry into this venv where its torch is a CUDA build "
+                        "(13 or later) and no toolkit is found (make setup), then exit")
     a = p.parse_args(argv)
+    if a.install_nvcc:
+        return install_nvcc()
     import torch
     if a.torch and not a.venv:
         p.error("--torch VERSION needs --venv DIR: the venv it is installed into")
