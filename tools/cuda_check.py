@@ -27,6 +27,7 @@ import time
 from decoder import toolkit
 from decoder.cliargs import ArgumentParser, add_version
 
+
 def _run(cmd, env=None, stderr=None) -> str:
     return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, stderr=stderr).stdout.strip()
 
