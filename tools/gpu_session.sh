@@ -119,11 +119,12 @@ run() {
 stage_build() {
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
   run build $PY -c "
-import torch
+import os, torch
 from decoder import ops
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0))
 print('fused CPU ops loaded:', ops.available())
 print('CUDA kernels loaded:', ops.cuda_available())
+print('from:', os.environ.get('DECODER_OPS_CUDA_LIBRARY') or 'built here')
 "
 }
 
