@@ -47,7 +47,7 @@ def setup_venv(venv: str, torch_version: str, find_links: str | None = None) -> 
     cuda = _cuda_of(py)
     if not cuda:
         sys.exit(f"error: PyPI gave torch=={torch_version} without CUDA; install a CUDA build into {venv} by hand")
-    if not _nvcc(py, cuda.split(".")[0]) and toolkit.nvcc_wheels(cuda):
+    if not _nvcc(py, cuda) and toolkit.nvcc_wheels(cuda):
         print(f"installing nvcc {cuda} (nvidia-cuda-nvcc wheels) ...", flush=True)
         subprocess.run(pip + toolkit.nvcc_wheels(cuda), env=env, check=True)
     return py
@@ -78,9 +78,11 @@ def _torch_of(py: str) -> str:
         return ""
 
 
-def _nvcc(py: str, major: str) -> str:
-    code = f"import sys, glob; print(next(iter(sum((glob.glob(p + '/nvidia/cu{major}/bin/nvcc') for p in sys.path), [])), ''))"
-    return _run([py, "-c", code])
+def _nvcc(py: str, cuda: str) -> str:
+    """The wheels' toolkit of the venv's python `py` (decoder/toolkit.py `wheels`, asked there), or ""."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"from decoder import toolkit; print(toolkit.wheels({cuda!r}) or '')"
+    return _run([py, "-c", code], env=dict(os.environ, PYTHONPATH=root))
 
 
 def cuda_ops(source: str | None = None) -> set[str]:
