@@ -247,6 +247,12 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     assert {r["lines"] for r in rows if r["group"] == "batch1"} == {2}
     if "ct2" in engines:
         assert "ct2 float16" in names and "ct2 int8_float16" not in names
+        # its sweep in one call with one cap, then its other ways at that size; batch 1 a sentence a call
+        ct2 = [(r["group"], r.get("how"), r["batch"]) for r in rows if r["engine"] == "ct2 float16"]
+        size = bench_gpu.SWEEPS["throughput"]["ct2"][0]
+        assert ct2 == [("throughput", "one cap", size), *(("throughput", how, size) for how, _ in bench_gpu.CT2_WAYS),
+                       ("batch1", None, 1)]
+        assert all(r["src_words_per_s"] > 0 and r["bleu"] >= 0 for r in rows if r["engine"] == "ct2 float16")
     s = bench_gpu.summary(rows, None, {})
     assert s["src_words_per_s"] == bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"]
 
@@ -396,7 +402,7 @@ def fake_engines(monkeypatch, clock, seconds: dict) -> None:
     names = list(dict.fromkeys(name for name, _ in seconds))
     monkeypatch.setattr(bench_gpu, "Engines", Eng)
     monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
-        (name, lambda e, g, s, name=name: Loaded(seconds[name, g])) for name in names])
+        (name, lambda e, g, s, name=name, **how: Loaded(seconds[name, g])) for name in names])
 
 
 def test_a_time_limited_run_writes_every_row_as_it_goes_and_records_the_rows_left_out(monkeypatch):
@@ -435,10 +441,12 @@ def test_a_time_limited_run_still_runs_our_ablation_rows_after_a_slower_engines_
     a = argparse.Namespace(model="m", engines=["ours", "ct2"], passes=1, beam_lines=1, batch1_lines=1,
                            ablate=["fast_normaliser"], chunked=0, time_limit=12.0)
     rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu", clock=clock)
-    # ours 0-1 and 1-2 s, CTranslate2 2-8 s; the ablation row of ours (1 s) fits at 8 where 6 s would not
-    assert [(r["engine"], r.get("error")) for r in rows] == [
-        ("ours fp16", None), ("ours fp16", None), ("ct2 float16", None),
-        (f"{bench_gpu.ABLATION} without fast_normaliser", None)]
+    # ours 0-1 and 1-2 s, CTranslate2 2-8 s; the ablation row of ours (1 s) fits at 8 where CTranslate2's
+    # other ways (6 s each) do not
+    assert [(r["engine"], r.get("how"), r.get("error")) for r in rows] == [
+        ("ours fp16", None, None), ("ours fp16", None, None), ("ct2 float16", "one cap", None),
+        *(("ct2 float16", how, bench_gpu.NOT_RUN) for how, _ in bench_gpu.CT2_WAYS),
+        (f"{bench_gpu.ABLATION} without fast_normaliser", None, None)]
 
 
 def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
@@ -471,3 +479,60 @@ def test_an_ablation_entry_flips_switches_or_sets_settings_together():
     for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "refill_rows+", "sync_every=2+sync_every=4"):
         with pytest.raises(ValueError):
             bench_gpu.ablation(bad)
+
+
+def test_ctranslate2_rows_take_one_cap_unless_a_way_says_otherwise(monkeypatch):
+    """On a GPU CTranslate2 ran in our caps' calls (93 of about 80 sentences for 10,000 lines), so
+    its swept batch sizes hardly changed its batches: its sweep runs the whole input in one call."""
+    runs = []
+    monkeypatch.setattr(bench_gpu, "ct2_translator", lambda ct2_dir, model, run, device: runs.append(run) or None)
+    eng = bench_gpu.Engines("m", "w", device="cuda")
+    eng._ct2 = "ct2-dir"
+    loaders = dict(bench_gpu.engine_list(["ct2"], ["float16"]))
+    loaders["ct2 float16"](eng, "throughput", 32768)
+    loaders["ct2 float16"](eng, "beam4", 8192, **dict(bench_gpu.CT2_WAYS)["caps as ours"])
+    loaders["ct2 float16"](eng, "throughput", 16384, **dict(bench_gpu.CT2_WAYS)["one cap, inter_threads 4"])
+    loaders["ct2 float16"](eng, "batch1", 1)
+    assert [(r.compute_type, r.beam, r.max_batch_size, r.one_cap, r.inter_threads, r.batch1) for r in runs] == [
+        ("float16", 1, 32768, True, 1, False), ("float16", 4, 8192, False, 1, False),
+        ("float16", 1, 16384, True, 4, False), ("float16", 1, 1, False, 1, True)]
+
+
+def test_ctranslate2s_other_ways_run_at_its_best_size_and_may_be_its_best(monkeypatch):
+    import argparse
+    speed = {(None, 1024): 10.0, (None, 2048): 20.0, ("caps as ours", 2048): 8.0,
+             ("one cap, inter_threads 2", 2048): 30.0, ("one cap, inter_threads 4", 2048): 25.0}
+    ways = {tuple(sorted(kw.items())): how for how, kw in bench_gpu.CT2_WAYS}
+
+    class Loaded:
+        def __init__(self, wps):
+            self.wps = wps
+
+        def __enter__(self):
+            return lambda ls: list(ls)
+
+        def __exit__(self, *exc):
+            return None
+
+    def load(e, g, s, **how):
+        return Loaded(speed[ways.get(tuple(sorted(how.items()))), s])
+
+    monkeypatch.setattr(bench_gpu, "Engines", lambda *a: None)
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [("ct2 float16", load)])
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ct2": (1024, 2048)}})
+    monkeypatch.setattr(bench_gpu, "measured", lambda deadline, where, loaded, s, r, passes: {
+        "src_words_per_s": loaded.wps, "seconds": 1.0, "bleu": 1.0, "chrf": 1.0, "row_s": 1.0})
+    src = ["a b", "c d"]
+    a = argparse.Namespace(model="m", engines=["ct2"], passes=1, beam_lines=1, batch1_lines=1, ablate=[], chunked=0)
+    rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
+    assert [(r.get("how"), r["batch"], r["src_words_per_s"]) for r in rows] == [
+        ("one cap", 1024, 10.0), ("one cap", 2048, 20.0), ("caps as ours", 2048, 8.0),
+        ("one cap, inter_threads 2", 2048, 30.0), ("one cap, inter_threads 4", 2048, 25.0)]
+    top = bench_gpu.best(rows, "throughput", "ct2")
+    assert top["how"] == "one cap, inter_threads 2"  # the denominator of the ratio
+    ours = row("throughput", "ours fp16", 65536, 60.0)
+    assert bench_gpu.summary([*rows, ours], None, {})["throughput_vs_ct2_best"] == 2.0
+    md = bench_gpu.to_markdown([*rows, ours], bench_gpu.summary([*rows, ours], None, {}), None, "head")
+    assert "| ct2 float16 (one cap, inter_threads 2) | 2048 | **30** | 1.00 |" in md
+    assert "| ct2 float16 (caps as ours) | 2048 | 8 | 0.27 |" in md

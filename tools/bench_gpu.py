@@ -16,6 +16,15 @@ the text pipeline; --chunked adds ours in chunks of that many lines, as a run
 of more than `chunk_lines` lines reads them (the next chunk encoded beside the
 decoding), and --ablate ours with single switches flipped or settings changed.
 
+CTranslate2 runs as it is plainly used on a GPU: the whole input in one
+`translate_batch` call with one length cap (the longest sentence's), which it
+sorts and cuts into batches of the swept size. At its best size it also runs
+with the caps of our decoder (one call per cap, as tools.bench does on a CPU:
+the same outputs as ours, but 93 calls of about 80 sentences for the 10,000
+lines, whatever the size) and with `inter_threads` 2 and 4 (batches on
+several CUDA streams, which its parallelism guide offers for a GPU); its best
+row of all of them is the denominator.
+
 Writes PREFIX.md and PREFIX.json (every row of every sweep) after every row,
 marked partial until the run ends, then the summary (one object in a list, as
 tools.bench's summary.json: the same ratio keys plus device, gpu,
@@ -59,6 +68,13 @@ SWEEPS = {
     "beam4": {"ours": (None, 4096, 8192, 16384, 32768), "ct2": (2048, 4096, 8192, 16384), "hf": (32, 64, 128)},
     "batch1": {"ours": (1,), "ct2": (1,), "hf": (1,)},
 }
+# CTranslate2's ways, each a row at its sweep's best size (throughput and beam 4): (label, CT2Run fields).
+# Its sweep rows are ONE_CAP. Until 2026-11-27 every GPU row ran in our caps' calls: at 10,000 lines
+# 93 calls of at most 11k tokens (beam 4: 72 calls, 14 sentences at the median), so its swept
+# sizes hardly changed its batches.
+ONE_CAP = "one cap"
+CT2_WAYS = (("caps as ours", {"one_cap": False}), ("one cap, inter_threads 2", {"inter_threads": 2}),
+            ("one cap, inter_threads 4", {"inter_threads": 4}))
 PARTIAL = "(Partial: written after each row; the run has not ended.)"
 NOT_PROFILED = ("CTranslate2 runs its own CUDA kernels, which torch.profiler does not see: it has no GPU-busy "
                 "figure; transformers is not profiled")
@@ -266,8 +282,10 @@ class Engines:
         kw = {} if size is None else {"max_tokens": size, "max_sentences": max(size // 8, 1)}
         return ours_go(self.model_dir, os.cpu_count() or 1, False, beam=BEAM[group], **on, **kw)
 
-    def ct2(self, compute_type: str, group: str, size: int):
-        run = CT2Run(compute_type=compute_type, beam=BEAM[group], max_batch_size=size, batch1=group == "batch1")
+    def ct2(self, compute_type: str, group: str, size: int, **how):
+        """CTranslate2 loaded for a row: one cap (its plain use) unless `how` (CT2Run fields) says otherwise."""
+        run = CT2Run(**{"compute_type": compute_type, "beam": BEAM[group], "max_batch_size": size,
+                        "batch1": group == "batch1", "one_cap": group != "batch1", **how})
         if self.device != "cuda":  # CTranslate2's CPU kernels have no float16
             run = CT2Run(**{**run.__dict__, "compute_type": "float32" if compute_type == "float16" else "int8"})
         return _plain(ct2_translator(self.ct2_dir(), self.model_dir, run, device=self.device))
@@ -298,7 +316,7 @@ def engine_list(engines: list[str], ct2_types=None) -> list[tuple[str, object]]:
     if "ours" in engines:
         out.append(("ours fp16", lambda e, g, s: e.ours(g, s)))
     if "ct2" in engines:
-        out += [(f"ct2 {t}", lambda e, g, s, t=t: e.ct2(t, g, s)) for t in ct2_types or CT2_TYPES]
+        out += [(f"ct2 {t}", lambda e, g, s, t=t, **how: e.ct2(t, g, s, **how)) for t in ct2_types or CT2_TYPES]
     if "hf" in engines:
         out.append(("hf fp16", lambda e, g, s: e.hf(g, s)))
     return out
@@ -348,12 +366,13 @@ class Record:
 
 
 def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, lines: tuple, passes: int,
-              loaded) -> dict | None:
-    """One --ablate or --chunked row of ours, `loaded` (a context, entered only if the row runs) on
-    `lines` (src, ref): measured and recorded, or recorded as not run where the time limit leaves it
-    out (None)."""
+              loaded, how: str | None = None) -> dict | None:
+    """One row beside the sweeps (ours' --ablate and --chunked, CTranslate2's other ways), `loaded`
+    (a context, entered only if the row runs) on `lines` (src, ref): measured and recorded, or
+    recorded as not run where the time limit leaves it out (None). `how`: the engine's settings."""
     s, r = lines
-    base = {"group": group, "engine": engine, "lines": len(s), "words": sum(len(x.split()) for x in s), "batch": batch}
+    base = {"group": group, "engine": engine, **({"how": how} if how else {}), "lines": len(s),
+            "words": sum(len(x.split()) for x in s), "batch": batch}
     if not deadline.allows(slot(group, engine)):
         rec.add({**base, "error": NOT_RUN})
         return None
@@ -418,6 +437,21 @@ def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadlin
                     f"words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x ours by default)")
 
 
+def ct2_way_rows(name: str, load, eng: "Engines", group: str, lines: tuple, a, rec: Record, deadline: Deadline,
+                 log) -> None:
+    """CTranslate2 (`name`, its loader) at its best size of `group` in each of CT2_WAYS: rows of that
+    engine, so its best row may be one of them."""
+    top = best(rec.rows, group, name)
+    if top is None or group == "batch1":
+        return
+    for how, kw in CT2_WAYS:
+        row = extra_row(rec, deadline, group, name, top["batch"], lines, a.passes, load(eng, group, top["batch"], **kw),
+                        how=how)
+        if row is not None:
+            log(f"{group:10} {name} ({how}) batch {_label(top['batch'])}: {row['src_words_per_s']:,.0f} words/s "
+                f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x its one-cap row)  BLEU {row['bleu']}")
+
+
 def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
     """Ours at its best throughput size with the text read in chunks of --chunked lines, as every
     run of more than `chunk_lines` (20,000) lines is: the next chunk's encoding runs beside the
@@ -479,9 +513,12 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
                     log(f"{group:10} {name:18} batch {_label(size):>8}: {row['src_words_per_s']:12,.0f} words/s  "
                         f"BLEU {row['bleu']}")
                     return row
+                how = {"how": ONE_CAP} if name.startswith("ct2") and group != "batch1" else {}
                 sweep(run, SWEEPS[group][name.split()[0]],
-                      each=lambda row, name=name: rec.add({"group": group, "engine": name, "lines": len(s),
-                                                           "words": words, **row}))
+                      each=lambda row, name=name, how=how: rec.add({"group": group, "engine": name, **how,
+                                                                    "lines": len(s), "words": words, **row}))
+                if name.startswith("ct2"):
+                    ct2_way_rows(name, load, eng, group, (s, r), a, rec, deadline, log)
                 if group == "throughput" and name == "ours fp16" and device == "cuda":
                     rec.prof = profiled(eng, src, rec.rows, deadline, log)
                     rec.save()
@@ -550,12 +587,14 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
                "|---|---:|---:|---:|---:|---:|"]
         for r in (x for x in rows if x["group"] == g):
             if "error" in r:
-                md.append(f"| {r['engine']} | {_label(r['batch'])} | {r['error']} | | | |")
+                how = f" ({r['how']})" if r.get("how") else ""
+                md.append(f"| {r['engine']}{how} | {_label(r['batch'])} | {r['error']} | | | |")
                 continue
             mark = "**" if r is best(rows, g, r["engine"]) else ""
             x = ratio(r, ref)
             eager = " (graph capture failed: eager)" if r.get("graphs_failed") else ""
-            md.append(f"| {r['engine']}{eager} | {_label(r['batch'])} | {mark}{r['src_words_per_s']:,.0f}{mark} | "
+            how = f" ({r['how']})" if r.get("how") else ""
+            md.append(f"| {r['engine']}{how}{eager} | {_label(r['batch'])} | {mark}{r['src_words_per_s']:,.0f}{mark} | "
                       f"{'-' if x is None else f'{x:.2f}'} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
         md.append("")
     ratios = ", ".join(f"{SUMMARY_RATIOS[g]} {summ[SUMMARY_RATIOS[g]]}" for g in GROUPS)
