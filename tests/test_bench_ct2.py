@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decoder import Translator, modeldir
-from tools import bench
+from tools import baselines, bench
 from tools.baselines import VMAP, CT2Run, cap_groups, ct2_runs, ct2_translator, write_vmap
 from tools.convert import max_decoding_length, to_ctranslate2
 
@@ -117,6 +117,10 @@ def test_ct2_in_token_batches_on_parallel_workers_gives_our_greedy_output(tmp_pa
     assert go(lines) == ours
     longer = ct2_translator(ct2, MODEL, CT2Run("float32", inter_threads=2, max_batch_size=64, one_cap=True))(lines)
     assert longer != ours  # the one-cap row: the capped sentences run on to the longest line's cap
+    # its text pipeline's normaliser in processes, as ours on a GPU machine: the same lines
+    pooled = ct2_translator(ct2, MODEL, CT2Run("float32", max_batch_size=64), text_processes=2)
+    assert pooled(lines + ["", "  "]) == ours + ["", ""]
+    assert baselines._text(MODEL, 2)[1].pool is not None and baselines._text(MODEL)[1].pool is None
 
 
 # -- ISA passes and summary.json -------------------------------------------------------------------

@@ -484,8 +484,10 @@ def test_an_ablation_entry_flips_switches_or_sets_settings_together():
 def test_ctranslate2_rows_take_one_cap_unless_a_way_says_otherwise(monkeypatch):
     """On a GPU CTranslate2 ran in our caps' calls (93 of about 80 sentences for 10,000 lines), so
     its swept batch sizes hardly changed its batches: its sweep runs the whole input in one call."""
-    runs = []
-    monkeypatch.setattr(bench_gpu, "ct2_translator", lambda ct2_dir, model, run, device: runs.append(run) or None)
+    runs, text = [], []
+    monkeypatch.setattr(bench_gpu, "ct2_translator", lambda ct2_dir, model, run, device, text_processes: (
+        runs.append(run), text.append(text_processes)) and None)
+    monkeypatch.setattr(bench_gpu.os, "sched_getaffinity", lambda pid: set(range(16)))
     eng = bench_gpu.Engines("m", "w", device="cuda")
     eng._ct2 = "ct2-dir"
     loaders = dict(bench_gpu.engine_list(["ct2"], ["float16"]))
@@ -496,6 +498,8 @@ def test_ctranslate2_rows_take_one_cap_unless_a_way_says_otherwise(monkeypatch):
     assert [(r.compute_type, r.beam, r.max_batch_size, r.one_cap, r.inter_threads, r.batch1) for r in runs] == [
         ("float16", 1, 32768, True, 1, False), ("float16", 4, 8192, False, 1, False),
         ("float16", 1, 16384, True, 4, False), ("float16", 1, 1, False, 1, True)]
+    assert text == [8] * 4  # the normaliser processes ours runs on a 16-core GPU machine
+    assert bench_gpu.Engines("m", "w", device="cpu").text_processes() == 0  # as ours on a CPU
 
 
 def test_ctranslate2s_other_ways_run_at_its_best_size_and_may_be_its_best(monkeypatch):

@@ -190,12 +190,31 @@ def test_a_shortlisted_model_gets_our_shortlist_row_beside_ct2s_vmap_row(tiny, t
     assert len(vmap) == 1 and vmap[0].extra["ct2_inter_threads"] == 2 and "vmap" in vmap[0].label
     assert len(grid([("m", tiny["model"])], ["decoder", "ct2"], ["int8"], [1], [2], ["throughput"])) == 2
     seen = {}
-    monkeypatch.setattr("tools.baselines.ct2_translator", lambda d, m, run, device: seen.setdefault("run", run))
+    monkeypatch.setattr("tools.baselines.ct2_translator", lambda d, m, run, device, **kw: seen.setdefault("run", run))
     monkeypatch.setattr("tools.convert.to_ctranslate2", lambda m, out, quantization: out)
     spec = {"engine": "ct2", "model_dir": d, "mode": "throughput", "precision": "int8", "beam": 1, "threads": 2,
             "max_tokens": 100, "device": "cpu", "extra": vmap[0].extra}
     worker.load(spec, str(tmp_path))
     assert seen["run"].use_vmap and seen["run"].inter_threads == 2
+    assert not seen["run"].one_cap  # on a CPU each sentence its own cap, as ours
+
+
+def test_ct2_on_a_gpu_runs_in_one_call_at_our_gpu_batch_budget_with_our_text_processes(tmp_path, monkeypatch):
+    """In one call per length cap CTranslate2's GPU batches were a few dozen sentences (tools/bench_gpu.py)."""
+    from decoder.cliargs import GPU_MAX_TOKENS
+    from submission.evaluate import worker
+    seen = []
+    monkeypatch.setattr("tools.baselines.ct2_translator", lambda d, m, run, device, text_processes: seen.append(
+        (run, device, text_processes)))
+    monkeypatch.setattr("tools.convert.to_ctranslate2", lambda m, out, quantization: out)
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(range(16)))
+    for beam, tokens in ((1, None), (4, None), (4, 5000)):
+        spec = {"engine": "ct2", "model_dir": "m", "mode": "throughput", "precision": "fp16", "beam": beam,
+                "threads": 1, "max_tokens": tokens, "device": "cuda", "extra": {}}
+        worker.load(spec, str(tmp_path))
+    assert [(r.compute_type, r.one_cap, r.max_batch_size, dev, n) for r, dev, n in seen] == [
+        ("float16", True, GPU_MAX_TOKENS, "cuda", 8), ("float16", True, GPU_MAX_TOKENS // 4, "cuda", 8),
+        ("float16", True, 5000, "cuda", 8)]
 
 
 def test_test_set_pair_from_file_suffixes_or_given(tiny, tmp_path, capsys):

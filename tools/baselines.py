@@ -17,16 +17,21 @@ import time
 from dataclasses import dataclass, replace
 
 from decoder import modeldir
-from decoder.pipeline import Text
+from decoder.pipeline import NormalisePool, Text
 
 from .convert import max_decoding_length, to_hf
 
 VMAP = "vmap.txt"  # the name CTranslate2's converter gives --vocab_mapping in a model dir
 
 
-def _text(model_dir):
+def _text(model_dir, processes: int = 0):
+    """The model's text pipeline; `processes` > 0: its normaliser in that many worker processes, as
+    our decoder's on a GPU machine (switch normalise_processes), so the engines' text costs match."""
     cfg, _, spm_path = modeldir.load(model_dir)
-    return cfg, Text(cfg, spm_path, cfg.arch.max_positions)
+    text = Text(cfg, spm_path, cfg.arch.max_positions)
+    if processes > 0 and cfg.normaliser:
+        text.pool = NormalisePool.shared(cfg, processes)
+    return cfg, text
 
 
 @dataclass(frozen=True)
@@ -98,21 +103,23 @@ def cap_groups(toks: list[list[str]], max_positions: int) -> dict[int, list[int]
     return groups
 
 
-def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
-    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart)."""
+def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu", text_processes: int = 0):
+    """Load once; return translate(lines) -> hypotheses (submission/evaluate times the two apart).
+    Pieces go in and come out as lists through SentencePiece (a Python call per token cost 0.2 s
+    for 10,000 lines, more than a tenth of a fast GPU pass). `text_processes`: see `_text`."""
     import ctranslate2
-    cfg, text = _text(model_dir)
+    cfg, text = _text(model_dir, text_processes)
     if run.use_vmap and not os.path.isfile(os.path.join(ct2_dir, VMAP)):
         write_vmap(ct2_dir, model_dir)
     tr = ctranslate2.Translator(ct2_dir, device=device, compute_type=run.compute_type,
                                 inter_threads=run.inter_threads, intra_threads=run.intra_threads)
-    piece, P = text.sp.id_to_piece, cfg.arch.max_positions
+    piece, P = text.sp.id_to_piece, cfg.arch.max_positions  # piece(list of ids) -> list of pieces
     kw = dict(beam_size=run.beam, min_decoding_length=0, max_input_length=P, use_vmap=run.use_vmap)
 
     def go(ls):
         srcs = text.encode(ls)
         idx = [i for i, s in enumerate(srcs) if s]
-        toks = [[piece(t) for t in srcs[i][:-1]] for i in idx]  # the CT2 dir appends </s> (add_source_eos)
+        toks = [piece(srcs[i][:-1]) for i in idx]  # the CT2 dir appends </s> (add_source_eos)
         res = [None] * len(toks)
         if run.batch1:
             for j, t in enumerate(toks):
@@ -130,7 +137,7 @@ def ct2_translator(ct2_dir, model_dir, run: CT2Run, device="cpu"):
                 for j, f in zip(js, futures):
                     res[j] = f.result()
         out = [""] * len(ls)
-        dec = text.decode([[text.sp.piece_to_id(p) for p in r.hypotheses[0]] for r in res])
+        dec = text.decode([r.hypotheses[0] for r in res])  # SentencePiece decodes pieces as it does ids
         for i, s in zip(idx, dec):
             out[i] = s
         return out
@@ -165,13 +172,14 @@ def run_ct2(ct2_dir, model_dir, lines, run: CT2Run, passes: int = 1):
     return fastest(ct2_translator(ct2_dir, model_dir, run), lines, passes)
 
 
-def hf_translator(model_dir, threads, batch=64, beam=1, device="cpu", half=False):
-    """Load once; return translate(lines) -> hypotheses. `half`: fp16 weights (a GPU's)."""
+def hf_translator(model_dir, threads, batch=64, beam=1, device="cpu", half=False, text_processes: int = 0):
+    """Load once; return translate(lines) -> hypotheses. `half`: fp16 weights (a GPU's);
+    `text_processes`: see `_text`."""
     import torch
     torch.set_num_threads(threads)
     model, cfg = to_hf(model_dir)
     model = (model.half() if half else model).to(device)
-    _, text = _text(model_dir)
+    _, text = _text(model_dir, text_processes)
 
     def go(ls):
         srcs = text.encode(ls)

@@ -50,6 +50,7 @@ import torch
 
 from decoder import Options, cliargs, machine, modeldir
 from decoder.optimisations import BY_NAME
+from decoder.pipeline import normalise_processes
 
 from .baselines import CT2Run, ct2_translator, fastest, hf_translator
 from .bench import GROUPS, SUMMARY_RATIOS, Timeline, add_test_set_args, ours_go, read_test_set, scores
@@ -288,11 +289,18 @@ class Engines:
                         "batch1": group == "batch1", "one_cap": group != "batch1", **how})
         if self.device != "cuda":  # CTranslate2's CPU kernels have no float16
             run = CT2Run(**{**run.__dict__, "compute_type": "float32" if compute_type == "float16" else "int8"})
-        return _plain(ct2_translator(self.ct2_dir(), self.model_dir, run, device=self.device))
+        return _plain(ct2_translator(self.ct2_dir(), self.model_dir, run, device=self.device,
+                                     text_processes=self.text_processes()))
 
     def hf(self, group: str, size: int):
         return _plain(hf_translator(self.model_dir, os.cpu_count() or 1, batch=size, beam=BEAM[group],
-                                    device=self.device, half=self.device == "cuda"))
+                                    device=self.device, half=self.device == "cuda",
+                                    text_processes=self.text_processes()))
+
+    def text_processes(self) -> int:
+        """The normaliser's processes ours runs here (switch normalise_processes, on with CUDA), which
+        the other engines' text pipeline gets too: the engines differ, their text costs do not."""
+        return normalise_processes(len(os.sched_getaffinity(0))) if self.device == "cuda" else 0
 
 
 class _plain:

@@ -14,8 +14,8 @@ import re
 import sys
 
 from decoder import cliargs
-from decoder.cliargs import (BEAM_MAX_TOKENS, MAX_BEAM, MAX_THREADS, MAX_TOKENS, float_range, int_list, nonneg_int,
-                             positive_float, positive_int)
+from decoder.cliargs import (BEAM_MAX_TOKENS, GPU_MAX_TOKENS, MAX_BEAM, MAX_THREADS, MAX_TOKENS, float_range, int_list,
+                             nonneg_int, positive_float, positive_int)
 
 from .systems import EvalError
 
@@ -73,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--latency-lines", type=nonneg_int, default=200, help="lines in latency mode (0 = all)")
     cliargs.alias(m, "--max-tokens", m.add_argument(
         "--max-batch-tokens", dest="max_tokens", type=positive_int, default=None, metavar="N",
-        help=f"padded source tokens per batch (default: ours {MAX_TOKENS} greedy and {BEAM_MAX_TOKENS} with a "
-             f"beam, CTranslate2 {MAX_TOKENS})"))
+        help=f"padded source tokens per batch (default on CPU: ours {MAX_TOKENS} greedy and {BEAM_MAX_TOKENS} with a "
+             f"beam, CTranslate2 {MAX_TOKENS}; on CUDA both {GPU_MAX_TOKENS} / beam size)"))
     m.add_argument("--timeout", type=positive_float, default=None, help="seconds one local system may take")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "evaluate"), help="output dir")
     p.add_argument("--replot", metavar="SUMMARY", help="measure nothing: draw the charts again from a "

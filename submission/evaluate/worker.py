@@ -15,7 +15,8 @@ import sys
 import tempfile
 import time
 
-from decoder.cliargs import MAX_TOKENS
+from decoder.cliargs import GPU_MAX_TOKENS, MAX_TOKENS
+from decoder.pipeline import normalise_processes
 from decoder.textio import read_file
 
 
@@ -61,9 +62,14 @@ def load(spec: dict, tmp: str):
         # the thread layout systems.ct2_layout chose (CT2's guide: parallel 1-thread workers for throughput)
         extra = spec.get("extra", {})
         inter, intra = extra.get("ct2_inter_threads", 1), extra.get("ct2_intra_threads", spec["threads"])
-        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=spec["max_tokens"] or MAX_TOKENS,
-                     use_vmap=extra.get("ct2_vmap", False))
-        go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda")
+        # on a GPU as it is plainly used there: the whole input in one call, one cap, batches of our
+        # decoder's GPU budget, and the text pipeline ours has (tools/bench_gpu.py: in one call per
+        # length cap, its batches were a few dozen sentences whatever the size asked for)
+        tokens = spec["max_tokens"] or (MAX_TOKENS if cpu else GPU_MAX_TOKENS // spec["beam"])
+        run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=tokens,
+                     use_vmap=extra.get("ct2_vmap", False), one_cap=not cpu)
+        go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda",
+                            text_processes=0 if cpu else normalise_processes(len(os.sched_getaffinity(0))))
         return go, facts
     if engine == "hf":
         from tools.baselines import hf_translator
