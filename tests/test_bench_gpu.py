@@ -221,7 +221,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "fused_relu", "sync_every=2"], chunked=2,
+                           ablate=["fast_normaliser", "fused_relu", "sync_every=2"], chunked=2, processes=0,
                            ct2_types=["float16"])  # int8_float16: one more compute type string
     loaded, load = [], bench_gpu.ours_go
     monkeypatch.setattr(bench_gpu, "ours_go", lambda *args, **kw: loaded.append(kw) or load(*args, **kw))
@@ -540,3 +540,63 @@ def test_ctranslate2s_other_ways_run_at_its_best_size_and_may_be_its_best(monkey
     md = bench_gpu.to_markdown([*rows, ours], bench_gpu.summary([*rows, ours], None, {}), None, "head")
     assert "| ct2 float16 (one cap, inter_threads 2) | 2048 | **30** | 1.00 |" in md
     assert "| ct2 float16 (caps as ours) | 2048 | 8 | 0.27 |" in md
+
+
+def test_ours_in_several_processes_gives_the_one_process_lines_in_order(tmp_path):
+    """--processes: the lines in shares, one a spawned process, joined in input order."""
+    import os
+
+    from fixture_model import make_model_dir, synthetic_corpus
+
+    from tools.bench import ours_go
+    model = make_model_dir(tmp_path / "model", seed=4)
+    lines = synthetic_corpus(9, seed=2) + ["", "a b c"]
+    with ours_go(str(model), 1, False, device="cpu", precision="fp32") as go:
+        want = go(lines)
+    procs = bench_gpu.Engines(str(model), str(tmp_path), device="cpu").ours_processes("throughput", None, 2)
+    with procs as go:
+        assert go(lines) == want
+        assert go(lines[:1]) == want[:1]  # fewer lines than processes
+        pids = {p.submit(os.getpid).result() for p in procs.pools}
+        assert len(pids) == 2 and os.getpid() not in pids
+    assert procs.pools == []  # shut down on exit
+
+
+def test_the_processes_row_runs_at_ours_best_throughput_size_and_is_never_ours_best(monkeypatch):
+    import argparse
+    loaded = []
+
+    class Loaded:
+        def __init__(self, wps):
+            self.wps = wps
+
+        def __enter__(self):
+            return lambda ls: list(ls)
+
+        def __exit__(self, *exc):
+            return None
+
+    class Eng:
+        def __init__(self, *a):
+            pass
+
+        def ours_processes(self, group, size, n):
+            loaded.append((group, size, n))
+            return Loaded(50.0)
+    monkeypatch.setattr(bench_gpu, "Engines", Eng)
+    monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
+        ("ours fp16", lambda e, g, s: Loaded({None: 10.0, 2048: 20.0}[s]))])
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (None, 2048)}})
+    monkeypatch.setattr(bench_gpu, "measured", lambda deadline, where, loaded, s, r, passes: {
+        "src_words_per_s": loaded.wps, "seconds": 1.0, "bleu": 1.0, "chrf": 1.0, "row_s": 1.0})
+    src = ["a b", "c d"]
+    for n, rows_made in ((2, 3), (1, 2), (0, 2)):
+        loaded.clear()
+        a = argparse.Namespace(model="m", engines=["ours"], passes=1, beam_lines=1, batch1_lines=1, ablate=[],
+                               chunked=0, processes=n)
+        rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
+        assert len(rows) == rows_made and loaded == ([("throughput", 2048, 2)] if n == 2 else [])
+        assert bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"] == 20.0
+    assert bench_gpu.parse_args(["--model", "x"]).processes == 2
+    assert bench_gpu.parse_args(["--model", "x", "--engines", "ct2"]).processes == 0

@@ -14,7 +14,8 @@ our CUDA kernels (the union of their intervals) over that row's wall is
 kernels are not visible to torch.profiler at all. The lines are one chunk of
 the text pipeline; --chunked adds ours in chunks of that many lines, as a run
 of more than `chunk_lines` lines reads them (the next chunk encoded beside the
-decoding), and --ablate ours with single switches flipped or settings changed.
+decoding), --ablate ours with single switches flipped or settings changed, and
+--processes ours in several processes on the one GPU.
 
 CTranslate2 runs as it is plainly used on a GPU: the whole input in one
 `translate_batch` call with one length cap (the longest sentence's), which it
@@ -50,7 +51,7 @@ import torch
 
 from decoder import Options, cliargs, machine, modeldir
 from decoder.optimisations import BY_NAME
-from decoder.pipeline import normalise_processes
+from decoder.pipeline import normalise_processes, shares
 
 from .baselines import CT2Run, ct2_translator, fastest, hf_translator
 from .bench import GROUPS, SUMMARY_RATIOS, Timeline, add_test_set_args, ours_go, read_test_set, scores
@@ -303,6 +304,58 @@ class Engines:
         return normalise_processes(len(os.sched_getaffinity(0))) if self.device == "cuda" else 0
 
 
+    def ours_processes(self, group: str, size: int | None, n: int):
+        """Ours in `n` processes on the one GPU, each a share of every pass's lines (--processes)."""
+        kw = dict(device=self.device, precision=self.precision, beam=BEAM[group],
+                  threads=max(1, (os.cpu_count() or 1) // n))
+        if size is not None:
+            kw.update(max_tokens=size, max_sentences=max(size // 8, 1))
+        return _Processes(self.model_dir, kw, n)
+
+
+_translator = None  # a --processes child's own Translator
+
+
+def _child_load(model_dir: str, kw: dict) -> None:
+    global _translator
+    from decoder import Translator
+    _translator = Translator(model_dir, **kw)
+
+
+def _child_translate(lines: list[str]) -> list[str]:
+    return _translator.translate(lines)
+
+
+class _Processes:
+    """`n` processes of ours on one GPU as a context giving go(lines): the lines in n contiguous
+    shares of about equal characters, one a process, translated at once and joined in order. The
+    decode loop is bound by the host that feeds the GPU (38% busy at our best H200 row): whether
+    another process's host fills the gaps, where one process's threads share one GIL, is what the
+    row measures. The shares' hand-over (pickled lines and outputs) is in the timed pass."""
+
+    def __init__(self, model_dir: str, kw: dict, n: int):
+        self.model_dir, self.kw, self.n, self.pools = model_dir, kw, n, []
+
+    def __enter__(self):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        ctx = mp.get_context("spawn")  # CUDA in a forked child fails
+        self.pools = [ProcessPoolExecutor(1, mp_context=ctx, initializer=_child_load,
+                                          initargs=(self.model_dir, self.kw)) for _ in range(self.n)]
+        for job in [p.submit(len, []) for p in self.pools]:
+            job.result()  # every model loaded before the first pass; a child that cannot load raises here
+
+        def go(lines: list[str]) -> list[str]:
+            jobs = [(self.pools[i], lines[lo:hi]) for i, (lo, hi) in enumerate(shares(lines, self.n))]
+            return [x for job in [pool.submit(_child_translate, part) for pool, part in jobs] for x in job.result()]
+        return go
+
+    def __exit__(self, *exc):
+        for p in self.pools:
+            p.shutdown(cancel_futures=True)
+        self.pools = []
+
+
 class _plain:
     """A loaded go() as a context, freeing the GPU memory it held on exit."""
 
@@ -460,6 +513,21 @@ def ct2_way_rows(name: str, load, eng: "Engines", group: str, lines: tuple, a, r
                 f"({row['src_words_per_s'] / top['src_words_per_s']:.2f}x its one-cap row)  BLEU {row['bleu']}")
 
 
+def process_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
+    """Ours in --processes processes at its best throughput size: an ablation-style row (never ours'
+    best: the decoder runs one process on a GPU)."""
+    top = best(rec.rows, "throughput", "ours")
+    if getattr(a, "processes", 0) < 2 or top is None:
+        return
+    name = f"{ABLATION} in {a.processes} processes"
+    row = extra_row(rec, deadline, "throughput", name, top["batch"], lines["throughput"], a.passes,
+                    eng.ours_processes("throughput", top["batch"], a.processes))
+    if row is not None:
+        log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
+            f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
+            f"ours in one process)")
+
+
 def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
     """Ours at its best throughput size with the text read in chunks of --chunked lines, as every
     run of more than `chunk_lines` (20,000) lines is: the next chunk's encoding runs beside the
@@ -530,6 +598,7 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
                 if group == "throughput" and name == "ours fp16" and device == "cuda":
                     rec.prof = profiled(eng, src, rec.rows, deadline, log)
                     rec.save()
+        process_rows(a, eng, lines, rec, deadline, log)
         ablation_rows(a, eng, lines, rec, deadline, log)
         chunked_rows(a, eng, lines, rec, deadline, log)
     return rec.rows, rec.prof
@@ -645,6 +714,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
                         "longer than one chunk reads it; 0: none. With refill_rows each chunk's state ends with "
                         "its longest output, so shorter chunks also add steps")
+    p.add_argument("--processes", type=cliargs.int_range(0, 8), default=2, metavar="N",
+                   help="one more row of ours at its best throughput size in N processes on the one GPU, each "
+                        "a share of the lines (whether a second host fills the GPU's idle time); 0 or 1: none")
     p.add_argument("--time-limit", type=cliargs.positive_float, default=None, metavar="SECONDS",
                    help="start a row only where the slowest row so far of its group and engine (ours' for the "
                         "--ablate and --chunked rows) would still end within this many seconds of the start; the "
@@ -665,8 +737,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ablation(entry)
         except ValueError as e:
             p.error(f"--ablate: {e}")
-    if (a.ablate or a.chunked) and "ours" not in a.engines:
-        a.chunked = 0  # ours' rows only
+    if (a.ablate or a.chunked or a.processes) and "ours" not in a.engines:
+        a.chunked = a.processes = 0  # ours' rows only
         if a.ablate:
             p.error("--ablate needs ours among --engines")
     bad = [x for x in a.engines if x not in ENGINES]
