@@ -303,7 +303,6 @@ class Engines:
         the other engines' text pipeline gets too: the engines differ, their text costs do not."""
         return normalise_processes(len(os.sched_getaffinity(0))) if self.device == "cuda" else 0
 
-
     def ours_processes(self, group: str, size: int | None, n: int):
         """Ours in `n` processes on the one GPU, each a share of every pass's lines (--processes)."""
         kw = dict(device=self.device, precision=self.precision, beam=BEAM[group],
