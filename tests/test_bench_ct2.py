@@ -117,10 +117,21 @@ def test_ct2_in_token_batches_on_parallel_workers_gives_our_greedy_output(tmp_pa
     assert go(lines) == ours
     longer = ct2_translator(ct2, MODEL, CT2Run("float32", inter_threads=2, max_batch_size=64, one_cap=True))(lines)
     assert longer != ours  # the one-cap row: the capped sentences run on to the longest line's cap
-    # its text pipeline's normaliser in processes, as ours on a GPU machine: the same lines
-    pooled = ct2_translator(ct2, MODEL, CT2Run("float32", max_batch_size=64), text_processes=2)
-    assert pooled(lines + ["", "  "]) == ours + ["", ""]
-    assert baselines._text(MODEL, 2)[1].pool is not None and baselines._text(MODEL)[1].pool is None
+
+
+def test_ct2_with_the_normaliser_in_processes_as_ours_on_a_gpu_gives_the_same_lines(ct2_dir, shortlisted,
+                                                                                      monkeypatch):
+    from decoder import pipeline
+    lines = bench.read(os.path.join(DATA, "test.en"))[:pipeline.POOL_LINES]  # a group the pool takes
+    want = ct2_translator(ct2_dir, shortlisted, CT2Run("float32", max_batch_size=256))(lines)
+    monkeypatch.setattr(pipeline, "_POOLS", {})  # this test's shared pool, closed at its end
+    try:
+        assert baselines._text(shortlisted, 2)[1].pool is not None and baselines._text(shortlisted)[1].pool is None
+        pooled = ct2_translator(ct2_dir, shortlisted, CT2Run("float32", max_batch_size=256), text_processes=2)
+        assert pooled(lines + ["", "  "]) == want + ["", ""]
+    finally:
+        for p in pipeline._POOLS.values():
+            p.close()
 
 
 # -- ISA passes and summary.json -------------------------------------------------------------------
