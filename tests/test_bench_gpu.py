@@ -600,3 +600,25 @@ def test_the_processes_row_runs_at_ours_best_throughput_size_and_is_never_ours_b
         assert bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"] == 20.0
     assert bench_gpu.parse_args(["--model", "x"]).processes == 2
     assert bench_gpu.parse_args(["--model", "x", "--engines", "ct2"]).processes == 0
+
+
+def test_an_extra_row_out_of_gpu_memory_is_recorded_and_the_run_goes_on():
+    """CTranslate2 with inter_threads 4 holds four batches at once: one more than its sweep's row."""
+    class Loaded:
+        def __init__(self, error):
+            self.error = error
+
+        def __enter__(self):
+            raise self.error
+
+        def __exit__(self, *exc):
+            return None
+    rec, d = bench_gpu.Record(), bench_gpu.Deadline(None)
+    lines = (["a b"], ["a b"])
+    how = "one cap, inter_threads 4"
+    got = bench_gpu.extra_row(rec, d, "throughput", "ct2 float16", 8192, lines, 1,
+                              Loaded(RuntimeError("CUDA failed with error out of memory")), how=how)
+    assert got is None and rec.rows == [{"group": "throughput", "engine": "ct2 float16", "how": how, "lines": 1,
+                                         "words": 2, "batch": 8192, "error": "out of memory"}]
+    with pytest.raises(ValueError):
+        bench_gpu.extra_row(rec, d, "throughput", "ct2 float16", 8192, lines, 1, Loaded(ValueError("bad model")))

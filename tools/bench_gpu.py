@@ -429,14 +429,23 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
               loaded, how: str | None = None) -> dict | None:
     """One row beside the sweeps (ours' --ablate and --chunked, CTranslate2's other ways), `loaded`
     (a context, entered only if the row runs) on `lines` (src, ref): measured and recorded, or
-    recorded as not run where the time limit leaves it out (None). `how`: the engine's settings."""
+    recorded as not run where the time limit leaves it out (None), or as out of GPU memory (None: a
+    way that needs more than the sweep's row, as inter_threads 4, ends no run). `how`: the engine's
+    settings."""
     s, r = lines
     base = {"group": group, "engine": engine, **({"how": how} if how else {}), "lines": len(s),
             "words": sum(len(x.split()) for x in s), "batch": batch}
     if not deadline.allows(slot(group, engine)):
         rec.add({**base, "error": NOT_RUN})
         return None
-    row = measured(deadline, slot(group, engine), loaded, s, r, passes)
+    try:
+        row = measured(deadline, slot(group, engine), loaded, s, r, passes)
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; the rest re-raised
+        if not is_oom(e):
+            raise
+        torch.cuda.empty_cache()
+        rec.add({**base, "error": "out of memory"})
+        return None
     rec.add({**base, **row})
     return row
 
