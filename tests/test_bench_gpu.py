@@ -599,6 +599,13 @@ def test_the_processes_row_runs_at_ours_best_throughput_size_and_is_never_ours_b
         assert len(rows) == rows_made and loaded == ([("throughput", 2048, 2)] if n == 2 else [])
         assert bench_gpu.best(rows, "throughput", "ours")["src_words_per_s"] == 20.0
     assert bench_gpu.parse_args(["--model", "x"]).processes == 2
+    # a child that cannot load is that row's result, and the run goes on
+    def cannot_load(self, group, size, n):
+        raise RuntimeError("CUDA error: out of resources\nmore")
+    monkeypatch.setattr(Eng, "ours_processes", cannot_load)
+    a.processes = 2
+    rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
+    assert rows[-1]["error"] == "failed: CUDA error: out of resources"
     assert bench_gpu.parse_args(["--model", "x", "--engines", "ct2"]).processes == 0
 
 

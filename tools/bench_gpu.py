@@ -528,8 +528,14 @@ def process_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline
     if getattr(a, "processes", 0) < 2 or top is None:
         return
     name = f"{ABLATION} in {a.processes} processes"
-    row = extra_row(rec, deadline, "throughput", name, top["batch"], lines["throughput"], a.passes,
-                    eng.ours_processes("throughput", top["batch"], a.processes))
+    try:
+        row = extra_row(rec, deadline, "throughput", name, top["batch"], lines["throughput"], a.passes,
+                        eng.ours_processes("throughput", top["batch"], a.processes))
+    except RuntimeError as e:  # a child that could not load or died (BrokenProcessPool is one): the row's result
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        rec.add({"group": "throughput", "engine": name, "batch": top["batch"], "error": f"failed: {why}"})
+        log(f"throughput {name[len(ABLATION) + 1:]}: failed: {why}")
+        return
     if row is not None:
         log(f"throughput {name[len(ABLATION) + 1:]:44} batch {_label(top['batch']):>8}: "
             f"{row['src_words_per_s']:12,.0f} words/s ({row['src_words_per_s'] / top['src_words_per_s']:.2f}x "
