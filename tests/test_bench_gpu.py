@@ -502,31 +502,37 @@ def test_ctranslate2_rows_take_one_cap_unless_a_way_says_otherwise(monkeypatch):
     assert bench_gpu.Engines("m", "w", device="cpu").text_processes() == 0  # as ours on a CPU
 
 
+class AtSpeed:
+    """A loaded engine whose rows measure `wps` words/s (with `measured` patched to AtSpeed.measured)."""
+
+    def __init__(self, wps):
+        self.wps = wps
+
+    def __enter__(self):
+        return lambda ls: list(ls)
+
+    def __exit__(self, *exc):
+        return None
+
+    @staticmethod
+    def measured(deadline, where, loaded, s, r, passes):
+        return {"src_words_per_s": loaded.wps, "seconds": 1.0, "bleu": 1.0, "chrf": 1.0, "row_s": 1.0}
+
+
 def test_ctranslate2s_other_ways_run_at_its_best_size_and_may_be_its_best(monkeypatch):
     import argparse
     speed = {(None, 1024): 10.0, (None, 2048): 20.0, ("caps as ours", 2048): 8.0,
              ("one cap, inter_threads 2", 2048): 30.0, ("one cap, inter_threads 4", 2048): 25.0}
     ways = {tuple(sorted(kw.items())): how for how, kw in bench_gpu.CT2_WAYS}
 
-    class Loaded:
-        def __init__(self, wps):
-            self.wps = wps
-
-        def __enter__(self):
-            return lambda ls: list(ls)
-
-        def __exit__(self, *exc):
-            return None
-
     def load(e, g, s, **how):
-        return Loaded(speed[ways.get(tuple(sorted(how.items()))), s])
+        return AtSpeed(speed[ways.get(tuple(sorted(how.items()))), s])
 
     monkeypatch.setattr(bench_gpu, "Engines", lambda *a: None)
     monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [("ct2 float16", load)])
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ct2": (1024, 2048)}})
-    monkeypatch.setattr(bench_gpu, "measured", lambda deadline, where, loaded, s, r, passes: {
-        "src_words_per_s": loaded.wps, "seconds": 1.0, "bleu": 1.0, "chrf": 1.0, "row_s": 1.0})
+    monkeypatch.setattr(bench_gpu, "measured", AtSpeed.measured)
     src = ["a b", "c d"]
     a = argparse.Namespace(model="m", engines=["ct2"], passes=1, beam_lines=1, batch1_lines=1, ablate=[], chunked=0)
     rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu")
@@ -566,30 +572,19 @@ def test_the_processes_row_runs_at_ours_best_throughput_size_and_is_never_ours_b
     import argparse
     loaded = []
 
-    class Loaded:
-        def __init__(self, wps):
-            self.wps = wps
-
-        def __enter__(self):
-            return lambda ls: list(ls)
-
-        def __exit__(self, *exc):
-            return None
-
     class Eng:
         def __init__(self, *a):
             pass
 
         def ours_processes(self, group, size, n):
             loaded.append((group, size, n))
-            return Loaded(50.0)
+            return AtSpeed(50.0)
     monkeypatch.setattr(bench_gpu, "Engines", Eng)
     monkeypatch.setattr(bench_gpu, "engine_list", lambda engines, types=None: [
-        ("ours fp16", lambda e, g, s: Loaded({None: 10.0, 2048: 20.0}[s]))])
+        ("ours fp16", lambda e, g, s: AtSpeed({None: 10.0, 2048: 20.0}[s]))])
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput",))
     monkeypatch.setattr(bench_gpu, "SWEEPS", {"throughput": {"ours": (None, 2048)}})
-    monkeypatch.setattr(bench_gpu, "measured", lambda deadline, where, loaded, s, r, passes: {
-        "src_words_per_s": loaded.wps, "seconds": 1.0, "bleu": 1.0, "chrf": 1.0, "row_s": 1.0})
+    monkeypatch.setattr(bench_gpu, "measured", AtSpeed.measured)
     src = ["a b", "c d"]
     for n, rows_made in ((2, 3), (1, 2), (0, 2)):
         loaded.clear()
