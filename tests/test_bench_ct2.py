@@ -52,8 +52,7 @@ def test_ct2_throughput_runs_are_the_guides_int8_workers_on_token_batches(group,
     assert CT2Run("int8", beam, inter_threads=1, intra_threads=4, max_batch_size=2048) in runs  # the other way
     assert not any(r.use_vmap or r.batch1 for r in runs)
     # per-sentence caps everywhere but in the one row that shows CT2's plain one-cap use
-    assert [r for r in runs if r.one_cap] == ([CT2Run("int8", 1, inter_threads=4, max_batch_size=2048, one_cap=True)]
-                                              if group == "throughput" else [])
+    assert [r for r in runs if r.one_cap] == [CT2Run("int8", beam, inter_threads=4, max_batch_size=2048, one_cap=True)]
 
 
 def test_ct2_batch1_run_is_one_thread_one_sentence_a_call():

@@ -62,8 +62,9 @@ def ct2_runs(group: str, cores: int, max_tokens: int = 4096, vmap: bool = False)
     throughput / beam4: every core, as parallel 1-thread workers (the guide's advice for
     throughput) and as one multi-threaded worker; batch1: one thread, one sentence a call.
     With `vmap` (our shortlist rows exist) each configuration also runs with use_vmap. Throughput
-    adds the guide's row with one cap for the whole input, as CT2 is plainly used: larger batches
-    than one call per cap, but longer outputs where a sentence runs into its cap (output words/s)."""
+    and beam 4 add the guide's row with one cap for the whole input, as CT2 is plainly used: larger
+    batches than one call per cap, but longer outputs where a sentence runs into its cap (output
+    words/s)."""
     if group == "batch1":
         base = [CT2Run(batch1=True)]
     else:
@@ -72,7 +73,7 @@ def ct2_runs(group: str, cores: int, max_tokens: int = 4096, vmap: bool = False)
         if cores > 1:
             base.append(CT2Run(beam=beam, intra_threads=cores, max_batch_size=max_tokens))
     runs = base + ([replace(r, use_vmap=True) for r in base] if vmap else [])
-    return runs + ([replace(runs[len(base) if vmap else 0], one_cap=True)] if group == "throughput" else [])
+    return runs + ([] if group == "batch1" else [replace(runs[len(base) if vmap else 0], one_cap=True)])
 
 
 def write_vmap(ct2_dir: str, model_dir: str) -> str:
