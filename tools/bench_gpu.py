@@ -677,14 +677,13 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
         md += [f"### {g}", "", "| engine | batch | words/s | x CT2 best | BLEU | chrF |",
                "|---|---:|---:|---:|---:|---:|"]
         for r in (x for x in rows if x["group"] == g):
+            how = f" ({r['how']})" if r.get("how") else ""
             if "error" in r:
-                how = f" ({r['how']})" if r.get("how") else ""
                 md.append(f"| {r['engine']}{how} | {_label(r['batch'])} | {r['error']} | | | |")
                 continue
             mark = "**" if r is best(rows, g, r["engine"]) else ""
             x = ratio(r, ref)
             eager = " (graph capture failed: eager)" if r.get("graphs_failed") else ""
-            how = f" ({r['how']})" if r.get("how") else ""
             md.append(f"| {r['engine']}{how}{eager} | {_label(r['batch'])} | {mark}{r['src_words_per_s']:,.0f}{mark} | "
                       f"{'-' if x is None else f'{x:.2f}'} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
         md.append("")
