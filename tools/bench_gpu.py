@@ -22,9 +22,9 @@ CTranslate2 runs as it is plainly used on a GPU: the whole input in one
 sorts and cuts into batches of the swept size. At its best size it also runs
 with the caps of our decoder (one call per cap, as tools.bench does on a CPU:
 the same outputs as ours, but 93 calls of about 80 sentences for the 10,000
-lines, whatever the size) and with `inter_threads` 2 and 4 (batches on
-several CUDA streams, which its parallelism guide offers for a GPU); its best
-row of all of them is the denominator.
+lines, whatever the size), those calls with `inter_threads` 4, and one cap
+with `inter_threads` 2 and 4 (batches on several CUDA streams, which its
+parallelism guide offers for a GPU); its best row of all is the denominator.
 
 Writes PREFIX.md and PREFIX.json (every row of every sweep) after every row,
 marked partial until the run ends, then the summary (one object in a list, as
@@ -75,8 +75,9 @@ SWEEPS = {
 # 93 calls of at most 11k tokens (beam 4: 72 calls, 14 sentences at the median), so its swept
 # sizes hardly changed its batches.
 ONE_CAP = "one cap"
-CT2_WAYS = (("caps as ours", {"one_cap": False}), ("one cap, inter_threads 2", {"inter_threads": 2}),
-            ("one cap, inter_threads 4", {"inter_threads": 4}))
+CT2_WAYS = (("caps as ours", {"one_cap": False}),
+            ("caps as ours, inter_threads 4", {"one_cap": False, "inter_threads": 4}),
+            ("one cap, inter_threads 2", {"inter_threads": 2}), ("one cap, inter_threads 4", {"inter_threads": 4}))
 PARTIAL = "(Partial: written after each row; the run has not ended.)"
 NOT_PROFILED = ("CTranslate2 runs its own CUDA kernels, which torch.profiler does not see: it has no GPU-busy "
                 "figure; transformers is not profiled")
