@@ -8,6 +8,7 @@ so the Python of sacremoses overlaps with the matrix products.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 import threading
@@ -52,10 +53,12 @@ def make_normaliser(cfg: ModelConfig, fast: bool = True) -> Callable[[str], str]
     return MosesPunct(mpn) if fast else mpn.normalize
 
 
-def normalise_processes(cores: int) -> int:
-    """The normaliser's processes on a machine of `cores` cores (switch normalise_processes): half
-    of them, at most 8, leaving the rest to the decoding, SentencePiece and detokenising threads;
-    none below 4 cores, where a process would take a core from the decoding."""
+def normalise_processes(cores: int | None = None) -> int:
+    """The normaliser's processes on a machine of `cores` cores (default: those this process may
+    run on) (switch normalise_processes): half of them, at most 8, leaving the rest to the decoding,
+    SentencePiece and detokenising threads; none below 4 cores, where a process would take a core
+    from the decoding."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
     return 0 if cores < 4 else min(8, cores // 2)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
@@ -152,7 +151,7 @@ class Translator:
             retain_freed_memory()
         self.cfg = cfg
         self.text = Text(cfg, spm_path, cfg.arch.max_positions, fast_normaliser=self.plan.fast_normaliser)
-        n = normalise_processes(len(os.sched_getaffinity(0))) if self.plan.normalise_processes else 0
+        n = normalise_processes() if self.plan.normalise_processes else 0
         if n and self.text.normalise is not None:
             self.text.pool = NormalisePool.shared(cfg, n)  # started now (once a process), while the model loads
         self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,

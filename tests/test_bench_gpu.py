@@ -487,7 +487,7 @@ def test_ctranslate2_rows_take_one_cap_unless_a_way_says_otherwise(monkeypatch):
     runs, text = [], []
     monkeypatch.setattr(bench_gpu, "ct2_translator", lambda ct2_dir, model, run, device, text_processes: (
         runs.append(run), text.append(text_processes)) and None)
-    monkeypatch.setattr(bench_gpu.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr("decoder.pipeline.os.sched_getaffinity", lambda pid: set(range(16)))
     eng = bench_gpu.Engines("m", "w", device="cuda")
     eng._ct2 = "ct2-dir"
     loaders = dict(bench_gpu.engine_list(["ct2"], ["float16"]))

@@ -207,7 +207,7 @@ def test_ct2_on_a_gpu_runs_in_one_call_at_our_gpu_batch_budget_with_our_text_pro
     monkeypatch.setattr("tools.baselines.ct2_translator", lambda d, m, run, device, text_processes: seen.append(
         (run, device, text_processes)))
     monkeypatch.setattr("tools.convert.to_ctranslate2", lambda m, out, quantization: out)
-    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr("decoder.pipeline.os.sched_getaffinity", lambda pid: set(range(16)))
     for beam, tokens in ((1, None), (4, None), (4, 5000)):
         spec = {"engine": "ct2", "model_dir": "m", "mode": "throughput", "precision": "fp16", "beam": beam,
                 "threads": 1, "max_tokens": tokens, "device": "cuda", "extra": {}}

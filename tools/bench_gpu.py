@@ -302,7 +302,7 @@ class Engines:
     def text_processes(self) -> int:
         """The normaliser's processes ours runs here (switch normalise_processes, on with CUDA), which
         the other engines' text pipeline gets too: the engines differ, their text costs do not."""
-        return normalise_processes(len(os.sched_getaffinity(0))) if self.device == "cuda" else 0
+        return normalise_processes() if self.device == "cuda" else 0
 
     def ours_processes(self, group: str, size: int | None, n: int):
         """Ours in `n` processes on the one GPU, each a share of every pass's lines (--processes)."""

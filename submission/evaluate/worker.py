@@ -69,7 +69,7 @@ def load(spec: dict, tmp: str):
         run = CT2Run(compute, spec["beam"], inter_threads=inter, intra_threads=intra, max_batch_size=tokens,
                      use_vmap=extra.get("ct2_vmap", False), one_cap=not cpu)
         go = ct2_translator(ct2_dir, model, run, device="cpu" if cpu else "cuda",
-                            text_processes=0 if cpu else normalise_processes(len(os.sched_getaffinity(0))))
+                            text_processes=0 if cpu else normalise_processes())
         return go, facts
     if engine == "hf":
         from tools.baselines import hf_translator
