@@ -88,6 +88,20 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def out_of_memory(e: Exception) -> dict:
+    """A row's result where running out of GPU memory is one (the cache emptied for the next row);
+    any other error re-raised."""
+    if not is_oom(e):
+        raise e
+    torch.cuda.empty_cache()
+    return {"error": "out of memory"}
+
+
+def ct2_one_cap(group: str) -> bool:
+    """CTranslate2 in one call with one cap, its plain use, except at batch 1 (a sentence a call)."""
+    return group != "batch1"
+
+
 class TimeUp(Exception):
     """A row that the time limit leaves out (--time-limit)."""
 
@@ -138,10 +152,7 @@ def sweep(run, sizes, each=None) -> list[dict]:
         except TimeUp:
             made = [{"batch": x, "error": NOT_RUN} for x in sizes[i:]]
         except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; the rest re-raised
-            if not is_oom(e):
-                raise
-            made = [{"batch": s, "error": "out of memory"}]
-            torch.cuda.empty_cache()
+            made = [{"batch": s, **out_of_memory(e)}]
         for r in made:
             rows.append(r)
             if each is not None:
@@ -288,7 +299,7 @@ class Engines:
     def ct2(self, compute_type: str, group: str, size: int, **how):
         """CTranslate2 loaded for a row: one cap (its plain use) unless `how` (CT2Run fields) says otherwise."""
         run = CT2Run(**{"compute_type": compute_type, "beam": BEAM[group], "max_batch_size": size,
-                        "batch1": group == "batch1", "one_cap": group != "batch1", **how})
+                        "batch1": group == "batch1", "one_cap": ct2_one_cap(group), **how})
         if self.device != "cuda":  # CTranslate2's CPU kernels have no float16
             run = CT2Run(**{**run.__dict__, "compute_type": "float32" if compute_type == "float16" else "int8"})
         return _plain(ct2_translator(self.ct2_dir(), self.model_dir, run, device=self.device,
@@ -442,10 +453,7 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
     try:
         row = measured(deadline, slot(group, engine), loaded, s, r, passes)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; the rest re-raised
-        if not is_oom(e):
-            raise
-        torch.cuda.empty_cache()
-        rec.add({**base, "error": "out of memory"})
+        rec.add({**base, **out_of_memory(e)})
         return None
     rec.add({**base, **row})
     return row
@@ -604,7 +612,7 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
                     log(f"{group:10} {name:18} batch {_label(size):>8}: {row['src_words_per_s']:12,.0f} words/s  "
                         f"BLEU {row['bleu']}")
                     return row
-                how = {"how": ONE_CAP} if name.startswith("ct2") and group != "batch1" else {}
+                how = {"how": ONE_CAP} if name.startswith("ct2") and ct2_one_cap(group) else {}
                 sweep(run, SWEEPS[group][name.split()[0]],
                       each=lambda row, name=name, how=how: rec.add({"group": group, "engine": name, **how,
                                                                     "lines": len(s), "words": words, **row}))
