@@ -386,8 +386,10 @@ def test_self_check_names_each_kernel_that_disagrees():
             return out + 1e-2
         if name == "argmax_rows":
             return (out + 1) % a[0].shape[1]
+        if name == "log_softmax_topk" and a[4:] == (True,):  # normalized: the indices, not the values, wrong
+            return out[0], (out[1] + 1) % (a[2] * a[0].shape[1])  # still one of the K * V candidates
         return out
-    assert fused.self_check("cpu", planted) == ["add_bias_relu", "argmax_rows"]
+    assert fused.self_check("cpu", planted) == ["add_bias_relu", "log_softmax_topk", "argmax_rows"]
 
 
 @pytest.mark.parametrize("planted, bad", [("agrees", []), ("wrong", ["decode_attention_warp"]),
@@ -450,6 +452,29 @@ def test_cuda_kernels_match_references(dtype):
 
 
 @needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [8, 64, 512, 520, 1024, 1032])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cuda_residual_norm_gives_the_block_kernels_residual_bits_from_its_warp_kernel(dtype, n, with_bias):
+    # aligned rows that fit a warp's registers take the warp kernel, rows off a 16-byte boundary the
+    # block kernel: the same fp32 residual rounded once (the same bits), the same norm within rounding
+    g = torch.Generator().manual_seed(n)
+    rows = 1000
+    x, h = (torch.randn(rows, n, generator=g).to("cuda", dtype) for _ in range(2))
+    gamma, beta = (torch.randn(n, generator=g).to("cuda", dtype) for _ in range(2))
+    bias = torch.randn(n, generator=g).to("cuda", dtype) if with_bias else None
+    r, y = torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, 1e-5)
+    r_ref, y_ref = fused.add_bias_residual_layernorm_reference(
+        x.float(), h.float(), None if bias is None else bias.float(), gamma.float(), beta.float(), 1e-5)
+    close(r, r_ref.to(dtype), dtype)
+    close(y, y_ref.to(dtype), dtype)
+    off = torch.empty(rows * n + 1, device="cuda", dtype=dtype)[1:].view(rows, n)  # one element off
+    r_block, y_block = torch.ops.decoder_ops.add_bias_residual_layernorm(off.copy_(x), h, bias, gamma, beta, 1e-5)
+    assert torch.equal(r, r_block)
+    close(y, y_block, dtype)
+
+
+@needs_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_decode_attention_never_reads_the_value_of_a_masked_key(dtype):
     # the fixed-shape state masks its cache past the position: a step reads only what was written
@@ -480,6 +505,25 @@ def test_cuda_warp_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
         assert got.dtype == dtype and got.shape == q.shape
         close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), m).to(dtype), dtype)
         assert torch.equal(got, torch.ops.decoder_ops.decode_attention_warp(q, k, v, m))  # deterministic
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_warp_decode_attention_reads_rows_off_16_byte_boundaries_with_narrow_loads(dtype):
+    # the wide kernel loads 16 bytes a lane: a cache whose rows start off a 16-byte boundary (an odd
+    # offset into its storage, or a row stride of D + 1) must take the narrow kernel, not fault
+    g = torch.Generator().manual_seed(8)
+    B, H, T, D = 300, 4, 40, 64
+    q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
+    flat = torch.randn(2 * B * H * T * D + 1, generator=g).to("cuda", dtype)
+    shifted = flat[1:].view(2, B, H, T, D)  # storage offset of one element
+    wide_rows = torch.randn(2, B, H, T, D + 1, generator=g).to("cuda", dtype)[..., :D]  # row stride D + 1
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None])[:, None, None, :].cuda()
+    for kv in (shifted, wide_rows):
+        got = torch.ops.decoder_ops.decode_attention_warp(q, kv[0], kv[1], mask)
+        close(got, fused.decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask).to(dtype), dtype)
+        dense = torch.ops.decoder_ops.decode_attention_warp(q, kv[0].contiguous(), kv[1].contiguous(), mask)
+        close(got, dense, dtype)  # the aligned copy takes the wide kernel: the same attention
 
 
 @needs_cuda_kernels
