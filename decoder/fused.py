@@ -582,9 +582,10 @@ def _check_ngram_block(p):
 
 
 def _check_argmax(p):
-    lg = p.rnd(7, 1001)
-    lg[3, 5] = lg[3, 900] = lg[3].max() + 1  # a tie: the first index wins
-    p.agree("argmax_rows", [p.call("argmax_rows", lg)], [lg.argmax(-1)], 0)
+    for C in (1001, 1024):  # CUDA's block kernel, its warp kernel (rows 16-byte aligned)
+        lg = p.rnd(7, C)
+        lg[3, 5] = lg[3, 900] = lg[3].max() + 1  # a tie: the first index wins
+        p.agree("argmax_rows", [p.call("argmax_rows", lg)], [lg.argmax(-1)], 0)
     xs, w, wb = p.rnd(9, 32), p.rnd(1001, 32), p.rnd(1001)
     full = F.linear(xs.float(), w.float(), wb.float())
     got = p.call("linear_argmax", xs, w, wb, 256)

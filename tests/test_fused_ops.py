@@ -453,6 +453,30 @@ def test_cuda_kernels_match_references(dtype):
 
 @needs_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("C", [8, 1024, 8000, 8001])
+def test_cuda_argmax_gives_torchs_index_from_either_kernel(dtype, C):
+    # rows a multiple of 16 bytes take the warp kernel (8, 1024, 8000), others the block kernel;
+    # both keep torch.argmax's order: NaN first, then the larger value, then the lower index
+    g = torch.Generator().manual_seed(C)
+    lg = torch.randn(3000, C, generator=g).to("cuda", dtype)
+    lg[1, C // 3] = lg[1, C - 1] = lg[1].max() + 1  # a tie across lanes: the first index
+    lg[2, C - 1] = float("nan")
+    lg[3] = float("-inf")
+    lg[4, 0] = lg[4, C // 2] = float("nan")  # two NaNs: the first
+    want = lg.float().argmax(-1)
+    want[2], want[4] = C - 1, 0  # the kit's order where NaNs are, whatever this torch's argmax says
+    assert torch.equal(torch.ops.decoder_ops.argmax_rows(lg), want)
+    off = torch.empty(3000 * C + 1, device="cuda", dtype=dtype)[1:].view(3000, C).copy_(lg)  # off 16 bytes
+    assert torch.equal(torch.ops.decoder_ops.argmax_rows(off), want)
+    xs, w = torch.randn(300, 64, generator=g).to("cuda", dtype), torch.randn(C, 64, generator=g).to("cuda", dtype)
+    full = torch.nn.functional.linear(xs, w).float()
+    for chunk in (1024, 1001):  # chunks through the warp kernel; of 1,001 columns, through the block kernel
+        got = torch.ops.decoder_ops.linear_argmax(xs, w, None, chunk)
+        torch.testing.assert_close(full.gather(1, got[:, None])[:, 0], full.max(-1).values, atol=0.05, rtol=0)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [8, 64, 512, 520, 1024, 1032])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_cuda_residual_norm_gives_the_block_kernels_residual_bits_from_its_warp_kernel(dtype, n, with_bias):
