@@ -44,6 +44,21 @@ __device__ __forceinline__ int64_t last_live(const bool* mask, int64_t T, int la
   return last;
 }
 
+// A warp's scores p[0, n) in shared memory, their max mx on every lane: each p[j] becomes
+// exp(p[j] - mx), and the return is 1 / their sum (NaN where every key is masked, as SDPA gives)
+__device__ __forceinline__ float warp_softmax(float* p, int64_t n, float mx, int lane) {
+  __syncwarp();
+  float sum = 0.f;
+  for (int64_t j = lane; j < n; j += 32) {
+    const float e = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
+    p[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  return mx == -INFINITY ? NAN : 1.f / sum;
+}
+
 // sum (or max) over the block, returned to every thread; `sh` holds 32 floats
 template <bool Max>
 __device__ float block_reduce(float v, float* sh) {
@@ -194,16 +209,7 @@ __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v,
       mx = fmaxf(mx, su);
     }
   }
-  __syncwarp();
-  float sum = 0.f;
-  for (int64_t j = lane; j < n; j += 32) {
-    const float e = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
-    p[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  const float inv = mx == -INFINITY ? NAN : 1.f / sum;  // every key masked: NaN, as SDPA gives
+  const float inv = warp_softmax(p, n, mx, lane);
   float acc[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) acc[i] = 0.f;
@@ -299,16 +305,7 @@ __global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v,
     }
   }
   mx = warp_max(mx);
-  __syncwarp();
-  float sum = 0.f;
-  for (int64_t j = lane; j < n; j += 32) {
-    const float e = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
-    p[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  const float inv = mx == -INFINITY ? NAN : 1.f / sum;  // every key masked: NaN, as SDPA gives
+  const float inv = warp_softmax(p, n, mx, lane);
   float acc[Vec];
 #pragma unroll
   for (int e = 0; e < Vec; ++e) acc[e] = 0.f;
