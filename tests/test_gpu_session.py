@@ -23,7 +23,7 @@ def test_script_parses_and_refuses_an_unknown_stage(tmp_path):
     assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
     r = sh("build", "trian", OUT=str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.strip() == \
-        "error: unknown stage 'trian' (stages: build test speed train bench distill)"
+        "error: unknown stage 'trian' (stages: build test kernels speed train bench distill)"
     assert not (tmp_path / "out").exists()  # nothing ran
 
 

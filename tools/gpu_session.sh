@@ -3,6 +3,7 @@
 # one command. Stages, in this order (default: all of them):
 #   build    compile the fused CPU ops and the CUDA kernels (or load build/carry/ops); say which loaded (~1 min)
 #   test     pytest tests/test_decoder_gpu.py tests/test_fused_ops.py tests/test_shortlist.py
+#   kernels  python -m tools.bench_kernels: the 16-byte-load kernels against the older ones (~10 s)
 #   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
 #   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
 #   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~8 min)
@@ -34,7 +35,7 @@ CALL_SECONDS=${CALL_SECONDS:-}
 CALL_MARGIN=30  # the bench's start-up before its clock, its last row's overrun and writes, the caller's packing
 TEST_SECONDS=${TEST_SECONDS:-300}  # the test stage's cap (on the H200: 40 s, then 127 s for 386 tests): a hang costs no more
 STUDENT=$ROOT/runs/gpu-student
-ALL=(build test speed train bench distill)
+ALL=(build test kernels speed train bench distill)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 for s in "${STAGES[@]}"; do
@@ -131,6 +132,10 @@ print('from:', os.environ.get('DECODER_OPS_CUDA_LIBRARY') or 'built here')
 stage_test() {
   LIMIT=$TEST_SECONDS run test $PY -m pytest -q -p no:cacheprovider tests/test_decoder_gpu.py tests/test_fused_ops.py \
     tests/test_shortlist.py --junitxml="$OUT/test.xml"
+}
+
+stage_kernels() {
+  run kernels $PY -m tools.bench_kernels --out "$OUT/kernels.json"
 }
 
 stage_speed() {
