@@ -35,14 +35,14 @@ def off_boundary(t: torch.Tensor) -> torch.Tensor:
 def cases(rows: int, device: str, dtype=torch.float16, seed: int = 0) -> dict[str, tuple[Callable, list]]:
     """name -> (op, its inputs as allocated), the decoder's shapes for `rows` rows. Masks keep each
     row's keys up to a drawn length: about half the buffer live, as a pass's average step."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)  # drawn where they are used: GBs at 8,192 rows
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device, dtype)
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
     def attention(keys):
-        live = torch.randint(1, keys + 1, (rows,), generator=g)
-        mask = (torch.arange(keys)[None] < live[:, None])[:, None, None, :].to(device)  # (rows, 1, 1, keys)
+        live = torch.randint(1, keys + 1, (rows,), generator=g, device=device)
+        mask = (torch.arange(keys, device=device)[None] < live[:, None])[:, None, None, :]  # (rows, 1, 1, keys)
         # q (rows, H, 1, D), k and v (rows, H, keys, D)
         return [rnd(rows, HEADS, 1, FEATURES), rnd(rows, HEADS, keys, FEATURES), rnd(rows, HEADS, keys, FEATURES), mask]
     o = torch.ops.decoder_ops
