@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from decoder import fused, ops
+from tools.bench_kernels import off_boundary  # the same values one element off 16 bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here (no compiler?)")
@@ -466,7 +467,7 @@ def test_cuda_argmax_gives_torchs_index_from_either_kernel(dtype, C):
     want = lg.float().argmax(-1)
     want[2], want[4] = C - 1, 0  # the kit's order where NaNs are, whatever this torch's argmax says
     assert torch.equal(torch.ops.decoder_ops.argmax_rows(lg), want)
-    off = torch.empty(3000 * C + 1, device="cuda", dtype=dtype)[1:].view(3000, C).copy_(lg)  # off 16 bytes
+    off = off_boundary(lg)
     assert torch.equal(torch.ops.decoder_ops.argmax_rows(off), want)
     xs, w = torch.randn(300, 64, generator=g).to("cuda", dtype), torch.randn(C, 64, generator=g).to("cuda", dtype)
     full = torch.nn.functional.linear(xs, w).float()
@@ -492,8 +493,7 @@ def test_cuda_residual_norm_gives_the_block_kernels_residual_bits_from_its_warp_
         x.float(), h.float(), None if bias is None else bias.float(), gamma.float(), beta.float(), 1e-5)
     close(r, r_ref.to(dtype), dtype)
     close(y, y_ref.to(dtype), dtype)
-    off = torch.empty(rows * n + 1, device="cuda", dtype=dtype)[1:].view(rows, n)  # one element off
-    r_block, y_block = torch.ops.decoder_ops.add_bias_residual_layernorm(off.copy_(x), h, bias, gamma, beta, 1e-5)
+    r_block, y_block = torch.ops.decoder_ops.add_bias_residual_layernorm(off_boundary(x), h, bias, gamma, beta, 1e-5)
     assert torch.equal(r, r_block)
     close(y, y_block, dtype)
 
@@ -539,8 +539,7 @@ def test_cuda_warp_decode_attention_reads_rows_off_16_byte_boundaries_with_narro
     g = torch.Generator().manual_seed(8)
     B, H, T, D = 300, 4, 40, 64
     q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
-    flat = torch.randn(2 * B * H * T * D + 1, generator=g).to("cuda", dtype)
-    shifted = flat[1:].view(2, B, H, T, D)  # storage offset of one element
+    shifted = off_boundary(torch.randn(2, B, H, T, D, generator=g).to("cuda", dtype))  # one element off
     wide_rows = torch.randn(2, B, H, T, D + 1, generator=g).to("cuda", dtype)[..., :D]  # row stride D + 1
     mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None])[:, None, None, :].cuda()
     for kv in (shifted, wide_rows):

@@ -558,6 +558,9 @@ __global__ void argmax_warp_kernel(const T* x, int64_t R, int64_t C, int64_t off
   }
 }
 
+// blocks of kWarps warps for a warp per row (the warp kernels)
+int64_t warp_blocks(int64_t rows) { return (rows + kWarps - 1) / kWarps; }
+
 int blocks_for(int64_t total) { return static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)); }
 
 // Every tensor's data 16-byte aligned: the wide kernels' loads and stores need it
@@ -589,7 +592,7 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
     if (aligned) {
       auto kernel = chunks == 1 ? residual_norm_warp_kernel<scalar_t, 1>
                     : chunks == 2 ? residual_norm_warp_kernel<scalar_t, 2> : residual_norm_warp_kernel<scalar_t, 4>;
-      kernel<<<(rows + kWarps - 1) / kWarps, 32 * kWarps, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      kernel<<<warp_blocks(rows), 32 * kWarps, 0, c10::cuda::getCurrentCUDAStream()>>>(
           xc.data_ptr<scalar_t>(), hc.data_ptr<scalar_t>(), bias.has_value() ? bb.data_ptr<scalar_t>() : nullptr,
           gc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, n,
           static_cast<float>(eps));
@@ -696,7 +699,7 @@ at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, 
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionArgs a(q, k, v, mask);
   if (a.q.numel() == 0) return a.out;
-  const int64_t blocks = (a.B * a.H * a.Q + kWarps - 1) / kWarps;
+  const int64_t blocks = warp_blocks(a.B * a.H * a.Q);
   KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention_warp", [&] {
     auto kernel = wide_attention_kernel<scalar_t>(a);
     if (!kernel)
@@ -774,7 +777,7 @@ void launch_argmax(const at::Tensor& x, int64_t offset, at::Tensor& best_v, at::
   if (R == 0) return;
   KIT_DISPATCH_FLOATS(x.scalar_type(), "argmax_rows", [&] {
     if (C % Wide<scalar_t>::Vec == 0 && aligned16({x})) {
-      argmax_warp_kernel<scalar_t><<<(R + kWarps - 1) / kWarps, 32 * kWarps, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      argmax_warp_kernel<scalar_t><<<warp_blocks(R), 32 * kWarps, 0, c10::cuda::getCurrentCUDAStream()>>>(
           x.data_ptr<scalar_t>(), R, C, offset, best_v.data_ptr<float>(), best_i.data_ptr<int64_t>(), merge);
       return;
     }
