@@ -40,6 +40,10 @@ POSITION_BUDGET = 16
 # chunks of at most this many sentences, or states of at most this many rows (batch 1, the
 # latency mode), keep the per-batch loop and graph_reuse's kept states
 MIN_SENTENCES = 16
+# switch narrow_tail: no state narrower than this. A step's kernels are linear in the rows at
+# thousands (the H200's attention: 0.46 ms a call at 4,096 rows, 0.91 at 8,192), hardly below some
+# hundreds (an estimate), where a narrower state's capture would cost more than its steps save.
+NARROW_MIN = 256
 
 
 def applies(sentences: int, max_tokens: int, max_sentences: int) -> bool:
@@ -50,6 +54,15 @@ def applies(sentences: int, max_tokens: int, max_sentences: int) -> bool:
 def rows_for(max_tokens: int, max_sentences: int, source: int, cap: int) -> int:
     """Rows of a state whose longest source has `source` tokens and longest output `cap`."""
     return max(1, min(max_sentences, max_tokens // ROW_TOKENS, POSITION_BUDGET * max_tokens // (source + cap)))
+
+
+def narrow_to(rows: int, busy: int) -> int:
+    """The rows of the state that a state of `rows` rows, `busy` of them busy and no sentence
+    waiting, moves to (switch narrow_tail): halved while half still holds the busy rows, not below
+    NARROW_MIN; `rows` where it stays."""
+    while busy and rows // 2 >= max(busy, NARROW_MIN):
+        rows //= 2
+    return rows
 
 
 def segments(batches: list[list[int]], lengths: list[int], caps: list[int], max_tokens: int,
@@ -149,6 +162,20 @@ class RefillGreedy(StaticGreedy):
         """The outputs of the sentences just placed in `rows`, <pad> before their first token."""
         self.out[rows] = self.pad
 
+    def take_rows(self, old: "RefillGreedy", rows: torch.Tensor) -> None:
+        """This state's first rows take over `old`'s rows `rows` (n,) mid-sentence: their K/V so far
+        (the whole buffer: a host read of the positions would wait for the GPU), cross K/V and key
+        masks, positions, next tokens, caps, finished flags and outputs so far; the rest stay empty."""
+        n, c, o = rows.shape[0], self.cache, old.cache
+        c.kv[:, :, :n] = o.kv.index_select(2, rows)
+        for (kb, vb), (ok, ov) in zip(c.cross_rows, o.cross_rows):
+            kb[:n] = ok.index_select(0, rows)
+            vb[:n] = ov.index_select(0, rows)
+        c.mask_rows[:n] = o.mask_rows.index_select(0, rows)
+        for new, was in ((c.pos, o.pos), (c.tokens, o.tokens), (self.limits, old.limits), (self.done, old.done),
+                         (self.out, old.out)):
+            new[:n] = was.index_select(0, rows)
+
 
 @dataclass
 class Pending:
@@ -198,46 +225,77 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
     """One state's blocks. The host reads block i's finished rows while block i+1 runs, so the
     GPU always has a block queued: rows refilled after that read run from block i+2 on, and
     their finished flag counts from there (`ready`); until then it is their last sentence's.
+    With narrow_tail, once no sentence waits, the busy rows move to narrower states (`narrow_to`).
     Returns the batches of `more` whose sources are longer than the state's."""
     block = s.plan.sync_every
-    cache = RefillCache(model, rows, source, -(-cap // block) * block)
-    loop = RefillGreedy(DecoderState(model, cache, None, phase), s, block)
+    T = -(-cap // block) * block
+    state = lambda n: RefillGreedy(DecoderState(model, RefillCache(model, n, source, T), None, phase), s, block)  # noqa: E731
+    loop = state(rows)
     todo, queue = _Todo(batches, more, source, srcs), deque()
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
     ready = np.zeros(rows, dtype=np.int64)  # (N,) the first block whose finished flag is owner's
     _refill(loop, encode, srcs, model, todo, queue, owner, ready, 0)
+
+    def narrow(loop, owner: np.ndarray):
+        busy = np.flatnonzero(owner >= 0)  # (n,)
+        n = narrow_to(owner.size, busy.size)
+        if n == owner.size or todo or queue or todo.more is not None:
+            return None
+        narrower = state(n)
+        narrower.take_rows(loop, _on(busy, model))
+        return narrower, busy
+
     yield from blocks(loop, s, phase, owner, ready, model, lambda flags: flags,
-                      lambda issued: _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued))
+                      lambda issued: _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued),
+                      narrow if s.plan.narrow_tail else None)
     return todo.later
 
 
 def blocks(loop, s: Search, phase, owner: np.ndarray, ready: np.ndarray, model,
-           finished: Callable[[np.ndarray], np.ndarray], refill: Callable[[int], None]) -> Iterator:
+           finished: Callable[[np.ndarray], np.ndarray], refill: Callable[[int], None],
+           narrow: Callable | None = None) -> Iterator:
     """A refilled state's blocks, two in flight, until no row or output slot is busy: after each
     read, the slots `finished(read)` says ended, whose flag is their sentence's (`ready`), leave
-    (the sentences' indices and their Outputs), then `refill(blocks issued)` fills free ones."""
-    snaps, issued = deque(), 0  # (block, its read on its way to the host)
+    (the sentences' indices and their Outputs), then `refill(blocks issued)` fills free ones.
+    `narrow(loop, owner)`: None, or a narrower loop that took over this one's busy rows and their
+    indices here (n,), behind the block in flight; that block's read is then mapped onto the new
+    rows, and nothing is refilled from then on (it narrows only once no sentence waits)."""
+    snaps, issued, first = deque(), 0, 0  # (block, its read, the loop it ran on, the rows of the read)
     while True:
         while len(snaps) < 2 and (owner >= 0).any():
-            snaps.append(issue(loop, s, phase, issued))
+            snaps.append((*issue(loop, s, phase, issued, issued == first), loop, None))
             issued += 1
         if not snaps:
             return
-        i, read = snaps.popleft()
-        fin = np.flatnonzero(finished(read.array()) & (owner >= 0) & (ready <= i))
+        i, read, _, rows = snaps.popleft()
+        flags = finished(read.array())
+        fin = np.flatnonzero((flags if rows is None else flags[rows]) & (owner >= 0) & (ready <= i))
         if fin.size:
             out = hostsync.later(loop.out.index_select(0, _on(fin, model)), "outputs")
             yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
             owner[fin] = -1
-        refill(issued)
+        if refill is not None:
+            refill(issued)
+        moved = narrow(loop, owner) if narrow is not None else None
+        if moved is not None:
+            loop, kept = moved
+            n = loop.done.shape[0]
+            owner, ready = _padded(owner[kept], n, -1), _padded(ready[kept], n, 0)
+            snaps = deque((j, r, ran, _padded(kept if m is None else m[kept], n, 0)) for j, r, ran, m in snaps)
+            first, refill = issued, None
 
 
-def issue(loop, s: Search, phase, i: int) -> tuple:
-    """Block i queued (the graph captured ahead behind the first) -> (i, its finished flags on
-    their way to the host)."""
+def _padded(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """(n,) a, then `fill`."""
+    return np.concatenate([a, np.full(n - a.size, fill, dtype=a.dtype)])
+
+
+def issue(loop, s: Search, phase, i: int, first: bool) -> tuple:
+    """Block i queued (the graph captured ahead behind the loop's `first` block) -> (i, its
+    finished flags on their way to the host)."""
     with phase("decode steps"):
         loop.run(0)
-        if i == 0 and s.plan.capture_ahead:
+        if first and s.plan.capture_ahead:
             loop.capture_ahead()
     return i, hostsync.later(loop.flags(), "finished?")
 

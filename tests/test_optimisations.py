@@ -38,6 +38,7 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "refill_rows": {"cache": True, "cuda_graphs": True, "graph_steps": True},
          "early_start": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
          "refill_on_device": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
+         "narrow_tail": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
          "normalise_processes": {"fast_normaliser": True},
          "graph_attention": {"cache": True, "cuda_graphs": True, "fused_attention": True},
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},

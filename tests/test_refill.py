@@ -134,11 +134,14 @@ def test_the_steps_tool_counts_every_loop_on_the_same_lines(tmp_path, monkeypatc
     from tools import decode_steps
     made = []
     monkeypatch.setattr(decode_steps, "Translator", lambda *a, **kw: made.append(Translator(*a, **kw)) or made[-1])
+    monkeypatch.setattr(refill, "NARROW_MIN", 4)  # the 64-row state narrows
     assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "300", "--max-tokens", "1024",
                               "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
-    assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 4
-    per_batch, refilled, staged, on_device = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 5
+    per_batch, refilled, narrowed, staged, on_device = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == on_device["rows"] == [64]
+    assert narrowed["narrow_tail"] and not refilled["narrow_tail"] and narrowed["rows"][-1] == 64 and len(narrowed["rows"]) > 2
+    assert narrowed["row_steps"] < refilled["row_steps"] and narrowed["same_outputs"] == "300 of 300"
     assert on_device["steps"] < refilled["steps"]  # no row waits for the host's read
     assert refilled["same_outputs"] == staged["same_outputs"] == on_device["same_outputs"] == "300 of 300"
     assert staged["early_start"] and not refilled["early_start"]  # 300 lines: over two states' worth of 64 rows
@@ -146,6 +149,7 @@ def test_the_steps_tool_counts_every_loop_on_the_same_lines(tmp_path, monkeypatc
     md = (tmp_path / "s.md").read_text()
     assert "| refilled rows |" in md and "| refilled rows, the chunk's longest lines first (early_start) |" in md
     assert "| refilled rows on the device, each step (refill_on_device) |" in md
+    assert "| refilled rows, the tail narrowed (narrow_tail) |" in md
     made.clear()  # --chunk-lines reaches the decoder: a run in chunks of 70 lines
     assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "140", "--max-tokens", "1024",
                               "--max-sentences", "64", "--chunk-lines", "70", "--out", str(tmp_path / "c")]) == 0
@@ -243,8 +247,10 @@ def test_early_start_names_the_first_truncated_line_in_input_order(capfd):
 
 @trained
 @pytest.mark.parametrize("ready", [False, True])
-def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(ready):
+@pytest.mark.parametrize("floor", [refill.NARROW_MIN, 4])  # 4: the head's state would narrow, but the rest waits
+def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(ready, floor, monkeypatch):
     from decoder.batching import make_batches
+    monkeypatch.setattr(refill, "NARROW_MIN", floor)
     tr = Translator(MODEL, **STAGED, early_start=True)
     lines = source_lines(70)
     ids = tr.text.encode(lines)
@@ -266,3 +272,85 @@ def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(
     assert sorted(finished) == list(range(70)) and len(taken_after) == 1
     # not ready: waited for once the head's 20 sentences were all out; ready: taken at the first read
     assert taken_after == ([20] if not ready else [0])
+
+
+def test_a_state_narrows_by_halves_to_its_busy_rows_not_below_the_floor():
+    assert refill.narrow_to(4096, 2048) == 2048 and refill.narrow_to(4096, 2049) == 4096
+    assert refill.narrow_to(4096, 300) == 512 and refill.narrow_to(8192, 700) == 1024
+    assert refill.narrow_to(4096, 3) == refill.NARROW_MIN == 256  # narrower steps would save nothing
+    assert refill.narrow_to(300, 20) == 300  # half of it is under the floor
+    assert refill.narrow_to(4096, 0) == 4096  # no busy row: the state ends as it is
+
+
+def narrowing(monkeypatch, floor: int = 4) -> list:
+    """States narrow down to `floor` rows; -> the calls, in order, of RefillGreedy.place and take_rows."""
+    calls = []
+    place, take = refill.RefillGreedy.place, refill.RefillGreedy.take_rows
+    monkeypatch.setattr(refill, "NARROW_MIN", floor)
+    monkeypatch.setattr(refill.RefillGreedy, "place", lambda self, *a: (calls.append(("place", self)), place(self, *a)))
+    monkeypatch.setattr(refill.RefillGreedy, "take_rows", lambda self, old, rows: (
+        calls.append(("take", self, old, rows.numel())), take(self, old, rows)))
+    return calls
+
+
+@trained
+@pytest.mark.parametrize("kw", [dict(sync_every=4), dict(sync_every=1), dict(sync_every=7, max_len_a=0.5, max_len_b=3),
+                                dict(sync_every=3, graph_attention=True), dict(sync_every=4, sort=False)])
+def test_a_narrowed_tail_gives_the_per_batch_tokens_in_fewer_row_steps(kw, monkeypatch):
+    lines = source_lines(150)
+    lines[3] = lines[77] = ""
+    wide = Translator(MODEL, static_shapes=True, narrow_tail=False, **SMALL, **kw)
+    tr = Translator(MODEL, static_shapes=True, **SMALL, **kw)
+    assert tr.plan.narrow_tail and not wide.plan.narrow_tail
+    runs = counted_blocks(monkeypatch)
+    before = wide.translate(lines)
+    wide_rows = sum(r.done.shape[0] for r in runs)
+    calls = narrowing(monkeypatch)
+    runs.clear()
+    got = tr.translate(lines)
+    assert got == before == Translator(MODEL, **{k: v for k, v in kw.items() if k.startswith("max_len")}).translate(lines)
+    widths = [r.done.shape[0] for r in runs]
+    assert widths == sorted(widths, reverse=True) and widths[0] == 64 and len(set(widths)) > 2
+    assert sum(widths) < wide_rows  # the row-steps: blocks x rows
+    takes = [i for i, c in enumerate(calls) if c[0] == "take"]
+    assert takes and max(i for i, c in enumerate(calls) if c[0] == "place") < takes[0]  # once none waits
+    for _, narrower, wider, busy in map(calls.__getitem__, takes):  # at least halved, every busy row kept
+        assert busy <= narrower.done.shape[0] <= wider.done.shape[0] // 2
+
+
+@trained
+def test_a_narrowed_state_reads_its_rows_once_a_block_and_captures_its_own_block(monkeypatch):
+    from test_graphs import on_cpu_with_graphs
+    seen = on_cpu_with_graphs(monkeypatch)
+    tr = Translator(MODEL, static_shapes=True, sync_every=4, **SMALL)
+    runs = counted_blocks(monkeypatch)
+    narrowing(monkeypatch)
+    hostsync.reset()
+    got = tr.translate(source_lines(150))
+    states = len({id(r) for r in runs})
+    assert states > 2 and hostsync.counts["finished?"] == len(runs)
+    assert got == Translator(MODEL).translate(source_lines(150))
+    assert seen["warm"] == seen["capture"] == [id(tr.model)] * states  # each state's block captured once
+
+
+@trained
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.integers(0, 200), min_size=17, max_size=60), every=st.integers(1, 9),
+       max_sentences=st.integers(17, 80), floor=st.integers(1, 20), b=st.integers(1, 12))
+def test_any_lines_blocks_and_floors_narrow_to_the_per_batch_tokens(picks, every, max_sentences, floor, b,
+                                                                     monkeypatch):
+    pool = source_lines(200) + [""]
+    lines = [pool[i] for i in picks]
+    kw = dict(static_shapes=True, sync_every=every, max_tokens=2048, max_sentences=max_sentences, max_len_b=b)
+    with monkeypatch.context() as m:
+        m.setattr(refill, "NARROW_MIN", floor)
+        got = Translator(MODEL, **kw).translate(lines)
+    assert got == Translator(MODEL, **kw, refill_rows=False).translate(lines)
+
+
+def test_narrow_tail_resolves_with_the_hosts_refill_only():
+    both = Kernels(cpu=True, cuda=True)
+    assert resolve(Switches(), device="cuda", kernels=both).narrow_tail
+    assert not resolve(Switches(refill_on_device=True), device="cuda", kernels=both).narrow_tail
+    assert not resolve(Switches(), device="cuda", kernels=both, beam=4).narrow_tail
+    assert not resolve(Switches(refill_rows=False), device="cuda", kernels=both).narrow_tail
