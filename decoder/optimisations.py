@@ -445,9 +445,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "rows and at most half of the state's rows are busy, those rows (their K/V so far, cross K/V, "
                  "positions, outputs) move to a state of half the rows, or a quarter, ..., not below 256, "
                  "behind the block the GPU is running, and its graph is captured ahead. The Bible's 10,000 lines "
-                 "at 8,192 rows: 128 steps of 8,192 rows were 1,048,576 row-steps for 319,595 tokens; narrowed, "
-                 "509,952 (a simulation from the KD student's output lengths; 4,096 rows: 589,824 to 456,704). "
-                 "The same outputs (tests/test_refill.py). Not measured on a GPU yet"),
+                 "at 8,192 rows (the GPU's 128k tokens): 1,048,576 row-steps in 128 steps, against 690,488 in 304 "
+                 "for a state per batch; narrowed, 509,952 in 128 (4,096 rows: 589,824 to 456,704; "
+                 "`python -m tools.decode_steps`, docs/bench/decode-steps.md). The same outputs "
+                 "(tests/test_refill.py). Not measured on a GPU yet"),
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,

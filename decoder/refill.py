@@ -229,7 +229,9 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
     Returns the batches of `more` whose sources are longer than the state's."""
     block = s.plan.sync_every
     T = -(-cap // block) * block
-    state = lambda n: RefillGreedy(DecoderState(model, RefillCache(model, n, source, T), None, phase), s, block)  # noqa: E731
+
+    def state(n: int) -> RefillGreedy:
+        return RefillGreedy(DecoderState(model, RefillCache(model, n, source, T), None, phase), s, block)
     loop = state(rows)
     todo, queue = _Todo(batches, more, source, srcs), deque()
     owner = np.full(rows, -1)  # (N,) the sentence in each row, -1: none
@@ -241,26 +243,31 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
         n = narrow_to(owner.size, busy.size)
         if n == owner.size or todo or queue or todo.more is not None:
             return None
-        narrower = state(n)
-        narrower.take_rows(loop, _on(busy, model))
+        with phase("batch shrink"):
+            narrower = state(n)
+            narrower.take_rows(loop, _on(busy, model))
         return narrower, busy
 
-    yield from blocks(loop, s, phase, owner, ready, model, lambda flags: flags,
-                      lambda issued: _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued),
-                      narrow if s.plan.narrow_tail else None)
+    run = blocks(loop, s, phase, owner, ready, model, lambda flags: flags,
+                 lambda loop, issued: _refill(loop, encode, srcs, model, todo, queue, owner, ready, issued),
+                 narrow if s.plan.narrow_tail else None)
+    del loop  # a narrower state frees this one
+    yield from run
     return todo.later
 
 
 def blocks(loop, s: Search, phase, owner: np.ndarray, ready: np.ndarray, model,
-           finished: Callable[[np.ndarray], np.ndarray], refill: Callable[[int], None],
+           finished: Callable[[np.ndarray], np.ndarray], refill: Callable[..., None],
            narrow: Callable | None = None) -> Iterator:
     """A refilled state's blocks, two in flight, until no row or output slot is busy: after each
     read, the slots `finished(read)` says ended, whose flag is their sentence's (`ready`), leave
-    (the sentences' indices and their Outputs), then `refill(blocks issued)` fills free ones.
+    (the sentences' indices and their Outputs), then `refill(loop, blocks issued)` fills free ones.
     `narrow(loop, owner)`: None, or a narrower loop that took over this one's busy rows and their
     indices here (n,), behind the block in flight; that block's read is then mapped onto the new
     rows, and nothing is refilled from then on (it narrows only once no sentence waits)."""
-    snaps, issued, first = deque(), 0, 0  # (block, its read, the loop it ran on, the rows of the read)
+    # (block, its read, the loop it ran on: held until the read, as the GPU may still run its graph,
+    # the read's row of each row here, None: the same)
+    snaps, issued, first = deque(), 0, 0
     while True:
         while len(snaps) < 2 and (owner >= 0).any():
             snaps.append((*issue(loop, s, phase, issued, issued == first), loop, None))
@@ -275,7 +282,7 @@ def blocks(loop, s: Search, phase, owner: np.ndarray, ready: np.ndarray, model,
             yield owner[fin].tolist(), Outputs(lambda out=out: out.until(s.eos_id))
             owner[fin] = -1
         if refill is not None:
-            refill(issued)
+            refill(loop, issued)
         moved = narrow(loop, owner) if narrow is not None else None
         if moved is not None:
             loop, kept = moved

@@ -161,7 +161,7 @@ def device_segment(model, s: Search, encode, batches, srcs, rows: int, source: i
 
     _fill(loop, encode, srcs, model, todo, queue, owner, ready, 0, rows, into_rows=True)
     _fill(loop, encode, srcs, model, todo, queue, owner, ready, 0, ring)
-    yield from blocks(loop, s, phase, owner, ready, model, finished, lambda issued: _fill(
+    yield from blocks(loop, s, phase, owner, ready, model, finished, lambda loop, issued: _fill(
         loop, encode, srcs, model, todo, queue, owner, ready, issued, loop.ring.free(taken)))
     return todo.later
 
