@@ -102,6 +102,24 @@ def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
 
 
 @cuda
+def test_cuda_narrowed_states_capture_their_own_graphs_and_keep_the_tokens(model_dir, monkeypatch):
+    # a narrower state is captured into the model's pool while the wider one's last block still runs
+    from decoder import refill
+    monkeypatch.setattr(refill, "NARROW_MIN", 4)  # the 32-row states narrow
+    taken, take = [], refill.RefillGreedy.take_rows
+    monkeypatch.setattr(refill.RefillGreedy, "take_rows",
+                        lambda self, old, rows: (taken.append(rows.numel()), take(self, old, rows))[1])
+    lines = synthetic_corpus(240, seed=11)
+    kw = dict(device="cuda", precision="fp16", max_sentences=32, chunk_lines=100)
+    narrowed = Translator(model_dir, **kw)
+    a = narrowed.translate(lines)
+    assert taken and narrowed.plan.narrow_tail
+    b = Translator(model_dir, **kw, narrow_tail=False).translate(lines)
+    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(lines)  # products of other row counts
+    assert narrowed.translate(lines) == a and not narrowed.model.graphs_failed
+
+
+@cuda
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_batch1_replays_kept_graphs_with_the_tokens_of_fresh_ones(model_dir, beam):
     lines = synthetic_corpus(12, seed=7)
