@@ -140,7 +140,8 @@ def test_the_steps_tool_counts_every_loop_on_the_same_lines(tmp_path, monkeypatc
     assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 5
     per_batch, refilled, narrowed, staged, on_device = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert refilled["steps"] < per_batch["steps"] and refilled["rows"] == on_device["rows"] == [64]
-    assert narrowed["narrow_tail"] and not refilled["narrow_tail"] and narrowed["rows"][-1] == 64 and len(narrowed["rows"]) > 2
+    assert narrowed["narrow_tail"] and not refilled["narrow_tail"]
+    assert narrowed["rows"][-1] == 64 and len(narrowed["rows"]) > 2
     assert narrowed["row_steps"] < refilled["row_steps"] and narrowed["same_outputs"] == "300 of 300"
     assert on_device["steps"] < refilled["steps"]  # no row waits for the host's read
     assert refilled["same_outputs"] == staged["same_outputs"] == on_device["same_outputs"] == "300 of 300"
@@ -308,7 +309,8 @@ def test_a_narrowed_tail_gives_the_per_batch_tokens_in_fewer_row_steps(kw, monke
     calls = narrowing(monkeypatch)
     runs.clear()
     got = tr.translate(lines)
-    assert got == before == Translator(MODEL, **{k: v for k, v in kw.items() if k.startswith("max_len")}).translate(lines)
+    caps = {k: v for k, v in kw.items() if k.startswith("max_len")}
+    assert got == before == Translator(MODEL, **caps).translate(lines)
     widths = [r.done.shape[0] for r in runs]
     assert widths == sorted(widths, reverse=True) and widths[0] == 64 and len(set(widths)) > 2
     assert sum(widths) < wide_rows  # the row-steps: blocks x rows
@@ -334,7 +336,8 @@ def test_a_narrowed_state_reads_its_rows_once_a_block_and_captures_its_own_block
 
 
 @trained
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(picks=st.lists(st.integers(0, 200), min_size=17, max_size=60), every=st.integers(1, 9),
        max_sentences=st.integers(17, 80), floor=st.integers(1, 20), b=st.integers(1, 12))
 def test_any_lines_blocks_and_floors_narrow_to_the_per_batch_tokens(picks, every, max_sentences, floor, b,
