@@ -239,9 +239,11 @@ def host_segment(model, s, encode, batches, srcs, rows, source, cap, phase, more
     _refill(loop, encode, srcs, model, todo, queue, owner, ready, 0)
 
     def narrow(loop, owner: np.ndarray):
+        if todo or queue or todo.more is not None:
+            return None
         busy = np.flatnonzero(owner >= 0)  # (n,)
         n = narrow_to(owner.size, busy.size)
-        if n == owner.size or todo or queue or todo.more is not None:
+        if n == owner.size:
             return None
         with phase("batch shrink"):
             narrower = state(n)
