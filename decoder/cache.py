@@ -18,7 +18,8 @@ the layers attend through:
   step attends over the whole buffer with a mask for the positions not written
   yet, and rows are fixed (finished sentences stay, fed <pad>). One captured
   CUDA graph then replays every step of a batch; on CPU it runs eagerly, which
-  is how the tests check it against the incremental cache.
+  is how the tests check it against the incremental cache. In beam search its
+  reorder moves a row table too (switch `kv_row_table`), not the K/V buffer.
 - `OneRowCache`: the incremental cache for one sentence, greedy (the latency
   mode): Python-int tokens, no padding mask, its own one-query attention.
 - `RecomputeCache`: the naive reference: the whole prefix again every step,
@@ -197,6 +198,11 @@ class StaticCache(IncrementalCache):
         # else SDPA, masked by a float bias (the cross mask, bools, serves both)
         self.attend, self.position_mask = ((self.plan.attend, _attend_mask) if self.plan.static_attend
                                            else (_sdpa, _bias_mask))
+        # switch kv_row_table, beam: a reorder moves the rows of `table` (rows, T), where row r's key and
+        # value at position j live in cache row table[r, j]; without it a reorder copies the whole K/V
+        # buffer (every position, written or not: fixed shapes) a step. `own` (rows, 1): each row's own
+        self.table = identity_table(N, max_len, dev) if beam > 1 and self.plan.kv_row_table else None
+        self.own = torch.arange(N, device=dev)[:, None]
         self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
 
     def _run(self):
@@ -205,6 +211,8 @@ class StaticCache(IncrementalCache):
         p = (self.pos + (m.cfg.pad_id + 1)).clamp_(max=m.pos.shape[0] - 1)
         x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
         self.bias = self.position_mask(self.positions, self.pos, x)
+        if self.table is not None:  # this step's keys are each row's own, written below
+            self.table.index_copy_(1, self.pos, self.own)
         return m.decode(x, self)[:, 0]
 
     def run(self, tokens, t: int):
@@ -217,10 +225,19 @@ class StaticCache(IncrementalCache):
             self.step_graph = graphs.Captured(self._run, self.m)
         return self.step_graph().clone()  # a replay overwrites its output next step
 
+    def reorder(self, rows):
+        if self.table is None:
+            super().reorder(rows)
+        else:
+            self.reorder_all(rows)
+
     def reorder_all(self, rows):
         """`reorder` over the whole buffer: fixed shapes for a captured step (the positions
-        past t hold nothing read)."""
-        self.kv.copy_(self.kv.index_select(2, rows))
+        past t hold nothing read); with the row table, the table's rows move, not the K/V."""
+        if self.table is None:
+            self.kv.copy_(self.kv.index_select(2, rows))
+        else:
+            self.table.copy_(self.table.index_select(0, rows))
 
     def reload(self, enc, mask):
         """This state for a new batch of its shape: what its captured graph reads (cross K/V,
@@ -231,7 +248,7 @@ class StaticCache(IncrementalCache):
             ck.copy_(heads(k, h))
             cv.copy_(heads(v, h))
         self.mask.copy_(mask)
-        self.kv.zero_()
+        self.kv.zero_()  # the row table needs no reset: each step writes its own column before reading it
         self.t = 0
 
     def self_attend(self, i: int, attn, y):
@@ -240,7 +257,9 @@ class StaticCache(IncrementalCache):
         N, h = kc.shape[:2]
         self.write(kc, k.view(N, h, 1, -1))
         self.write(vc, v.view(N, h, 1, -1))
-        return merge(self.attend(heads(q, h), kc, vc, self.bias))
+        if self.table is None:
+            return merge(self.attend(heads(q, h), kc, vc, self.bias))
+        return merge(self.attend(heads(q, h), kc, vc, self.bias, self.table))
 
     def write(self, cache, x) -> None:
         """x (N, h, 1, hd) into cache (N, h, T, hd) at the position."""

@@ -133,7 +133,8 @@ def _kernel(t: torch.Tensor) -> bool:
 
 _cuda: dict = {}
 # kernels with a CUDA kernel of their own to fall back to: one that disagrees is refused alone
-OWN_FALLBACK = {"decode_attention_warp": "the block kernel"}
+OWN_FALLBACK = {"decode_attention_warp": "the block kernel",
+                "decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
 
 
 def _cuda_kernels() -> bool:
@@ -254,22 +255,20 @@ CUDA_MAX_KEYS = 48 * 1024 // 4  # the CUDA kernel holds a row's T scores in 48 K
 
 
 def decode_attention_kernel(q, k, v, mask=None, rows=None):
-    """The CPU kernels: rows (beam search's row table) without a mask, or the plain one."""
+    """The CPU kernels: through beam search's row table `rows`, or the plain one."""
+    _check_attention(q, k, v, mask, rows)
     if rows is not None:
-        if mask is not None:  # no kernel reads a row table and a mask: the decoder never passes both
-            return decode_attention_reference(q, k, v, mask, rows)
-        _check_attention(q, k, v, mask, rows)
-        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
-    _check_attention(q, k, v, mask)
+        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask)
     return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
 
 
 def decode_attention_cuda(q, k, v, mask=None, rows=None):
-    # the keys grow by one a step: past CUDA_MAX_KEYS (12k, beyond any output cap) the reference;
-    # the CUDA build has no row-table kernel (a CUDA plan never holds the row table)
-    if rows is not None or k.shape[2] > CUDA_MAX_KEYS:
+    # the keys grow by one a step: past CUDA_MAX_KEYS (12k, beyond any output cap) the reference
+    if k.shape[2] > CUDA_MAX_KEYS:
         return decode_attention_reference(q, k, v, mask, rows)
-    _check_attention(q, k, v, mask)
+    _check_attention(q, k, v, mask, rows)
+    if rows is not None:
+        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask, False)
     return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
 
 
@@ -287,10 +286,12 @@ def decode_attention_warp_cuda(q, k, v, mask=None, rows=None):
     """decode_attention_cuda with a warp per row, head and query (switch warp_attention) where
     there are warps enough to fill the GPU; csrc/fused_cuda.cu runs the block kernel past the
     warp kernel's own limits (features, keys)."""
-    if rows is not None or k.shape[2] > CUDA_MAX_KEYS:
+    if k.shape[2] > CUDA_MAX_KEYS:
         return decode_attention_reference(q, k, v, mask, rows)
-    _check_attention(q, k, v, mask)
+    _check_attention(q, k, v, mask, rows)
     few = q.shape[0] * q.shape[1] * q.shape[2] < WARP_MIN_PER_SM * _multiprocessors(q.device)
+    if rows is not None:
+        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask, not few)
     return (torch.ops.decoder_ops.decode_attention if few else torch.ops.decoder_ops.decode_attention_warp)(
         q, k, v, mask)
 
@@ -303,12 +304,15 @@ def _check_attention(q, k, v, mask, rows=None):
     B, T = q.shape[0], k.shape[2]
     require(mask is None or (mask.numel() == B * T and mask.dtype == torch.bool),
             "decode_attention: mask must be bool (B, 1, 1, T)")
-    if rows is not None:  # a CPU tensor (the kernel's), read where the kernel would read it: no device sync
-        require(rows.shape == (B, T) and rows.dtype == torch.long,
-                lambda: f"decode_attention_rows: rows must be long ({B}, {T})")
-        lo, hi = torch.aminmax(rows) if rows.numel() else (0, -1)
-        require(int(lo) >= 0 and int(hi) < k.shape[0],
-                lambda: f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
+    if rows is not None:
+        require(rows.shape == (B, T) and rows.dtype == torch.long and rows.device == k.device,
+                lambda: f"decode_attention_rows: rows must be long ({B}, {T}) on the cache's device")
+        # on a CPU tensor the values are read where the kernel reads them; a GPU's would cost a host
+        # read (which a captured graph cannot make): its kernel clamps each into the cache instead
+        if rows.device.type == "cpu":
+            lo, hi = torch.aminmax(rows) if rows.numel() else (0, -1)
+            require(int(lo) >= 0 and int(hi) < k.shape[0],
+                    lambda: f"decode_attention_rows: a row index is outside the cache's {k.shape[0]} rows")
 
 
 def encoder_attention_kernel(qkv, mask, heads: int):
@@ -433,7 +437,7 @@ CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, add_bias_relu_kernel, log_
                   ngram_block_kernel, decode_attention_kernel, decode_attention_kernel, encoder_attention_kernel,
                   cross_store_kernel, qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel,
                   shortlist_candidates_kernel)
-# csrc/fused_cuda.cu has no encoder attention, cross-attention store, row-table attention or shortlist
+# csrc/fused_cuda.cu has no encoder attention, cross-attention store or shortlist
 CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
                                    decode_attention=decode_attention_cuda,
                                    decode_attention_warp=decode_attention_warp_cuda,
@@ -552,6 +556,22 @@ def _check_decode_attention_warp(p):
             p.agree("decode_attention_warp", [got], [want])
 
 
+def _check_decode_attention_rows(p, warp: bool):
+    """Through a row table, with and without a mask, over cache rows other than the queries' own;
+    on CUDA the block kernel and (`warp`) the warp kernels, the wide one (D = 64) among them."""
+    for B, N, H, T, D in ((3, 5, 2, 9, 16), (6, 6, 2, 40, 64), (130, 130, 4, 12, 40)):
+        q, kv = p.rnd(B, H, 1, D), p.rnd(2, N, H, T, D)
+        rows = torch.randint(0, N, (B, T), generator=p.g).to(p.device)
+        mask = p.lengths_mask(torch.tensor([T, T // 2, 1] * B)[:B], T)
+        for m, w in ((mask, False), (None, False), (mask, True), (None, True))[:4 if warp else 2]:
+            want = decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m, rows)
+            try:
+                got = p.call("decode_attention_rows", q, kv[0], kv[1], rows, m, w)
+            except RuntimeError:  # a launch this GPU refuses counts as a wrong answer
+                got = torch.full_like(want, float("nan"))
+            p.agree("decode_attention_rows", [got], [want])
+
+
 def _check_qkv_to_cache(p):
     cache = torch.zeros(2, 3, 2, 5, 8, device=p.device, dtype=p.dt)
     ref = torch.zeros(2, 3, 2, 5, 8, device=p.device)
@@ -598,11 +618,13 @@ def self_check(device, call=None, warp: bool | None = None) -> list[str]:
     all agree. `_cuda_kernels` runs it once after building the CUDA kernels, so
     a kernel that went wrong on some GPU is never used there. `call(name, *args)`
     runs an op (default: torch.ops.decoder_ops), which lets the tests plant a bad one;
-    `warp`: check decode_attention_warp, which only CUDA has (default: on CUDA)."""
+    `warp`: check decode_attention_warp and the row-table attention's warp kernels, which only
+    CUDA has (default: on CUDA)."""
     call = call or (lambda name, *a: getattr(torch.ops.decoder_ops, name)(*a))
     warp = torch.device(device).type == "cuda" if warp is None else warp
     checks = (_check_norm_and_relu, _check_decode_attention, *((_check_decode_attention_warp,) if warp else ()),
-              _check_qkv_to_cache, _check_log_softmax_topk, _check_ngram_block, _check_argmax)
+              functools.partial(_check_decode_attention_rows, warp=warp), _check_qkv_to_cache,
+              _check_log_softmax_topk, _check_ngram_block, _check_argmax)
     half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     g = torch.Generator().manual_seed(11)
     bad: list[str] = []

@@ -239,7 +239,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x), torch.empty_like(y)
 
     @torch.library.register_fake("decoder_ops::decode_attention_rows")
-    def _(q, k, v, rows):
+    def _(q, k, v, rows, mask=None, warp=False):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("decoder_ops::encoder_attention")

@@ -392,10 +392,15 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "each beam row keeps its own 2k best where the plain path's sentence-wide bar skips most of the "
                  "other beams' columns, so it pays at student sizes, not at d 128"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
-                 "the live K/V cache copied to its new rows at every beam step", "beam",
+                 "the live K/V cache copied to its new rows at every beam step (on a GPU the whole fixed-shape "
+                 "buffer: read and written twice a step)", "beam",
                  needs=lambda o: o.fused_attention and o.cache,
-                 detail="decoder/cache.py RowTableCache: a reorder rewrites a (rows, T) table of cache rows, the "
-                 "attention kernel reads key j of row b from row table[b, j] (decode_attention_rows)"),
+                 detail="decoder/cache.py RowTableCache (CPU) and StaticCache (the CUDA graphs' state, with "
+                 "graph_attention): a reorder rewrites a (rows, T) table of cache rows, the attention kernel reads "
+                 "key j of row b from row table[b, j] (decode_attention_rows; on CUDA the block, warp and 16-byte "
+                 "kernels, each table entry clamped into the cache). On where the device's kernels are loaded; "
+                 "on CUDA its self-check refuses it alone (`fused.OWN_FALLBACK`). On a GPU not measured yet "
+                 "(`tools.bench_gpu --ablate kv_row_table`, the beam rows)"),
     Optimisation("kv_half", False, "fp16 self-attention K/V cache", "kv_half", True, False,
                  "the fp32 K/V cache", "beam", needs=lambda o: o.fused_attention and o.cache,
                  detail="an fp32 (or int8) model's batch caches (greedy and beam, IncrementalCache and "
@@ -671,7 +676,7 @@ def loaded_kernels(device: str) -> Kernels:
 
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "kv_row_table", "kv_half",
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "kv_half",
                       "one_row_layer", "one_row_step", "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
@@ -679,19 +684,25 @@ SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention"
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
 CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes",
                        "warp_attention"})
-# CUDA switches that are a kernel of their own, which its self-check may refuse alone (fused.OWN_FALLBACK)
-OWN_KERNEL = {"warp_attention": "decode_attention_warp"}
+# switches whose off path beats their ops' PyTorch reference: on only where the device's kernels are loaded
+WITH_KERNELS = frozenset({"kv_row_table"})
+# switches whose CUDA kernel is one of its own, which its self-check may refuse alone (fused.OWN_FALLBACK)
+OWN_KERNEL = {"warp_attention": "decode_attention_warp", "kv_row_table": "decode_attention_rows"}
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}
 
 
 def _allowed(name: str, device: str, k: Kernels) -> bool:
+    kernel = OWN_KERNEL.get(name)
+    if device == "cuda" and kernel is not None and not (k.cuda and kernel not in k.cuda_refused):
+        return False
     if name in CUDA_ONLY:
-        kernel = OWN_KERNEL.get(name)
-        return device == "cuda" and (kernel is None or (k.cuda and kernel not in k.cuda_refused))
+        return device == "cuda"
     if name in CPU_ONLY:
         return device == "cpu" and (k.cpu or name not in SAME_WITHOUT_OPS)
+    if name in WITH_KERNELS:
+        return k.cuda if device == "cuda" else k.cpu
     return True
 
 
@@ -719,7 +730,7 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     if slots["state"] == "incremental":
         if slots["cuda_graphs"] or static_shapes:
             slots["state"] = "static"
-        elif loop == "beam" and slots["kv_row_table"]:
+        elif loop == "beam" and slots["kv_row_table"] and device == "cpu":
             slots["state"] = "row_table"
     slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
     if slots["state"] != "static":
@@ -728,6 +739,12 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     if device == "cuda" and not k.cuda:  # its reference reads the whole cache as SDPA does, in more kernels
         slots["static_attend"] = False
         runs.discard("graph_attention")
+    # the row table: the CPU's row_table state, or the fixed-shape state through the attention kernel
+    # (SDPA reads no table); on CUDA only the graphs' state (the eager one moves just the live K/V)
+    sdpa = slots["state"] == "static" and not slots["static_attend"]
+    if sdpa or (device == "cuda" and slots["state"] != "static"):
+        slots["kv_row_table"] = False
+        runs.discard("kv_row_table")
     if slots["state"] != "static" or (loop == "beam" and slots["project_topk"]):
         # the fixed-address beam step takes its top-k from the logits
         slots["graph_steps"] = slots["capture_ahead"] = False

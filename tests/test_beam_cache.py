@@ -1,9 +1,11 @@
-"""Beam search's row-table cache (decoder/cache.py RowTableCache): its storage and its shrink."""
+"""Beam search's row-table caches (switch kv_row_table): decoder/cache.py RowTableCache's
+storage and shrink, and the fixed-shape StaticCache (the CUDA graphs' beam state) moving its table
+in place of its K/V buffer."""
 import pytest
 import torch
 
 from decoder import Translator
-from decoder.cache import RowTableCache
+from decoder.cache import RowTableCache, StaticCache
 from fixture_model import make_model_dir, synthetic_corpus
 
 
@@ -52,6 +54,36 @@ def test_row_table_shrink_keeps_each_kept_rows_history(model_dir, srcs, monkeypa
 def test_beam_through_the_position_major_cache_equals_beam_moving_the_cache(model_dir, srcs):
     table = Translator(model_dir, beam=4, kv_row_table=True).translate_ids(srcs)
     assert table == Translator(model_dir, beam=4, kv_row_table=False).translate_ids(srcs)
+
+
+STATIC_BEAM = dict(beam=4, static_shapes=True, fused_project_topk=False)  # the graphs' beam loop, eagerly
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(graph_steps=False), dict(sync_every=3, max_sentences=5)])
+def test_fixed_shape_beam_through_the_row_table_gives_the_tokens_of_the_moved_cache(model_dir, srcs, kw):
+    table = Translator(model_dir, kv_row_table=True, **STATIC_BEAM, **kw)
+    moved = Translator(model_dir, kv_row_table=False, **STATIC_BEAM, **kw)
+    assert table.plan.state == moved.plan.state == "static" and table.plan.kv_row_table and not moved.plan.kv_row_table
+    assert table.plan.graph_steps == kw.get("graph_steps", True)
+    assert table.translate_ids(srcs) == moved.translate_ids(srcs)
+    # one sentence a batch, twice: the second of a shape reloads the state kept for it (graph_reuse)
+    one = [srcs[0], srcs[1], srcs[0]]
+    assert [table.translate_ids([s])[0] for s in one] == [moved.translate_ids([s])[0] for s in one]
+
+
+def test_fixed_shape_beam_reorder_moves_the_row_table_and_leaves_the_cache(model_dir, srcs, monkeypatch):
+    seen = []
+
+    def spy(self, rows, _f=StaticCache.reorder_all):
+        kv, table = self.kv.clone(), None if self.table is None else self.table.clone()
+        _f(self, rows)
+        seen.append((torch.equal(kv, self.kv), table is not None and not torch.equal(table, self.table)))
+    monkeypatch.setattr(StaticCache, "reorder_all", spy)
+    Translator(model_dir, **STATIC_BEAM).translate_ids(srcs[:8])
+    assert seen and all(same for same, _ in seen) and any(moved for _, moved in seen)
+    seen.clear()
+    Translator(model_dir, kv_row_table=False, **STATIC_BEAM).translate_ids(srcs[:8])
+    assert seen and not any(moved for _, moved in seen) and not all(same for same, _ in seen)
 
 
 def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis(model_dir, srcs, monkeypatch):

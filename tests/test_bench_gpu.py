@@ -449,6 +449,22 @@ def test_a_time_limited_run_still_runs_our_ablation_rows_after_a_slower_engines_
         (f"{bench_gpu.ABLATION} without fast_normaliser", None, None)]
 
 
+def test_a_beam_switchs_ablation_rows_are_beam_rows_and_the_others_throughput_and_batch1_rows(monkeypatch):
+    import argparse
+    clock = FakeClock()
+    fake_engines(monkeypatch, clock, {("ours fp16", g): 1.0 for g in ("throughput", "beam4", "batch1")})
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "beam4", "batch1"))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {g: {"ours": (1,)} for g in ("throughput", "beam4", "batch1")})
+    src = [f"a b c {i}" for i in range(4)]
+    a = argparse.Namespace(model="m", engines=["ours"], passes=1, beam_lines=2, batch1_lines=1,
+                           ablate=["kv_row_table", "fast_normaliser"], chunked=0, time_limit=None)
+    rows, _ = bench_gpu.run_all(a, src, src, lambda m: None, device="cpu", clock=clock)
+    assert [(r["group"], r["engine"]) for r in rows if r["engine"].startswith(bench_gpu.ABLATION)] == [
+        ("beam4", f"{bench_gpu.ABLATION} without kv_row_table"),
+        ("throughput", f"{bench_gpu.ABLATION} without fast_normaliser"),
+        ("batch1", f"{bench_gpu.ABLATION} without fast_normaliser")]
+
+
 def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
     """A run stopped mid-way (the call's limit) leaves its rows so far in PREFIX.json and .md, marked."""
     src = tmp_path / "s.txt"

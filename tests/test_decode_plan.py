@@ -52,14 +52,31 @@ def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
         p = resolve(Switches(), device="cuda", beam=beam, kernels=BOTH)
         assert (p.device, p.state, p.cuda_graphs, p.one_row, p.kernels) == ("cuda", "static", True, False, True)
         assert p.loop == ("beam" if beam > 1 else "greedy") and p.sync_every == opt.SYNC_EVERY["cuda"] > 1
-        assert p.runs.isdisjoint(opt.CPU_ONLY) and not p.kv_row_table and not p.kv_half
+        assert p.runs.isdisjoint(opt.CPU_ONLY) and not p.kv_half
         assert p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
     assert resolve(Switches(), device="cuda:0", kernels=BOTH).device == "cuda"
-    # graphs off: the incremental state, also for a beam (the row table is a CPU kernel)
+    # graphs off: the incremental state, also for a beam (the row_table state is the CPU's)
     eager = resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH)
     assert eager.state == "incremental" and eager.state_for(1) == "incremental"
     assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).state_for(1) == "one_row"
     assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).kernels
+
+
+def test_the_row_table_resolves_on_cuda_for_the_graphs_beam_state_through_its_kernel_only():
+    on = resolve(Switches(), device="cuda", beam=4, kernels=BOTH)
+    assert (on.state, on.static_attend, on.kv_row_table) == ("static", True, True) and "kv_row_table" in on.runs
+    refused = Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_rows"}))
+    for p in (resolve(Switches(), device="cuda", beam=4, kernels=refused),  # its kernel refused alone
+              resolve(Switches(graph_attention=False), device="cuda", beam=4, kernels=BOTH),  # SDPA reads no table
+              resolve(Switches(), device="cuda", beam=4, kernels=Kernels(cpu=True, cuda=False)),  # no CUDA kernels
+              resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH),  # the eager state
+              resolve(Switches(kv_row_table=False), device="cuda", beam=4, kernels=BOTH)):
+        assert not p.kv_row_table and "kv_row_table" not in p.runs and p.state != "row_table"
+    assert "no kv_row_table" in resolve(Switches(), device="cuda", beam=4, kernels=refused).summary()
+    # the warp kernel refused alone: the table through the block kernel
+    no_warp = Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_warp"}))
+    p = resolve(Switches(), device="cuda", beam=4, kernels=no_warp)
+    assert p.kv_row_table and p.attend is fused.decode_attention_cuda
 
 
 def test_the_gpu_feeding_switches_resolve_on_cuda_only():
@@ -138,17 +155,24 @@ def test_a_self_check_that_stops_refuses_every_cuda_kernel_with_one_warning(monk
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True),
+OWN = {"decode_attention_warp": "the block kernel",
+       "decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
+
+
+@pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True), (["decode_attention_rows"], True),
+                                          (["decode_attention_warp", "decode_attention_rows"], True),
                                           (["decode_attention_warp", "argmax_rows"], False)])
-def test_a_self_check_refuses_the_warp_kernel_alone_or_every_cuda_kernel(bad, cuda_on, monkeypatch, capsys):
+def test_a_self_check_refuses_a_kernel_with_its_own_fallback_alone_or_every_cuda_kernel(bad, cuda_on, monkeypatch,
+                                                                                        capsys):
     monkeypatch.setattr(fused, "_cuda", {})
     monkeypatch.setattr(ops, "cuda_available", lambda: True)
     monkeypatch.setattr(ops, "cuda_refused", lambda why: None)
     monkeypatch.setattr(fused, "self_check", lambda device: bad)
     assert fused._cuda_kernels() is cuda_on
-    assert fused.cuda_refused_alone() == ({"decode_attention_warp"} if cuda_on else set())
+    assert fused.cuda_refused_alone() == (set(bad) if cuda_on else set())
     err = capsys.readouterr().err
-    assert "the CUDA kernel decode_attention_warp disagrees with its reference; CUDA uses the block kernel" in err
+    for name in set(bad) & OWN.keys():
+        assert f"the CUDA kernel {name} disagrees with its reference; CUDA uses {OWN[name]}" in err
     assert ("fused CUDA kernels disagree" in err) is not cuda_on
 
 

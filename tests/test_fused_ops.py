@@ -317,7 +317,57 @@ def test_kernels_own_checks_still_raise_without_crashing_the_process():
 
 def test_decode_attention_rows_passes_opcheck():
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 11, 8), torch.randn(3, 4, 11, 8)
-    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, torch.randint(0, 3, (3, 11))))
+    rows = torch.randint(0, 3, (3, 11))
+    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, rows))
+    mask = torch.tensor([[True] * 11, [True] * 6 + [False] * 5, [True] + [False] * 10])[:, None, None, :]
+    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, rows, mask, False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_through_a_row_table_and_a_mask_reads_only_the_named_unmasked_keys(dtype):
+    # the fixed-shape beam state (decoder/cache.py StaticCache): a table over the whole buffer, the
+    # positions past the step masked; what is masked is never read, so NaN there changes nothing
+    g = torch.Generator().manual_seed(21)
+    B, H, T, D = 8, 4, 20, 64
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(2))
+    rows = torch.randint(0, B, (B, T), generator=g)
+    lens = torch.tensor([14, 1, 7, 13, 14, 2, 9, 11])
+    mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :]
+    poisoned = v.clone()
+    poisoned[:, :, 14:] = float("nan")
+    got = torch.ops.decoder_ops.decode_attention_rows(q, k, poisoned, rows, mask)
+    close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), mask, rows).to(dtype), dtype)
+    for b in range(B):  # the same as the table and the cache cut at the row's length
+        n = int(lens[b])
+        cut = torch.ops.decoder_ops.decode_attention_rows(q[b:b + 1], k[:, :, :n], v[:, :, :n], rows[b:b + 1, :n])
+        close(got[b:b + 1], cut, dtype)
+
+
+@pytest.mark.parametrize("entry, rows, warp", [("decode_attention_cuda", 4096, False),
+                                               ("decode_attention_warp_cuda", 1, False),
+                                               ("decode_attention_warp_cuda", 4096, True)])
+def test_cuda_entries_read_a_row_table_through_its_kernel_with_the_warp_choice_of_their_rows(entry, rows, warp,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
+    ran = []
+    monkeypatch.setattr(torch.ops.decoder_ops, "decode_attention_rows", lambda *a: ran.append(a[4:]) or a[0])
+    q, k = torch.zeros(rows, 8, 1, 64), torch.zeros(rows, 8, 5, 64)
+    mask = torch.ones(rows, 1, 1, 5, dtype=torch.bool)
+    getattr(fused, entry)(q, k, k, mask, torch.zeros(rows, 5, dtype=torch.long))
+    assert ran == [(mask, warp)]
+
+
+def test_only_a_cpu_row_table_has_its_values_checked_on_the_host(monkeypatch):
+    # a GPU table's check would wait for the GPU, which a captured graph cannot: its kernel clamps
+    read, aminmax = [], torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: read.append(t.device.type) or aminmax(t))
+    for device in ("meta", "cpu"):
+        q, k = torch.zeros(2, 4, 1, 8, device=device), torch.zeros(3, 4, 5, 8, device=device)
+        fused._check_attention(q, k, k, None, torch.zeros(2, 5, dtype=torch.long, device=device))
+    assert read == ["cpu"]
+    with pytest.raises(ValueError, match="on the cache's device"):
+        fused._check_attention(q, k, k, None, torch.zeros(2, 5, dtype=torch.long, device="meta"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -405,6 +455,16 @@ def test_self_check_runs_the_warp_kernel_on_its_shapes_and_refuses_it_wrong_or_f
         out = torch.ops.decoder_ops.decode_attention(*a)
         return out if planted == "agrees" else out + 1e-2
     assert fused.self_check("cpu", call, warp=True) == bad
+
+
+@pytest.mark.parametrize("warp", [False, True])
+def test_self_check_refuses_a_row_table_kernel_that_disagrees_block_or_warp(warp):
+    # on CPU the CPU kernels stand in for CUDA's: a wrong row-table kernel of either kind is found
+    def call(name, *a):
+        out = getattr(torch.ops.decoder_ops, "decode_attention" if name == "decode_attention_warp" else name)(*a)
+        return out + 1e-2 if name == "decode_attention_rows" and a[5] is warp else out
+    assert fused.self_check("cpu", call, warp=True) == ["decode_attention_rows"]
+    assert fused.self_check("cpu", call, warp=False) == ([] if warp else ["decode_attention_rows"])
 
 
 @needs_cuda_kernels
@@ -547,6 +607,42 @@ def test_cuda_warp_decode_attention_reads_rows_off_16_byte_boundaries_with_narro
         close(got, fused.decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask).to(dtype), dtype)
         dense = torch.ops.decoder_ops.decode_attention_warp(q, kv[0].contiguous(), kv[1].contiguous(), mask)
         close(got, dense, dtype)  # the aligned copy takes the wide kernel: the same attention
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,N,H,T,D", [(1, 1, 8, 1, 64), (3, 5, 4, 31, 16), (8, 8, 8, 96, 64), (40, 40, 2, 33, 40),
+                                       (4096, 4096, 8, 96, 64), (2, 3, 2, 70, 128), (2, 2, 2, 9, 160)])
+def test_cuda_decode_attention_through_a_row_table_matches_the_reference(dtype, B, N, H, T, D):
+    # block kernel (warp False; D 160), warp kernels of 1, 2, 4 features a lane, the 16-byte one (D 64)
+    g = torch.Generator().manual_seed(B + T + D)
+    q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
+    cache = torch.randn(2, N, H, T + 5, D, generator=g).to("cuda", dtype)
+    k, v = cache[0, :, :, :T], cache[1, :, :, :T]  # strided slices of a cache, as in the decoder
+    rows = torch.randint(0, N, (B, T), generator=g).cuda()
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :].cuda()
+    for m in (None, mask):
+        want = fused.decode_attention_reference(q.float(), k.float(), v.float(), m, rows).to(dtype)
+        for warp in (False, True):
+            got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, m, warp)
+            assert got.dtype == dtype and got.shape == q.shape
+            close(got, want, dtype)
+    if N > 1:  # a table that is not the identity must matter
+        assert not torch.allclose(got.float(), fused.decode_attention_reference(q.float(), k.float(), v.float(), m))
+
+
+@needs_cuda_kernels
+def test_cuda_row_table_entries_outside_the_cache_are_clamped_into_it():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(*s, generator=g).cuda().half() for s in ((4, 2, 1, 64), (4, 2, 12, 64), (4, 2, 12, 64)))
+    rows = torch.randint(0, 4, (4, 12), generator=g)
+    rows[0, 3], rows[2, 7], rows[3, 0] = -5, 4, 1 << 40
+    for warp in (False, True):
+        got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.cuda(), None, warp)
+        torch.cuda.synchronize()  # no fault: the process goes on
+        want = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.clamp(0, 3).cuda(), None, warp)
+        assert torch.equal(got, want)
 
 
 @needs_cuda_kernels

@@ -498,13 +498,20 @@ def _one_change(entry: str) -> tuple[str, dict]:
     return f"{'with' if flip else 'without'} {name}", {name: flip}
 
 
+def ablation_groups(kw: dict) -> tuple:
+    """The groups an --ablate change (`ablation`'s keywords) is measured in: a beam search switch's
+    (its entry's bench "beam") in beam 4's, the rest at our best throughput and batch-1 sizes."""
+    beam = any(name in BY_NAME and BY_NAME[name].bench == "beam" for name in kw)
+    return ("beam4",) if beam else ("throughput", "batch1")
+
+
 def ablation_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline, log) -> None:
-    """For each entry of --ablate (`ablation`), ours changed so at our best throughput and batch-1
-    sizes: what each optimisation or setting is worth on this GPU, beside the rows it is measured
-    against."""
+    """For each entry of --ablate (`ablation`), ours changed so at our best size of each of its
+    groups (`ablation_groups`): what each optimisation or setting is worth on this GPU, beside the
+    rows it is measured against."""
     for entry in a.ablate:
         label, kw = ablation(entry)
-        for group in ("throughput", "batch1"):
+        for group in ablation_groups(kw):
             top = best(rec.rows, group, "ours")
             if top is None:
                 continue
@@ -730,7 +737,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of decoder switches (python -m decoder --help) and settings NAME=VALUE "
                         f"({', '.join(SETTINGS)}), several joined by '+' changed together: for each, ours with the "
                         "switch flipped from its default or the setting so, at our best throughput and batch-1 "
-                        "sizes, a row each")
+                        "sizes, a row each (a beam search switch, as kv_row_table: at our best beam-4 size)")
     p.add_argument("--chunked", type=cliargs.int_range(0), default=5000, metavar="LINES",
                    help="three more rows of ours at its best throughput size, the text read in chunks of this "
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "

@@ -9,6 +9,7 @@
 //                                queries of a decode step (no ATen SDPA set-up)
 //   decode_attention_rows        the same with key j of row b read from cache row
 //                                rows[b, j]: beam search without moving its cache
+//                                (warp: CUDA's choice of kernel, unused here)
 //   encoder_attention            the encoder's self-attention straight from the fused
 //                                q|k|v product (B, S, 3d) to the merged heads (B, S, d),
 //                                vectorised over keys and features for many queries
@@ -380,8 +381,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& rows) {
-  return attend(q, k, v, std::nullopt, rows);
+                                 const at::Tensor& rows, const std::optional<at::Tensor>& mask, bool) {
+  return attend(q, k, v, mask, rows);
 }
 
 // -- encoder self-attention over the fused q|k|v product -------------------------------------
@@ -1052,7 +1053,8 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("decode_attention_warp(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");  // CUDA only
-  m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows) -> Tensor");
+  m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor? mask=None, bool warp=False)"
+        " -> Tensor");
   m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
   m.def("cross_arrange(Tensor k, Tensor v, Tensor? mask) -> (Tensor, Tensor, Tensor)");
   m.def("cross_attention(Tensor q, Tensor kt, Tensor va, Tensor lens) -> Tensor");

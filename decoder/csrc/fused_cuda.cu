@@ -44,6 +44,16 @@ __device__ __forceinline__ int64_t last_live(const bool* mask, int64_t T, int la
   return last;
 }
 
+// The cache row that holds row b's key and value at position j: b itself, or the row the table names
+// (beam search's row table, switch kv_row_table: a reorder rewrites the table, not the cache). Clamped
+// into the cache's N rows: no table reads outside it, and checking its values would need a host read,
+// which a captured graph cannot make.
+__device__ __forceinline__ int64_t row_of(const int64_t* rows, int64_t b, int64_t T, int64_t j, int64_t N) {
+  if (!rows) return b;
+  const int64_t r = rows[b * T + j];
+  return r < 0 ? 0 : r >= N ? N - 1 : r;
+}
+
 // A warp's scores p[0, n) in shared memory, their max mx on every lane: each p[j] becomes
 // exp(p[j] - mx), and the return is 1 / their sum (NaN where every key is masked, as SDPA gives)
 __device__ __forceinline__ float warp_softmax(float* p, int64_t n, float mx, int lane) {
@@ -109,22 +119,22 @@ __global__ void bias_relu_kernel(const T* x, const T* b, T* y, int64_t total, in
 
 // one block per (b, h, query); scores for all keys in shared memory
 template <typename T>
-__global__ void decode_attention_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t BHQ,
-                                        int H, int Q, int64_t T_, int64_t D, int64_t ks0, int64_t ks1, int64_t ks2,
-                                        int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
+__global__ void decode_attention_kernel(const T* q, const T* k, const T* v, const bool* mask, const int64_t* rows,
+                                        T* out, int64_t BHQ, int H, int Q, int64_t T_, int64_t D, int64_t N,
+                                        int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
+                                        float scale) {
   extern __shared__ float p[];  // (T_,)
   __shared__ float sh[32];
   const int64_t bhq = blockIdx.x, b = bhq / (H * Q), h = (bhq / Q) % H;
   if (bhq >= BHQ) return;  // the whole block
   const T* qi = q + bhq * D;
-  const T* kb = k + b * ks0 + h * ks1;
-  const T* vb = v + b * vs0 + h * vs1;
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < T_; j += blockDim.x) {
     float s = -INFINITY;
     if (!mask || mask[b * T_ + j]) {
+      const T* kj = k + row_of(rows, b, T_, j, N) * ks0 + h * ks1 + j * ks2;
       s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += float(qi[d]) * float(kb[j * ks2 + d]);
+      for (int64_t d = 0; d < D; ++d) s += float(qi[d]) * float(kj[d]);
       s *= scale;
     }
     p[j] = s;
@@ -144,7 +154,7 @@ __global__ void decode_attention_kernel(const T* q, const T* k, const T* v, cons
       // a masked key weighs 0: its value is not read (the fixed-shape state masks the cache past
       // the position, so a step reads only the values written so far). Uniform over the block.
       const float pj = p[j];
-      if (pj != 0.f) acc += pj * float(vb[j * vs2 + d]);
+      if (pj != 0.f) acc += pj * float(v[row_of(rows, b, T_, j, N) * vs0 + h * vs1 + j * vs2 + d]);
     }
     out[bhq * D + d] = T(acc * inv);
   }
@@ -161,18 +171,18 @@ constexpr int kWarps = 4;
 constexpr int kTile = 8;
 
 template <typename T, int P>
-__global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out,
-                                             int64_t BHQ, int H, int Q, int64_t T_, int64_t D, int64_t ks0,
-                                             int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
-                                             float scale) {
+__global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v, const bool* mask,
+                                             const int64_t* rows, T* out, int64_t BHQ, int H, int Q, int64_t T_,
+                                             int64_t D, int64_t N, int64_t ks0, int64_t ks1, int64_t ks2,
+                                             int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
   extern __shared__ float scores[];  // (kWarps, T_)
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t bhq = blockIdx.x * (int64_t)kWarps + w;
   if (bhq >= BHQ) return;  // a whole warp: no barrier below spans warps
   float* p = scores + w * T_;
   const int64_t b = bhq / (H * Q), h = (bhq / Q) % H;
-  const T* kb = k + b * ks0 + h * ks1;
-  const T* vb = v + b * vs0 + h * vs1;
+  const T* kh = k + h * ks1;
+  const T* vh = v + h * vs1;
   const bool* mb = mask ? mask + b * T_ : nullptr;
   float qr[P];
 #pragma unroll
@@ -193,11 +203,12 @@ __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v,
     for (int u = 0; u < kTile; ++u) {
       const int64_t j = j0 + u;
       live[u] = j < n && (!mb || mb[j]);
+      const T* kj = live[u] ? kh + row_of(rows, b, T_, j, N) * ks0 + j * ks2 : nullptr;
       s[u] = 0.f;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
         const int64_t d = lane + 32 * i;
-        s[u] += live[u] && d < D ? qr[i] * float(kb[j * ks2 + d]) : 0.f;
+        s[u] += live[u] && d < D ? qr[i] * float(kj[d]) : 0.f;
       }
     }
 #pragma unroll
@@ -218,11 +229,12 @@ __global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v,
     for (int u = 0; u < kTile; ++u) {
       const int64_t j = j0 + u;
       const float pj = j < n ? p[j] : 0.f;
+      // a masked key weighs 0: its value is not read (the fixed-shape state's cache past the position)
+      const T* vj = pj != 0.f ? vh + row_of(rows, b, T_, j, N) * vs0 + j * vs2 : nullptr;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
         const int64_t d = lane + 32 * i;
-        // a masked key weighs 0: its value is not read (the fixed-shape state's cache past the position)
-        if (pj != 0.f && d < D) acc[i] += pj * float(vb[j * vs2 + d]);
+        if (pj != 0.f && d < D) acc[i] += pj * float(vj[d]);
       }
     }
   }
@@ -260,10 +272,10 @@ struct Wide {
 // same walk otherwise (last live key, masked keys neither read nor weighed, scores in shared
 // memory); the value sums are split over the warp's key groups and added at the end.
 template <typename T, int G>
-__global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v, const bool* mask, T* out,
-                                             int64_t BHQ, int H, int Q, int64_t T_, int64_t D, int64_t ks0,
-                                             int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
-                                             float scale) {
+__global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v, const bool* mask,
+                                             const int64_t* rows, T* out, int64_t BHQ, int H, int Q, int64_t T_,
+                                             int64_t D, int64_t N, int64_t ks0, int64_t ks1, int64_t ks2,
+                                             int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
   constexpr int Vec = Wide<T>::Vec, Keys = 32 / G;
   constexpr int U = Keys >= kTile ? 1 : kTile / Keys;  // keys a group loads at once
   extern __shared__ float scores[];  // (kWarps, T_)
@@ -272,8 +284,8 @@ __global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v,
   if (bhq >= BHQ) return;  // a whole warp
   float* p = scores + w * T_;
   const int64_t b = bhq / (H * Q), h = (bhq / Q) % H;
-  const T* kb = k + b * ks0 + h * ks1 + sub * Vec;
-  const T* vb = v + b * vs0 + h * vs1 + sub * Vec;
+  const T* kh = k + h * ks1 + sub * Vec;
+  const T* vh = v + h * vs1 + sub * Vec;
   const bool* mb = mask ? mask + b * T_ : nullptr;
   float qr[Vec];
   Wide<T>::load(q + bhq * D + sub * Vec, qr);
@@ -289,7 +301,7 @@ __global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v,
       s[u] = 0.f;
       if (live[u]) {
         float kr[Vec];
-        Wide<T>::load(kb + j * ks2, kr);
+        Wide<T>::load(kh + row_of(rows, b, T_, j, N) * ks0 + j * ks2, kr);
 #pragma unroll
         for (int e = 0; e < Vec; ++e) s[u] += qr[e] * kr[e];
       }
@@ -316,7 +328,7 @@ __global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v,
       const float pj = j < n ? p[j] : 0.f;
       if (pj != 0.f) {  // a masked key weighs 0: its value is not read
         float vr[Vec];
-        Wide<T>::load(vb + j * vs2, vr);
+        Wide<T>::load(vh + row_of(rows, b, T_, j, N) * vs0 + j * vs2, vr);
 #pragma unroll
         for (int e = 0; e < Vec; ++e) acc[e] += pj * vr[e];
       }
@@ -622,54 +634,43 @@ at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
   return y;
 }
 
-// decode_attention's inputs as both kernels read them: q dense, k and v in q's dtype with dense
-// features, the mask (B, T) dense; the output allocated
+// decode_attention's inputs as the kernels read them: q dense, k and v in q's dtype with dense
+// features, the mask (B, T) and the row table (B, T) dense; the output allocated. k and v have N
+// rows: B, or any number with a row table.
 struct AttentionArgs {
-  int64_t B, H, Q, D, keys;
-  at::Tensor q, k, v, mask, out;
+  int64_t B, H, Q, D, keys, N;
+  at::Tensor q, k, v, mask, rows, out;
   AttentionArgs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                const std::optional<at::Tensor>& mask_)
-      : B(q_.size(0)), H(q_.size(1)), Q(q_.size(2)), D(q_.size(3)), keys(k_.size(2)) {
+                const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rows_)
+      : B(q_.size(0)), H(q_.size(1)), Q(q_.size(2)), D(q_.size(3)), keys(k_.size(2)), N(k_.size(0)) {
     q = q_.contiguous();
     k = (k_.stride(3) == 1 ? k_ : k_.contiguous()).to(q_.scalar_type());
     v = (v_.stride(3) == 1 ? v_ : v_.contiguous()).to(q_.scalar_type());
     if (mask_.has_value()) mask = mask_->reshape({B, keys}).contiguous();
+    if (rows_.has_value()) rows = rows_->contiguous();
     out = at::empty_like(q);
   }
   template <typename S>
-  void launch(void (*kernel)(const S*, const S*, const S*, const bool*, S*, int64_t, int, int, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float),
+  void launch(void (*kernel)(const S*, const S*, const S*, const bool*, const int64_t*, S*, int64_t, int, int, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float),
               int64_t blocks, int threads, size_t shared) const {
     kernel<<<blocks, threads, shared, c10::cuda::getCurrentCUDAStream()>>>(
         q.data_ptr<S>(), k.data_ptr<S>(), v.data_ptr<S>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
-        out.data_ptr<S>(), B * H * Q, int(H), int(Q), keys, D, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), 1.f / std::sqrt(float(D)));
+        rows.defined() ? rows.data_ptr<int64_t>() : nullptr, out.data_ptr<S>(), B * H * Q, int(H), int(Q), keys, D,
+        N, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), 1.f / std::sqrt(float(D)));
   }
 };
 
-void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
-  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool own_rows,
+                     const char* name) {
+  KIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && (!own_rows || k.size(0) == q.size(0)) &&
               k.size(1) == q.size(1) && k.size(3) == q.size(3), name, ": q (B,H,Q,D), k/v (B,H,T,D)");
 }
 
-at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const std::optional<at::Tensor>& mask) {
-  check_attention(q, k, v, "decode_attention");
-  const c10::cuda::CUDAGuard guard(q.device());
-  const AttentionArgs a(q, k, v, mask);
-  if (a.q.numel() == 0) return a.out;
-  const size_t shared = static_cast<size_t>(a.keys) * sizeof(float);
-  KIT_CHECK(shared <= 48 * 1024, "decode_attention: ", a.keys, " keys exceed the kernel's shared memory");
-  KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention", [&] {
-    a.launch<scalar_t>(decode_attention_kernel<scalar_t>, a.B * a.H * a.Q, kThreads, shared);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return a.out;
-}
-
 template <typename T>
-using AttentionKernel = void (*)(const T*, const T*, const T*, const bool*, T*, int64_t, int, int, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+using AttentionKernel = void (*)(const T*, const T*, const T*, const bool*, const int64_t*, T*, int64_t, int, int,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 float);
 
 // The wide kernel for these inputs, or nullptr where a row of q, K, V or the output is not
 // 16-byte aligned, or D is not a power-of-two multiple of 16 bytes that fits one warp
@@ -689,26 +690,52 @@ AttentionKernel<T> wide_attention_kernel(const AttentionArgs& a) {
   }
 }
 
-// decode_attention with a warp per (b, h, query); past its limits (D > 128 features, or the
-// scores of kWarps rows beyond 48 KB of shared memory) the block kernel
-at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const std::optional<at::Tensor>& mask) {
-  check_attention(q, k, v, "decode_attention_warp");
-  const size_t shared = static_cast<size_t>(kWarps) * k.size(2) * sizeof(float);
-  if (q.size(3) > 128 || shared > 48 * 1024) return decode_attention_cuda(q, k, v, mask);
+// The block kernel, or with `warp` a warp per (b, h, query); past the warp kernels' limits (D > 128
+// features, or the scores of kWarps rows beyond 48 KB of shared memory) the block kernel
+at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows, bool warp,
+                          const char* name) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const AttentionArgs a(q, k, v, mask);
+  const AttentionArgs a(q, k, v, mask, rows);
   if (a.q.numel() == 0) return a.out;
-  const int64_t blocks = warp_blocks(a.B * a.H * a.Q);
-  KIT_DISPATCH_FLOATS(q.scalar_type(), "decode_attention_warp", [&] {
+  const size_t shared = static_cast<size_t>(a.keys) * sizeof(float);
+  warp = warp && a.D <= 128 && kWarps * shared <= 48 * 1024;
+  KIT_CHECK(warp || shared <= 48 * 1024, name, ": ", a.keys, " keys exceed the kernel's shared memory");
+  KIT_DISPATCH_FLOATS(q.scalar_type(), name, [&] {
+    if (!warp) {
+      a.launch<scalar_t>(decode_attention_kernel<scalar_t>, a.B * a.H * a.Q, kThreads, shared);
+      return;
+    }
     auto kernel = wide_attention_kernel<scalar_t>(a);
     if (!kernel)
       kernel = a.D <= 32 ? decode_attention_warp_kernel<scalar_t, 1>
                : a.D <= 64 ? decode_attention_warp_kernel<scalar_t, 2> : decode_attention_warp_kernel<scalar_t, 4>;
-    a.launch<scalar_t>(kernel, blocks, 32 * kWarps, shared);
+    a.launch<scalar_t>(kernel, warp_blocks(a.B * a.H * a.Q), 32 * kWarps, kWarps * shared);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return a.out;
+}
+
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& mask) {
+  check_attention(q, k, v, true, "decode_attention");
+  return attention_cuda(q, k, v, mask, std::nullopt, false, "decode_attention");
+}
+
+at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& mask) {
+  check_attention(q, k, v, true, "decode_attention_warp");
+  return attention_cuda(q, k, v, mask, std::nullopt, true, "decode_attention_warp");
+}
+
+// key j of row b read from cache row rows[b, j] (clamped into k's rows, see row_of)
+at::Tensor decode_attention_rows_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& rows, const std::optional<at::Tensor>& mask, bool warp) {
+  check_attention(q, k, v, false, "decode_attention_rows");
+  KIT_CHECK(rows.dim() == 2 && rows.size(0) == q.size(0) && rows.size(1) == k.size(2) &&
+              rows.scalar_type() == at::kLong && rows.device() == q.device(),
+            "decode_attention_rows: rows must be long (B, T) on q's device");
+  return attention_cuda(q, k, v, mask, rows, warp, "decode_attention_rows");
 }
 
 at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
@@ -820,6 +847,7 @@ TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
   m.impl("add_bias_relu", &add_bias_relu_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
   m.impl("decode_attention_warp", &decode_attention_warp_cuda);
+  m.impl("decode_attention_rows", &decode_attention_rows_cuda);
   m.impl("ngram_block_", &ngram_block_cuda);
   m.impl("qkv_to_cache_", &qkv_to_cache_cuda);
   m.impl("log_softmax_topk", &log_softmax_topk_cuda);
