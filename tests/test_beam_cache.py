@@ -137,3 +137,22 @@ def test_kv_half_with_the_cache_moved_on_reorder_keeps_nearly_every_beam_hypothe
     ref = Translator(model_dir, beam=4, kv_row_table=False).translate_ids(srcs)
     half = Translator(model_dir, beam=4, kv_row_table=False, kv_half=True).translate_ids(srcs)
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
+
+
+def test_the_steps_tool_counts_what_each_beam_reorder_moves(model_dir, tmp_path):
+    import json
+    from tools import decode_steps
+    src = tmp_path / "src.txt"
+    src.write_text("\n".join(synthetic_corpus(40, seed=3)) + "\n")
+    assert decode_steps.main(["--model", str(model_dir), "--src", str(src), "--beam", "4", "--max-tokens", "256",
+                              "--out", str(tmp_path / "b")]) == 0
+    record = json.loads((tmp_path / "b.json").read_text())
+    moved, table = record["rows"]
+    assert record["settings"]["beam"] == 4 and record["settings"]["max_sentences"] == 2048  # the GPU's / 4
+    assert not moved["kv_row_table"] and table["kv_row_table"] and table["same_outputs"] == "40 of 40"
+    assert moved["steps"] == table["steps"] > 0 and moved["rows"] == table["rows"]
+    # a step moves the whole K/V buffer (rows x heads x positions x features, K and V, each layer, fp16,
+    # read and written twice) or the row table (rows x positions, int64): the same ratio every step
+    arch = Translator(model_dir).model.cfg.arch
+    assert moved["reorder_bytes"] * 8 == table["reorder_bytes"] * arch.decoder_layers * 2 * arch.d_model * 2
+    assert "| beam, a row table moved at each reorder (kv_row_table) |" in (tmp_path / "b.md").read_text()

@@ -1,7 +1,8 @@
-"""How many decode steps a greedy run takes, per batch against refilled rows (switch refill_rows).
+"""How many decode steps a greedy run takes, per batch against refilled rows (switch refill_rows);
+with --beam, what a beam search's reorders move (switch kv_row_table).
 
     python -m tools.decode_steps --model DIR --src FILE [--lines 10000] [--max-tokens 65536]
-        [--max-sentences 8192] [--sync-every 8] [--chunk-lines 20000] [--out PREFIX]
+        [--max-sentences 8192] [--sync-every 8] [--chunk-lines 20000] [--beam 1] [--out PREFIX]
 
 On a GPU each step costs a few dozen kernels' launches and latency, and at
 thousands of rows their time grows with the rows too (on the H200 the decode
@@ -20,6 +21,13 @@ runs once more with the state narrowed to its busy rows once no sentence waits
 steps, row-steps (rows x steps: what a compute-bound device pays), the states'
 rows, and whether every output is the same. The wall time is this machine's,
 not a GPU's.
+
+With --beam K the same fixed-shape state runs the graphs' beam loop (at the
+GPU's beam defaults: 65536 / K tokens, 8192 / K sentences), once moving its K/V
+buffer at each step's reorder and once moving a row table (switch
+kv_row_table); the reorder traffic is what each step's reorder reads and
+writes (an index_select and a copy back: the moved tensor twice each way), at
+the GPU's fp16 for the K/V buffer.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ import json
 import sys
 import time
 
-from decoder import Options, Translator, cliargs, static_steps
+from decoder import Options, Translator, cache, cliargs, static_steps
 from decoder.machine import describe, one_line
 
 from .bench import read
@@ -52,19 +60,43 @@ def counted_blocks():
         static_steps.StaticGreedy.run = run
 
 
+@contextlib.contextmanager
+def counted_reorders():
+    """(rows, bytes read and written) of each reorder of the fixed-shape beam state meanwhile
+    (decoder/cache.py StaticCache.reorder_all: one a step), in a list."""
+    reorders: list[tuple[int, int]] = []
+    run = cache.StaticCache.reorder_all
+
+    def counted(c, rows):
+        moved, size = (c.kv, 2) if c.table is None else (c.table, c.table.element_size())  # K/V at fp16
+        reorders.append((c.kv.shape[2], 4 * moved.numel() * size))
+        return run(c, rows)
+    cache.StaticCache.reorder_all = counted
+    try:
+        yield reorders
+    finally:
+        cache.StaticCache.reorder_all = run
+
+
 def steps_of(blocks: list[tuple[int, int]]) -> dict:
     return {"steps": sum(s for _, s in blocks), "row_steps": sum(r * s for r, s in blocks),
             "rows": sorted({r for r, _ in blocks})}
 
 
 def count(model: str, lines: list[str], switches: dict, **kw) -> tuple[dict, list[str]]:
-    """One run's steps, row-steps and state widths, and its outputs, at these loop `switches`."""
+    """One run's steps, row-steps and state widths (beam: and reorder traffic), and its outputs, at
+    these loop `switches`."""
     tr = Translator(model, static_shapes=True, **switches, **kw)
-    with counted_blocks() as blocks:
+    with counted_blocks() as blocks, counted_reorders() as reorders:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
-    return {"loop": loop_of(tr.plan), **{k: k in tr.plan.runs for k in switches}, **steps_of(blocks),
+    if tr.plan.loop == "beam":
+        counted = {**steps_of([(rows, 1) for rows, _ in reorders]),
+                   "reorder_bytes": sum(b for _, b in reorders)}
+    else:
+        counted = steps_of(blocks)
+    return {"loop": loop_of(tr.plan), **{k: k in tr.plan.runs for k in switches}, **counted,
             "wall_s": round(wall, 2)}, out
 
 
@@ -79,17 +111,25 @@ LOOPS = {"a state per batch": dict(refill_rows=False, early_start=False, refill_
              dict(refill_rows=True, early_start=False, refill_on_device=True, narrow_tail=False)}
 
 
+# beam search's loops, the first the reference: its reorder moves the K/V buffer or a row table
+BEAM_LOOPS = {"beam, the K/V buffer moved at each reorder": dict(kv_row_table=False),
+              "beam, a row table moved at each reorder (kv_row_table)": dict(kv_row_table=True)}
+
+
 def loop_of(plan) -> str:
-    """The LOOPS label of what `plan` runs."""
-    on = {k for k in LOOPS["a state per batch"] if k in plan.runs}
-    return next(label for label, sw in LOOPS.items() if on == {k for k, v in sw.items() if v})
+    """The LOOPS (BEAM_LOOPS) label of what `plan` runs."""
+    loops = BEAM_LOOPS if plan.loop == "beam" else LOOPS
+    on = {k for k in next(iter(loops.values())) if k in plan.runs}
+    return next(label for label, sw in loops.items() if on == {k for k, v in sw.items() if v})
 
 
 def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
+    beam = "reorder_bytes" in rows[0]
     out = [f"Machine: {machine}", "", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), "",
-           "| loop | steps | row-steps | states' rows | same outputs | wall here (s) |", "|---|---:|---:|---|---|---:|"]
-    out += [f"| {r['loop']} | {r['steps']:,} | {r['row_steps']:,} | "
-            f"{', '.join(map(str, r['rows']))} | {r['same_outputs']} | {r['wall_s']} |" for r in rows]
+           "| loop | steps | row-steps | states' rows |" + (" reorder traffic (GB) |" if beam else "")
+           + " same outputs | wall here (s) |", "|---|---:|---:|---|" + ("---:|" if beam else "") + "---|---:|"]
+    out += [f"| {r['loop']} | {r['steps']:,} | {r['row_steps']:,} | {', '.join(map(str, r['rows']))} |"
+            + (f" {r['reorder_bytes'] / 1e9:,.3f} |" if beam else "") + f" {r['same_outputs']} | {r['wall_s']} |" for r in rows]
     return "\n".join(out) + "\n"
 
 
@@ -98,13 +138,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model dir")
     p.add_argument("--src", required=True, help="source lines")
     p.add_argument("--lines", type=cliargs.positive_int, default=10000, help="first N lines")
-    p.add_argument("--max-tokens", type=cliargs.positive_int, default=cliargs.GPU_MAX_TOKENS,
-                   help="padded source tokens a batch (the GPU's greedy default)")
-    p.add_argument("--max-sentences", type=cliargs.positive_int, default=cliargs.GPU_MAX_SENTENCES,
-                   help="sentences a batch (the GPU's greedy default)")
+    p.add_argument("--max-tokens", type=cliargs.positive_int, default=None,
+                   help=f"padded source tokens a batch (default: the GPU's, {cliargs.GPU_MAX_TOKENS} / beam size)")
+    p.add_argument("--max-sentences", type=cliargs.positive_int, default=None,
+                   help=f"sentences a batch (default: the GPU's, {cliargs.GPU_MAX_SENTENCES} / beam size)")
     p.add_argument("--sync-every", type=cliargs.positive_int, default=8, help="steps a block (the GPU's)")
     p.add_argument("--chunk-lines", type=cliargs.positive_int, default=Options.chunk_lines,
                    help="lines a chunk (the decoder's default): each chunk's state ends with its longest output")
+    p.add_argument("--beam", type=cliargs.int_range(1, cliargs.MAX_BEAM), default=1,
+                   help="beam size; above 1 the beam loop's reorders are counted (kv_row_table off and on)")
     p.add_argument("--threads", type=cliargs.positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", help="also write PREFIX.md and PREFIX.json")
     return p.parse_args(argv)
@@ -114,11 +156,16 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     cliargs.refuse_missing(a.model, src=a.src)
     lines = read(a.src)[:a.lines]
-    settings = {"lines": len(lines), "max_tokens": a.max_tokens, "max_sentences": a.max_sentences,
-                "sync_every": a.sync_every, "chunk_lines": a.chunk_lines}
-    kw = dict(max_tokens=a.max_tokens, max_sentences=a.max_sentences, sync_every=a.sync_every,
+    max_tokens = a.max_tokens or cliargs.max_tokens_for(a.beam, "cuda")
+    max_sentences = a.max_sentences or cliargs.max_sentences_for(a.beam, "cuda")
+    settings = {"lines": len(lines), "max_tokens": max_tokens, "max_sentences": max_sentences,
+                "sync_every": a.sync_every, "chunk_lines": a.chunk_lines, **({"beam": a.beam} if a.beam > 1 else {})}
+    kw = dict(max_tokens=max_tokens, max_sentences=max_sentences, sync_every=a.sync_every,
               chunk_lines=a.chunk_lines, threads=a.threads)
-    (per_batch, want), *others = (count(a.model, lines, sw, **kw) for sw in LOOPS.values())
+    if a.beam > 1:  # the fixed-address beam step takes its top-k from the logits (graph_steps)
+        kw.update(beam=a.beam, fused_project_topk=False)
+    loops = BEAM_LOOPS if a.beam > 1 else LOOPS
+    (per_batch, want), *others = (count(a.model, lines, sw, **kw) for sw in loops.values())
     per_batch["same_outputs"] = "-"
     for row, got in others:
         row["same_outputs"] = f"{sum(x == y for x, y in zip(want, got)):,} of {len(lines):,}"
