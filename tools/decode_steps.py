@@ -44,38 +44,39 @@ from .bench import read
 
 
 @contextlib.contextmanager
+def counting(owner, name: str, record):
+    """`record(obj, *args)` of each call of the method owner.name meanwhile, in a list (the
+    method still runs)."""
+    seen: list = []
+    run = getattr(owner, name)
+
+    def counted(obj, *args):
+        seen.append(record(obj, *args))
+        return run(obj, *args)
+    setattr(owner, name, counted)
+    try:
+        yield seen
+    finally:
+        setattr(owner, name, run)
+
+
 def counted_blocks():
     """The (rows, steps) of each block of greedy steps the fixed-shape loops run meanwhile
     (decoder/static_steps.py StaticGreedy, refilled or not), in a list."""
-    blocks: list[tuple[int, int]] = []
-    run = static_steps.StaticGreedy.run
-
-    def counted(loop, t):
-        blocks.append((loop.cache.tokens.shape[0], loop.block))
-        return run(loop, t)
-    static_steps.StaticGreedy.run = counted
-    try:
-        yield blocks
-    finally:
-        static_steps.StaticGreedy.run = run
+    return counting(static_steps.StaticGreedy, "run", lambda loop, t: (loop.cache.tokens.shape[0], loop.block))
 
 
-@contextlib.contextmanager
+def reorder_traffic(c, rows) -> tuple[int, int]:
+    """(rows, bytes read and written) of a reorder of the fixed-shape beam state `c`: the moved
+    tensor, the K/V buffer at the GPU's fp16 or the row table, read and written twice."""
+    moved, size = (c.kv, 2) if c.table is None else (c.table, c.table.element_size())
+    return c.kv.shape[2], 4 * moved.numel() * size
+
+
 def counted_reorders():
-    """(rows, bytes read and written) of each reorder of the fixed-shape beam state meanwhile
-    (decoder/cache.py StaticCache.reorder_all: one a step), in a list."""
-    reorders: list[tuple[int, int]] = []
-    run = cache.StaticCache.reorder_all
-
-    def counted(c, rows):
-        moved, size = (c.kv, 2) if c.table is None else (c.table, c.table.element_size())  # K/V at fp16
-        reorders.append((c.kv.shape[2], 4 * moved.numel() * size))
-        return run(c, rows)
-    cache.StaticCache.reorder_all = counted
-    try:
-        yield reorders
-    finally:
-        cache.StaticCache.reorder_all = run
+    """`reorder_traffic` of each reorder of the fixed-shape beam state meanwhile (decoder/cache.py
+    StaticCache.reorder_all: one a step), in a list."""
+    return counting(cache.StaticCache, "reorder_all", reorder_traffic)
 
 
 def steps_of(blocks: list[tuple[int, int]]) -> dict:
