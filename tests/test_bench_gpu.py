@@ -164,6 +164,45 @@ def test_table_marks_each_engines_best_and_says_ct2_is_not_profiled():
         bench_gpu.to_markdown(ROWS, s, prof, "head")
 
 
+def test_the_beam_profile_has_lines_of_its_own_beside_the_throughput_ones():
+    s = bench_gpu.summary(ROWS, 0.42, {})
+    beam = {"batch": 32768, "gpu_busy": 0.61, "kernel_s": 0.4, "wall_s": 0.62, "busy_under_profiler": 0.5,
+            "kernels": 900, "loop": "beam", "steps": 120, "rows": [1724, 2276], "row_steps": 233376,
+            "top_kernels": [{"kernel": "log_softmax_topk", "calls": 120, "us": 9000.0, "share": 0.3}]}
+    prof = {"batch": 65536, "gpu_busy": 0.42, "kernel_s": 1.0, "wall_s": 2.4, "busy_under_profiler": 0.3,
+            "kernels": 1000, "beam4": beam}
+    md = bench_gpu.to_markdown(ROWS, s, prof, "head")
+    assert "ours at its best throughput row (batch 65536): 42%" in md
+    assert ("ours at its best beam-4 row (batch 32768): 61% (0.40 s of CUDA kernels in a 0.62 s pass; 50% of the "
+            "profiled pass, 900 kernels; 120 beam steps of 1724/2276 rows, 3.33 ms of kernels a step)") in md
+    assert "GPU time by kernel, that beam-4 row" in md and "| `log_softmax_topk` | 120 | 9.0 | 30% |" in md
+    assert md.count("torch.profiler does not see") == 1
+    only = bench_gpu.to_markdown(ROWS, bench_gpu.summary(ROWS, None, {}), {"beam4": beam}, "head")  # throughput's left out
+    assert "best beam-4 row" in only and "best throughput row" not in only
+    assert bench_gpu.profile_line(beam, "beam4").startswith(
+        "profile    ours fp16 beam4 batch    32768: GPU busy 61%, 900 kernels, 120 beam steps of 1724/2276 rows")
+
+
+def test_a_cuda_run_profiles_our_best_throughput_and_beam_rows(monkeypatch):
+    import argparse
+    clock = FakeClock()
+    fake_engines(monkeypatch, clock, {("ours fp16", g): 1.0 for g in ("throughput", "beam4", "batch1")})
+    monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "beam4", "batch1"))
+    monkeypatch.setattr(bench_gpu, "SWEEPS", {g: {"ours": (1, 2)} for g in ("throughput", "beam4", "batch1")})
+    seen = []
+
+    def profiled(eng, src, rows, deadline, log, group="throughput"):
+        seen.append((group, len(src)))
+        return {"batch": 1, "gpu_busy": 0.5 if group == "throughput" else 0.7}
+    monkeypatch.setattr(bench_gpu, "profiled", profiled)
+    src = [f"a b c {i}" for i in range(6)]
+    a = argparse.Namespace(model="m", engines=["ours"], passes=1, beam_lines=3, batch1_lines=1, ablate=[],
+                           chunked=0, time_limit=None)
+    _, prof = bench_gpu.run_all(a, src, src, lambda m: None, device="cuda", clock=clock)
+    assert seen == [("throughput", 6), ("beam4", 3)]  # each on its group's lines
+    assert prof["gpu_busy"] == 0.5 and prof["beam4"] == {"batch": 1, "gpu_busy": 0.7}
+
+
 def test_every_engine_has_a_sweep_in_every_group():
     for g in ("throughput", "beam4", "batch1"):
         for e in bench_gpu.ENGINES:
@@ -311,6 +350,23 @@ def tiny_translator():
         lines = [line.rstrip("\n") for line in fh][:60]
     with tr:
         yield tr, lines
+
+
+def test_the_profiled_pass_counts_the_beam_steps_it_ran(monkeypatch, tiny_translator):
+    import os
+    import warnings
+
+    from decoder import Translator
+    _, lines = tiny_translator
+    model = os.path.join(os.path.dirname(__file__), "fixtures", "bible-tiny", "model")
+    beam = Translator(model, beam=4, static_shapes=True, fused_project_topk=False, max_tokens=1024,
+                      max_sentences=16)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles none
+        prof = bench_gpu.profile_busy(beam.translate, lines[:20], 1.0)
+    assert prof["loop"] == "beam" and prof["steps"] > 0 and set(prof["rows"]) <= {4 * n for n in range(1, 17)}
+    assert prof["row_steps"] >= prof["steps"] * min(prof["rows"])
 
 
 def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch, tiny_translator):

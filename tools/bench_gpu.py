@@ -10,7 +10,7 @@ CTranslate2's best (either compute type). Ours is fp16 with the decoder's
 defaults: one row at its own batch default, one per swept size. Our best
 throughput row then runs once more under torch.profiler: the time the GPU ran
 our CUDA kernels (the union of their intervals) over that row's wall is
-`gpu_busy`. CTranslate2 and transformers are not profiled: CTranslate2's
+`gpu_busy`; our best beam-4 row too (the profile's "beam4"). CTranslate2 and transformers are not profiled: CTranslate2's
 kernels are not visible to torch.profiler at all. The lines are one chunk of
 the text pipeline; --chunked adds ours in chunks of that many lines, as a run
 of more than `chunk_lines` lines reads them (the next chunk encoded beside the
@@ -231,13 +231,14 @@ def kernel_shares(events: list[tuple[str, float, float]], n: int = 8) -> list[di
 
 
 def profile_busy(go, lines: list[str], wall_s: float) -> dict:
-    """Our best throughput row once under torch.profiler. gpu_busy: kernel time over that row's
+    """One of our best rows once under torch.profiler. gpu_busy: kernel time over that row's
     unprofiled wall (`wall_s`); busy_under_profiler: over the profiled wall, lower, as the profiler
-    slows the host that feeds the GPU."""
+    slows the host that feeds the GPU; the fixed-shape loops' steps, greedy blocks or beam steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .decode_steps import counted_blocks, steps_of
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks:
+    from .decode_steps import counted_blocks, counted_reorders, steps_of
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks, \
+            counted_reorders() as reorders:
         t = time.perf_counter()
         with torch.profiler.record_function(PASS):
             go(lines)
@@ -248,9 +249,10 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     kernel_s = union_length(iv) / 1e6
     marks = [e.time_range for e in prof.events() if e.name == PASS]
     idle = idle_parts(iv, marks[0].start, marks[0].end) if marks else {}
+    loop, steps = ("beam", steps_of([(rows, 1) for rows, _ in reorders])) if reorders else ("greedy", steps_of(blocks))
     return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
             "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
-            "kernels": len(iv), "top_kernels": kernel_shares(events), **idle, **steps_of(blocks)}
+            "kernels": len(iv), "top_kernels": kernel_shares(events), **idle, "loop": loop, **steps}
 
 
 PASS = "kit.bench_pass"  # the profiled pass's own range, in the kernels' clock
@@ -583,27 +585,30 @@ def chunked_rows(a, eng: "Engines", lines: dict, rec: Record, deadline: Deadline
 PROFILE_COST = 2.0
 
 
-def profiled(eng: "Engines", src: list[str], rows: list[dict], deadline: Deadline, log) -> dict | None:
-    """Our best throughput row once more, under torch.profiler (None where the time limit leaves it out)."""
-    top = best(rows, "throughput", "ours")
+def profiled(eng: "Engines", src: list[str], rows: list[dict], deadline: Deadline, log,
+             group: str = "throughput") -> dict | None:
+    """Our best row of `group` (on its lines `src`) once more, under torch.profiler (None where the
+    time limit leaves it out)."""
+    top = best(rows, group, "ours")
     if top is None:
         return None
-    if not deadline.allows(slot("throughput", "ours"), PROFILE_COST):
-        log(f"profile    ours fp16: {NOT_RUN}")
+    if not deadline.allows(slot(group, "ours"), PROFILE_COST):
+        log(f"profile    ours fp16 {group}: {NOT_RUN}")
         return None
-    with deadline.timing(("throughput", "profile")), eng.ours("throughput", top["batch"]) as go:
+    with deadline.timing((group, "profile")), eng.ours(group, top["batch"]) as go:
         go(src[:64])
         prof = {"batch": top["batch"], **profile_busy(go, src, top["seconds"]), **host_timeline(go, src)}
-    log(profile_line(prof))
+    log(profile_line(prof, group))
     return prof
 
 
 def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=None,
             clock=time.monotonic) -> tuple[list[dict], dict | None]:
     """Every engine's sweep in every group, our best throughput row profiled as soon as ours' sweep
-    of that group ends (the busy figure matters most), then the --ablate and --chunked rows; rows the
-    time limit (a.time_limit seconds, if any) leaves out are recorded as such. `write(rows, profile)`
-    after each row. (rows, the profile; None off CUDA or where left out)."""
+    of that group ends (the busy figure matters most), and our best beam-4 row (the profile's
+    "beam4"), then the --ablate and --chunked rows; rows the time limit (a.time_limit seconds, if
+    any) leaves out are recorded as such. `write(rows, profile)` after each row. (rows, the
+    profile; None off CUDA or where left out)."""
     lines = {"throughput": (src, ref), "beam4": (src[:a.beam_lines], ref[:a.beam_lines]),
              "batch1": (src[:a.batch1_lines], ref[:a.batch1_lines])}
     rec, deadline = Record(write), Deadline(getattr(a, "time_limit", None), clock)
@@ -628,19 +633,31 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
                 if group == "throughput" and name == "ours fp16" and device == "cuda":
                     rec.prof = profiled(eng, src, rec.rows, deadline, log)
                     rec.save()
+                if group == "beam4" and name == "ours fp16" and device == "cuda":  # beside the throughput one
+                    beam = profiled(eng, s, rec.rows, deadline, log, group)
+                    rec.prof = {**(rec.prof or {}), **({"beam4": beam} if beam else {})} or None
+                    rec.save()
         process_rows(a, eng, lines, rec, deadline, log)
         ablation_rows(a, eng, lines, rec, deadline, log)
         chunked_rows(a, eng, lines, rec, deadline, log)
     return rec.rows, rec.prof
 
 
-def profile_line(prof: dict) -> str:
+def profile_line(prof: dict, group: str = "throughput") -> str:
     """The profile in the log: busy share, kernels and where their time went."""
     top = ", ".join(f"{k['share']:.0%} {k['kernel'][:60]}" for k in prof["top_kernels"])
-    steps = (f", {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows"
-             if prof.get("steps") else "")  # the fixed-shape loops' (tools.decode_steps)
-    return (f"profile    ours fp16 batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
-            f"{prof['kernels']:,} kernels{steps}{idle_words(prof)}{host_words(prof)}; {top}")
+    named = "" if group == "throughput" else f" {group}"
+    return (f"profile    ours fp16{named} batch {_label(prof['batch']):>8}: GPU busy {prof['gpu_busy']:.0%}, "
+            f"{prof['kernels']:,} kernels{steps_words(prof)}{idle_words(prof)}{host_words(prof)}; {top}")
+
+
+def steps_words(prof: dict, per_step: bool = False) -> str:
+    """', 168 greedy steps of 4096 rows' (with `per_step`: and the kernels' ms a step); '' where the
+    fixed-shape loops (tools.decode_steps' counts) did not run."""
+    if not prof.get("steps"):
+        return ""
+    return (f", {prof['steps']:,} {prof.get('loop', 'greedy')} steps of {'/'.join(map(str, prof['rows']))} rows"
+            + (f", {1000 * prof['kernel_s'] / prof['steps']:.2f} ms of kernels a step" if per_step else ""))
 
 
 def host_words(prof: dict) -> str:
@@ -705,21 +722,27 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
         md.append("")
     ratios = ", ".join(f"{SUMMARY_RATIOS[g]} {summ[SUMMARY_RATIOS[g]]}" for g in GROUPS)
     md.append(f"Ours over CTranslate2's best (bold: each engine's best row): {ratios}.")
-    if prof:
-        md.append(f"GPU busy, ours at its best throughput row (batch {_label(prof['batch'])}): "
-                  f"{100 * prof['gpu_busy']:.0f}% ({prof['kernel_s']:.2f} s of CUDA kernels in a "
-                  f"{prof['wall_s']:.2f} s pass; {100 * prof['busy_under_profiler']:.0f}% of the profiled pass, "
-                  f"{prof['kernels']:,} kernels"
-                  + (f"; {prof['steps']:,} greedy steps of {'/'.join(map(str, prof['rows']))} rows, "
-                     f"{1000 * prof['kernel_s'] / prof['steps']:.2f} ms of kernels a step" if prof.get("steps") else "")
-                  + idle_words(prof) + host_words(prof)
-                  + f"). {NOT_PROFILED}.")
-        if prof.get("top_kernels"):
-            md += ["", "GPU time by kernel, that row (share of all kernels' time):", "",
-                   "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
-            md += [f"| `{k['kernel'][:100]}` | {k['calls']:,} | {k['us'] / 1000:.1f} | {100 * k['share']:.0f}% |"
-                   for k in prof["top_kernels"]]
+    for p, what in ((prof, "throughput"), ((prof or {}).get("beam4"), "beam-4")):
+        if p and "gpu_busy" in p:
+            md += profile_markdown(p, what)
+    if prof and "gpu_busy" in prof:
+        md += ["", f"{NOT_PROFILED}."]
     return "\n".join(md) + "\n"
+
+
+def profile_markdown(prof: dict, what: str) -> list[str]:
+    """A profile's lines: busy share, steps, idle parts, and the GPU time by kernel."""
+    md = ["", f"GPU busy, ours at its best {what} row (batch {_label(prof['batch'])}): "
+              f"{100 * prof['gpu_busy']:.0f}% ({prof['kernel_s']:.2f} s of CUDA kernels in a "
+              f"{prof['wall_s']:.2f} s pass; {100 * prof['busy_under_profiler']:.0f}% of the profiled pass, "
+              f"{prof['kernels']:,} kernels" + steps_words(prof, per_step=True).replace(",", ";", 1)
+              + idle_words(prof) + host_words(prof) + ")."]
+    if prof.get("top_kernels"):
+        md += ["", f"GPU time by kernel, that {what} row (share of all kernels' time):", "",
+               "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
+        md += [f"| `{k['kernel'][:100]}` | {k['calls']:,} | {k['us'] / 1000:.1f} | {100 * k['share']:.0f}% |"
+               for k in prof["top_kernels"]]
+    return md
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -819,7 +842,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
     def write(rows, prof, complete=False) -> tuple[str, dict]:
-        summ = summary(rows, prof and prof["gpu_busy"], about)
+        summ = summary(rows, prof and prof.get("gpu_busy"), about)
         md = to_markdown(rows, summ, prof, head if complete else f"{head} {PARTIAL}")
         with open(out + ".md", "w") as fh:
             fh.write(md)
