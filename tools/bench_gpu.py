@@ -61,13 +61,13 @@ CT2_TYPES = ("float16", "int8_float16")
 ENGINES = ("ours", "ct2", "hf")
 # group -> engine -> batch sizes, in order. ours and CTranslate2: padded source tokens a batch (ours'
 # None: the decoder's own default for the device); transformers: sentences a batch. The ranges bracket
-# what the GPU runs found best (H200: ours 64k greedy and 32k beam 4, CTranslate2 8k-16k; H100:
-# transformers 256 greedy), ours one size past its best; ours and CTranslate2, one pass a row and the
-# --ablate rows, took 4 minutes on the H200.
+# what the GPU runs found best (H200: ours 64k greedy and 32k beam 4, the top of its beam sweep then,
+# CTranslate2 8k-16k; H100: transformers 256 greedy), ours one size past its best; ours and CTranslate2,
+# one pass a row and the --ablate rows, took 4 minutes on the H200.
 SWEEPS = {
     "throughput": {"ours": (None, 8192, 16384, 32768, 65536, 131072), "ct2": (8192, 16384, 32768, 65536),
                    "hf": (128, 256, 512)},
-    "beam4": {"ours": (None, 4096, 8192, 16384, 32768), "ct2": (2048, 4096, 8192, 16384), "hf": (32, 64, 128)},
+    "beam4": {"ours": (None, 4096, 8192, 16384, 32768, 65536), "ct2": (2048, 4096, 8192, 16384), "hf": (32, 64, 128)},
     "batch1": {"ours": (1,), "ct2": (1,), "hf": (1,)},
 }
 # CTranslate2's ways, each a row at its sweep's best size (throughput and beam 4): (label, CT2Run fields).
