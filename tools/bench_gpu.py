@@ -236,9 +236,9 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     slows the host that feeds the GPU; the fixed-shape loops' steps, greedy blocks or beam steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .decode_steps import counted_blocks, counted_reorders, steps_of
+    from .decode_steps import counted_beam_steps, counted_blocks, steps_of
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks, \
-            counted_reorders() as reorders:
+            counted_beam_steps() as beam_steps:
         t = time.perf_counter()
         with torch.profiler.record_function(PASS):
             go(lines)
@@ -249,7 +249,8 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     kernel_s = union_length(iv) / 1e6
     marks = [e.time_range for e in prof.events() if e.name == PASS]
     idle = idle_parts(iv, marks[0].start, marks[0].end) if marks else {}
-    loop, steps = ("beam", steps_of([(rows, 1) for rows, _ in reorders])) if reorders else ("greedy", steps_of(blocks))
+    loop, steps = (("beam", steps_of([(rows, 1) for rows, _ in beam_steps])) if beam_steps
+                   else ("greedy", steps_of(blocks)))
     return {"gpu_busy": busy_fraction(iv, wall_s * 1e6), "kernel_s": round(kernel_s, 4), "wall_s": round(wall_s, 4),
             "profiled_wall_s": round(profiled, 4), "busy_under_profiler": busy_fraction(iv, profiled * 1e6),
             "kernels": len(iv), "top_kernels": kernel_shares(events), **idle, "loop": loop, **steps}

@@ -37,7 +37,7 @@ import json
 import sys
 import time
 
-from decoder import Options, Translator, cache, cliargs, static_steps
+from decoder import Options, Translator, cliargs, static_steps
 from decoder.machine import describe, one_line
 
 from .bench import read
@@ -45,14 +45,14 @@ from .bench import read
 
 @contextlib.contextmanager
 def counting(owner, name: str, record):
-    """`record(obj, *args)` of each call of the method owner.name meanwhile, in a list (the
-    method still runs)."""
+    """`record(obj)` of each call of the method owner.name meanwhile, in a list (the method still
+    runs)."""
     seen: list = []
     run = getattr(owner, name)
 
-    def counted(obj, *args):
-        seen.append(record(obj, *args))
-        return run(obj, *args)
+    def counted(obj, *args, **kw):
+        seen.append(record(obj))
+        return run(obj, *args, **kw)
     setattr(owner, name, counted)
     try:
         yield seen
@@ -63,20 +63,22 @@ def counting(owner, name: str, record):
 def counted_blocks():
     """The (rows, steps) of each block of greedy steps the fixed-shape loops run meanwhile
     (decoder/static_steps.py StaticGreedy, refilled or not), in a list."""
-    return counting(static_steps.StaticGreedy, "run", lambda loop, t: (loop.cache.tokens.shape[0], loop.block))
+    return counting(static_steps.StaticGreedy, "run", lambda loop: (loop.cache.tokens.shape[0], loop.block))
 
 
-def reorder_traffic(c, rows) -> tuple[int, int]:
-    """(rows, bytes read and written) of a reorder of the fixed-shape beam state `c`: the moved
-    tensor, the K/V buffer at the GPU's fp16 or the row table, read and written twice."""
+def reorder_traffic(loop) -> tuple[int, int]:
+    """(rows, bytes read and written by its reorder) of a whole beam step on the fixed-shape state:
+    the moved tensor, the K/V buffer at the GPU's fp16 or the row table, read and written twice (an
+    index_select and a copy back: decoder/cache.py StaticCache.reorder_all)."""
+    c = loop.cache
     moved, size = (c.kv, 2) if c.table is None else (c.table, c.table.element_size())
     return c.kv.shape[2], 4 * moved.numel() * size
 
 
-def counted_reorders():
-    """`reorder_traffic` of each reorder of the fixed-shape beam state meanwhile (decoder/cache.py
-    StaticCache.reorder_all: one a step), in a list."""
-    return counting(cache.StaticCache, "reorder_all", reorder_traffic)
+def counted_beam_steps():
+    """`reorder_traffic` of each whole beam step the fixed-shape loop runs meanwhile
+    (decoder/static_steps.py StaticBeam.run: one a step, replayed or eager), in a list."""
+    return counting(static_steps.StaticBeam, "run", reorder_traffic)
 
 
 def steps_of(blocks: list[tuple[int, int]]) -> dict:
@@ -88,7 +90,7 @@ def count(model: str, lines: list[str], switches: dict, **kw) -> tuple[dict, lis
     """One run's steps, row-steps and state widths (beam: and reorder traffic), and its outputs, at
     these loop `switches`."""
     tr = Translator(model, static_shapes=True, **switches, **kw)
-    with counted_blocks() as blocks, counted_reorders() as reorders:
+    with counted_blocks() as blocks, counted_beam_steps() as reorders:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
