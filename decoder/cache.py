@@ -201,8 +201,10 @@ class StaticCache(IncrementalCache):
         # switch kv_row_table, beam: a reorder moves the rows of `table` (rows, T), where row r's key and
         # value at position j live in cache row table[r, j]; without it a reorder copies the whole K/V
         # buffer (every position, written or not: fixed shapes) a step. `own` (rows, 1): each row's own
-        self.table = identity_table(N, max_len, dev) if beam > 1 and self.plan.kv_row_table else None
-        self.own = torch.arange(N, device=dev)[:, None]
+        self.table = self.own = None
+        if beam > 1 and self.plan.kv_row_table:
+            self.table = identity_table(N, max_len, dev)
+            self.own = self.table[:, :1].clone()
         self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
 
     def _run(self):

@@ -636,8 +636,9 @@ def run_all(a, src: list[str], ref: list[str], log, device: str = "cuda", write=
                     rec.save()
                 if group == "beam4" and name == "ours fp16" and device == "cuda":  # beside the throughput one
                     beam = profiled(eng, s, rec.rows, deadline, log, group)
-                    rec.prof = {**(rec.prof or {}), **({"beam4": beam} if beam else {})} or None
-                    rec.save()
+                    if beam:
+                        rec.prof = {**(rec.prof or {}), "beam4": beam}
+                        rec.save()
         process_rows(a, eng, lines, rec, deadline, log)
         ablation_rows(a, eng, lines, rec, deadline, log)
         chunked_rows(a, eng, lines, rec, deadline, log)

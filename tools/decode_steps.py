@@ -90,13 +90,13 @@ def count(model: str, lines: list[str], switches: dict, **kw) -> tuple[dict, lis
     """One run's steps, row-steps and state widths (beam: and reorder traffic), and its outputs, at
     these loop `switches`."""
     tr = Translator(model, static_shapes=True, **switches, **kw)
-    with counted_blocks() as blocks, counted_beam_steps() as reorders:
+    with counted_blocks() as blocks, counted_beam_steps() as beam_steps:
         start = time.perf_counter()
         out = tr.translate(lines)
         wall = time.perf_counter() - start
     if tr.plan.loop == "beam":
-        counted = {**steps_of([(rows, 1) for rows, _ in reorders]),
-                   "reorder_bytes": sum(b for _, b in reorders)}
+        counted = {**steps_of([(rows, 1) for rows, _ in beam_steps]),
+                   "reorder_bytes": sum(b for _, b in beam_steps)}
     else:
         counted = steps_of(blocks)
     return {"loop": loop_of(tr.plan), **{k: k in tr.plan.runs for k in switches}, **counted,
