@@ -49,19 +49,22 @@ class IncrementalCache:
     can_shrink = True
     half_kv = True  # switch kv_half may store the self-attention K/V in fp16 (the kernels convert)
 
-    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, cross: list | None = None):
+        """enc (B, S, d) the encoder's output, mask (B, 1, 1, S) its keys; `cross`: the (B, h, S, hd)
+        cross K/V per decoder layer, already projected (then enc may be None)."""
         self.m, self.plan, self.beam, self.mask = model, model.plan, beam, mask
-        B, S, _ = enc.shape
+        B = mask.shape[0]
         h, hd = model.n_heads, model.d // model.n_heads
         # cross K/V once per sentence, never per beam: (layers) x (B, h, S, hd); cross_attend
         # takes them into plan.cross_kv's stores on its first call (the subclasses that attend
         # their own way never pay for that), which hold them from then on
-        self.cross = [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
+        self.cross = cross if cross is not None else \
+            [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
         self.cross_kv = None
         dtype = model.dtype
         if self.half_kv and self.plan.kv_half and dtype == torch.float32:
             dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
-        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, dtype, enc.device)
+        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, dtype, mask.device)
         self.t = 0
 
     @staticmethod
@@ -185,10 +188,11 @@ class StaticCache(IncrementalCache):
     can_shrink = False  # the graph's shapes are fixed: finished rows stay
     half_kv = False  # SDPA reads the cache: its dtype must be the queries'
 
-    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, graphs: bool = True):
-        super().__init__(model, enc, mask, beam, max_len)
+    def __init__(self, model: Model, enc, mask, beam: int, max_len: int, graphs: bool = True,
+                 cross: list | None = None):
+        super().__init__(model, enc, mask, beam, max_len, cross)
         self.kv.zero_()  # masked positions still pass through softmax(.) @ V: keep them finite
-        N, dev = self.kv.shape[2], enc.device
+        N, dev = self.kv.shape[2], mask.device
         self.tokens = torch.zeros(N, dtype=torch.long, device=dev)  # (rows,) static input
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)      # (1,) static input
         self.positions = torch.arange(max_len, device=dev)           # (T,)
@@ -276,6 +280,23 @@ class StaticCache(IncrementalCache):
 
     def keep(self, sents, rows):
         raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
+
+    def narrowed(self, sents, rows, written: int) -> "StaticCache":
+        """A state of this one's sentences `sents` (n,) alone, whose rows are `rows` (n * beam,), the
+        beams of each sentence in order (switch narrow_beam): their cross K/V and key masks, tokens,
+        position, and the K/V of their first `written` positions; the row table (whose entries name
+        rows of the entry's own sentence) renumbered onto the new rows."""
+        n, K = sents.shape[0], self.beam
+        cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
+        new = StaticCache(self.m, None, self.mask.index_select(0, sents), K, self.positions.shape[0],
+                          self.use_graph, cross)
+        new.kv[:, :, :, :, :written] = self.kv[:, :, :, :, :written].index_select(2, rows)
+        if self.table is not None:
+            first = torch.arange(n, device=rows.device)[:, None] * K  # (n, 1) each sentence's first new row
+            new.table.copy_(self.table.index_select(0, rows) % K + first.repeat_interleave(K, 0))
+        new.tokens.copy_(self.tokens.index_select(0, rows))
+        new.pos.copy_(self.pos)
+        return new
 
 
 class OneRowCache(IncrementalCache):

@@ -454,6 +454,18 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "for a state per batch; narrowed, 509,952 in 128 (4,096 rows: 589,824 to 456,704; "
                  "`python -m tools.decode_steps`, docs/bench/decode-steps.md). The same outputs "
                  "(tests/test_refill.py). Not measured on a GPU yet"),
+    Optimisation("narrow_beam", True, "a fixed-shape beam state's unfinished sentences moved to a state of "
+                 "their own once they hold at most half its rows", "narrow_beam", True, False, "every sentence's "
+                 "beams run to the batch's last sentence's end, most of them finished", "beam",
+                 needs=lambda o: o.graph_steps,
+                 detail="with graph_steps, beam (decoder/static_steps.py `narrows`): at a read of the finished "
+                 "sentences, a state of at least 512 rows whose unfinished sentences hold at most half of them "
+                 "moves those (their K/V so far, row table, cross K/V, scores, histories, caps) to a state of "
+                 "their own, whose graphs are captured anew; the finished hypotheses stay where they are. The "
+                 "GPU bench's 1,000 beam lines, KD student: 238,176 row-steps in 184 steps at the GPU's beam "
+                 "batches (16k tokens), narrowed 148,000 in the same steps (64k tokens: 265,920 to 151,744), "
+                 "the same outputs (`python -m tools.decode_steps --beam 4`, docs/bench/decode-steps.md; "
+                 "tests/test_beam_cache.py). Not measured on a GPU yet"),
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
@@ -610,6 +622,7 @@ class Plan:
     refill_rows: bool           # graph_steps, greedy: a chunk's sentences through one state, rows refilled
     refill_on_device: bool      # refill_rows: the rows refilled on the device each step (decoder/refill_device.py)
     narrow_tail: bool           # refill_rows, the host's: busy rows move to a narrower state once none wait
+    narrow_beam: bool           # graph_steps, beam: unfinished sentences move to a narrower state
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
     static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
@@ -752,6 +765,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     if not slots["graph_steps"] or loop != "greedy":
         slots["refill_rows"] = False
         runs.discard("refill_rows")
+    if not slots["graph_steps"] or loop != "beam":
+        slots["narrow_beam"] = False
+        runs.discard("narrow_beam")
     if not slots["refill_rows"]:
         slots["early_start"] = slots["refill_on_device"] = slots["narrow_tail"] = False
         runs -= {"early_start", "refill_on_device", "narrow_tail"}

@@ -23,9 +23,11 @@ loop is kept with its state (cache.loops), so a state kept for a batch shape
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import graphs, hostsync
+from .cache import DecoderState
 from .search import NEG_INF, Finals, Outputs, Search, beam_top, checkpoint, pick
 
 
@@ -55,16 +57,35 @@ def greedy_static(state, limits, s: Search, lims: list[int]) -> Outputs:
 
 
 def beam_static(state, limits, s: Search, lims: list[int]) -> Outputs:
-    """`beam_device`'s picks, one whole step a replay, a read every `plan.sync_every` steps."""
+    """`beam_device`'s picks, one whole step a replay, a read every `plan.sync_every` steps (which
+    sentences have finished); with narrow_beam the unfinished ones move to a narrower state."""
     T, every = max(lims), s.plan.sync_every
     first_limit = min(lims) - 1  # from this step on some sentence is at its limit: </s> forced there
     loop = kept(state, "beam", lambda: StaticBeam(state, limits, s), limits)
+    finals = loop.finals  # the batch's, whichever state runs its sentences
     for t in range(T):
         with state.phase("decode steps"):
             loop.run(t, forced=t >= first_limit)
-        if checkpoint(t, T, every) and hostsync.item(loop.all_done(t), "finished?"):
-            break
-    return loop.finals.best(s.length_penalty, t + 1)
+        if checkpoint(t, T, every):
+            done = hostsync.to_cpu(loop.done(t), "finished?").numpy()  # (sentences,)
+            if done.all():
+                break
+            if s.plan.narrow_beam and narrows(done.size * loop.K, int((~done).sum()) * loop.K):
+                with state.phase("batch shrink"):
+                    loop = loop.narrowed(np.flatnonzero(~done), t + 1)
+    return finals.best(s.length_penalty, t + 1)
+
+
+# switch narrow_beam: a beam state of at least twice this many rows moves its unfinished sentences to
+# a state of their own once they hold at most half its rows. Below some hundreds of rows a step's
+# kernels hardly shrink with the rows (an estimate, as decoder/refill.py's NARROW_MIN), and a new
+# state costs an eager step and its graphs' captures.
+NARROW_MIN_ROWS = 256
+
+
+def narrows(rows: int, busy: int) -> bool:
+    """Whether a beam state of `rows` rows, `busy` of them unfinished sentences', moves them (narrow_beam)."""
+    return 0 < busy and rows // 2 >= max(busy, NARROW_MIN_ROWS)
 
 
 class StaticLoop:
@@ -72,7 +93,7 @@ class StaticLoop:
     (sentences,); `reset` takes them back to step 0 for a new batch of this shape."""
 
     def __init__(self, state, limits, s: Search):
-        self.cache = state.cache
+        self.state, self.s, self.cache = state, s, state.cache
         self.start, self.eos, self.pad = s.start_id, s.eos_id, s.pad_id
         self.limits = limits.clone()
 
@@ -143,7 +164,9 @@ class StaticBeam(StaticLoop):
     step, the top 2K, the finished hypotheses kept (`Finals`), the best K continuations, the
     histories (N, T) and the K/V cache reordered, the position advanced."""
 
-    def __init__(self, state, limits, s: Search):
+    def __init__(self, state, limits, s: Search, finals: Finals | None = None, sent=None):
+        """`finals` and `sent` (B,): a narrowed loop's, the batch's finished hypotheses and the
+        index there of each of its sentences (StaticBeam.narrowed); else this batch's own."""
         super().__init__(state, limits, s)
         m, out, K = state.m, state.out, s.beam
         self.plan, self.K = m.plan, K
@@ -152,13 +175,14 @@ class StaticBeam(StaticLoop):
         self.n_top = min(2 * K, K * V)
         self.scores = torch.empty(B, K, device=dev)  # (sentences, beam) summed log-probs
         self.hist = torch.empty(B * K, T, dtype=torch.long, device=dev)  # (rows, T) tokens by position
-        self.finals = Finals(B, K, T, s.pad_id, dev)
+        self.finals = Finals(B, K, T, s.pad_id, dev) if finals is None else finals
         self.first = torch.arange(B, device=dev)[:, None] * K  # (B, 1) each sentence's first row
-        self.sent = torch.arange(B, device=dev)  # (B,)
+        self.sent = torch.arange(B, device=dev) if sent is None else sent  # (B,) its slots in `finals`
         self.rank = torch.arange(self.n_top, device=dev)  # (n_top,) </s> ranked after the rest:
         self.rank_eos = self.rank + self.n_top              # its ranks shifted by n_top
         self.steps = {f: graphs.Captured(lambda f=f: self._step(f), m) for f in (False, True)}
-        self.reset()
+        if finals is None:
+            self.reset()
 
     def clear(self) -> None:
         self.scores.zero_()
@@ -197,6 +221,21 @@ class StaticBeam(StaticLoop):
         else:
             self._step(forced)
 
-    def all_done(self, t: int) -> torch.Tensor:
-        """Whether every sentence has K finished hypotheses or has reached its limit after step t."""
-        return ((self.finals.count >= self.K) | (self.limits <= t + 1)).all()
+    def done(self, t: int) -> torch.Tensor:
+        """(B,) whether each sentence has K finished hypotheses or has reached its limit after step t."""
+        return (self.finals.count.index_select(0, self.sent) >= self.K) | (self.limits <= t + 1)
+
+    def narrowed(self, keep: np.ndarray, written: int) -> "StaticBeam":
+        """This loop's sentences `keep` (n,) on a state of their own (StaticCache.narrowed), after
+        `written` steps: their scores, histories and caps, the batch's finished hypotheses; its graphs
+        are captured anew (a step's shapes are the state's)."""
+        dev = self.limits.device
+        sents = hostsync.to_device(torch.from_numpy(keep), dev)  # (n,)
+        rows = (sents[:, None] * self.K + torch.arange(self.K, device=dev)).view(-1)  # (n * K,)
+        state = DecoderState(self.state.m, self.cache.narrowed(sents, rows, written), self.state.out,
+                             self.state.phase)
+        new = StaticBeam(state, self.limits.index_select(0, sents), self.s, self.finals,
+                         self.sent.index_select(0, sents))
+        new.scores.copy_(self.scores.index_select(0, sents))
+        new.hist.copy_(self.hist.index_select(0, rows))
+        return new

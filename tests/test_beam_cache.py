@@ -1,10 +1,11 @@
 """Beam search's row-table caches (switch kv_row_table): decoder/cache.py RowTableCache's
 storage and shrink, and the fixed-shape StaticCache (the CUDA graphs' beam state) moving its table
-in place of its K/V buffer."""
+in place of its K/V buffer; that state's unfinished sentences moved to a narrower one (switch
+narrow_beam)."""
 import pytest
 import torch
 
-from decoder import Translator
+from decoder import Translator, hostsync, static_steps
 from decoder.cache import RowTableCache, StaticCache
 from fixture_model import make_model_dir, synthetic_corpus
 
@@ -86,6 +87,43 @@ def test_fixed_shape_beam_reorder_moves_the_row_table_and_leaves_the_cache(model
     assert seen and not any(moved for _, moved in seen) and not all(same for same, _ in seen)
 
 
+def narrowed_states(monkeypatch) -> list:
+    """The fixture's 96-row states narrow (static_steps.NARROW_MIN_ROWS 4); each narrowing's
+    (rows before, rows after), in a list."""
+    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)
+    seen, narrowed = [], StaticCache.narrowed
+
+    def spy(self, sents, rows, written):
+        new = narrowed(self, sents, rows, written)
+        seen.append((self.kv.shape[2], new.kv.shape[2]))
+        return new
+    monkeypatch.setattr(StaticCache, "narrowed", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(kv_row_table=False), dict(sync_every=3), dict(graph_steps=False)])
+def test_narrowed_fixed_shape_beam_gives_the_tokens_of_the_whole_state(model_dir, srcs, kw, monkeypatch):
+    seen = narrowed_states(monkeypatch)
+    narrow = Translator(model_dir, **STATIC_BEAM, **kw)
+    whole = Translator(model_dir, **STATIC_BEAM, **kw, narrow_beam=False)
+    assert narrow.plan.narrow_beam == kw.get("graph_steps", True) and not whole.plan.narrow_beam
+    hostsync.reset()
+    got = narrow.translate_ids(srcs)
+    reads = hostsync.counts["finished?"]
+    assert (len(seen) > 0) == narrow.plan.narrow_beam  # it narrowed where it resolved
+    assert all(after <= before // 2 and after % 4 == 0 for before, after in seen)
+    hostsync.reset()
+    assert got == whole.translate_ids(srcs)
+    assert reads <= hostsync.counts["finished?"]  # a narrower state reads no more often
+
+
+def test_a_beam_state_narrows_once_its_unfinished_rows_fit_half_of_it_and_half_is_not_under_the_floor():
+    assert static_steps.narrows(512, 256) and not static_steps.narrows(512, 257)
+    assert static_steps.narrows(4096, 4) and static_steps.NARROW_MIN_ROWS == 256
+    assert not static_steps.narrows(510, 4)  # half of it is under the floor
+    assert not static_steps.narrows(4096, 0)  # nothing unfinished: the search ends instead
+
+
 def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis(model_dir, srcs, monkeypatch):
     dtypes = set()
 
@@ -139,7 +177,9 @@ def test_kv_half_with_the_cache_moved_on_reorder_keeps_nearly_every_beam_hypothe
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
 
 
-def test_the_steps_tool_counts_what_each_beam_reorder_moves(model_dir, tmp_path):
+def test_the_steps_tool_counts_what_each_beam_reorder_moves_and_the_narrowed_rows_steps(model_dir, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the tool's small states narrow
     import json
     from tools import decode_steps
     src = tmp_path / "src.txt"
@@ -147,10 +187,12 @@ def test_the_steps_tool_counts_what_each_beam_reorder_moves(model_dir, tmp_path)
     assert decode_steps.main(["--model", str(model_dir), "--src", str(src), "--beam", "4", "--max-tokens", "256",
                               "--out", str(tmp_path / "b")]) == 0
     record = json.loads((tmp_path / "b.json").read_text())
-    moved, table = record["rows"]
+    moved, table, narrow = record["rows"]
     assert record["settings"]["beam"] == 4 and record["settings"]["max_sentences"] == 2048  # the GPU's / 4
     assert not moved["kv_row_table"] and table["kv_row_table"] and table["same_outputs"] == "40 of 40"
     assert moved["steps"] == table["steps"] > 0 and moved["rows"] == table["rows"]
+    assert not table["narrow_beam"] and narrow["narrow_beam"] and narrow["same_outputs"] == "40 of 40"
+    assert narrow["steps"] == table["steps"] and narrow["row_steps"] < table["row_steps"]
     # a step moves the whole K/V buffer (rows x heads x positions x features, K and V, each layer, fp16,
     # read and written twice) or the row table (rows x positions, int64): the same ratio every step
     arch = Translator(model_dir).model.cfg.arch

@@ -62,6 +62,18 @@ def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
     assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).kernels
 
 
+def test_narrow_beam_resolves_on_for_the_graphs_beam_loop_only():
+    on = resolve(Switches(), device="cuda", beam=4, kernels=BOTH)
+    assert on.graph_steps and on.narrow_beam and "narrow_beam" in on.runs
+    for p in (resolve(Switches(), device="cuda", kernels=BOTH),  # greedy: refill_rows and narrow_tail instead
+              resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH),  # the eager state shrinks
+              resolve(Switches(graph_steps=False), device="cuda", beam=4, kernels=BOTH),  # the per-step loop
+              resolve(Switches(), device="cpu", beam=4),  # the CPU's row_table state shrinks
+              resolve(Switches(narrow_beam=False), device="cuda", beam=4, kernels=BOTH)):
+        assert not p.narrow_beam and "narrow_beam" not in p.runs
+    assert resolve(Switches(fused_project_topk=False), device="cpu", beam=4, static_shapes=True).narrow_beam
+
+
 def test_the_row_table_resolves_on_cuda_for_the_graphs_beam_state_through_its_kernel_only():
     on = resolve(Switches(), device="cuda", beam=4, kernels=BOTH)
     assert (on.state, on.static_attend, on.kv_row_table) == ("static", True, True) and "kv_row_table" in on.runs

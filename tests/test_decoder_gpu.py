@@ -121,6 +121,25 @@ def test_cuda_narrowed_states_capture_their_own_graphs_and_keep_the_tokens(model
 
 
 @cuda
+def test_cuda_narrowed_beam_states_capture_their_own_graphs_and_keep_the_tokens(model_dir, monkeypatch):
+    # a narrower beam state's graphs are captured into the model's pool beside the wider one's
+    from decoder import static_steps
+    from decoder.cache import StaticCache
+    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the 128-row states narrow
+    seen, narrowed = [], StaticCache.narrowed
+    monkeypatch.setattr(StaticCache, "narrowed",
+                        lambda self, *a: (seen.append(self.kv.shape[2]), narrowed(self, *a))[1])
+    lines = synthetic_corpus(240, seed=12)
+    kw = dict(device="cuda", precision="fp16", beam=4, max_sentences=32, chunk_lines=100)
+    narrow = Translator(model_dir, **kw)
+    a = narrow.translate(lines)
+    assert seen and narrow.plan.narrow_beam
+    b = Translator(model_dir, **kw, narrow_beam=False).translate(lines)
+    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(lines)  # products of other row counts
+    assert narrow.translate(lines) == a and not narrow.model.graphs_failed
+
+
+@cuda
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_batch1_replays_kept_graphs_with_the_tokens_of_fresh_ones(model_dir, beam):
     lines = synthetic_corpus(12, seed=7)

@@ -63,7 +63,7 @@ def test_speed_and_bench_stage_options_are_the_tools():
     assert a.ablate == ["refill_rows", "narrow_tail", "refill_on_device", "refill_on_device+sync_every=16",
                        "warp_attention", "early_start", "graph_steps", "graph_attention",
                        "sync_every=4", "normalise_processes", "encode_ahead", "ramp_chunks", "short_gil_interval",
-                       "kv_row_table"]
+                       "kv_row_table", "narrow_beam"]
 
 
 def test_a_data_tarball_is_unpacked_where_data_is_absent(tmp_path):

@@ -39,11 +39,14 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "early_start": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
          "refill_on_device": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
          "narrow_tail": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
+         "narrow_beam": {"cache": True, "cuda_graphs": True, "graph_steps": True},
          "normalise_processes": {"fast_normaliser": True},
          "graph_attention": {"cache": True, "cuda_graphs": True, "fused_attention": True},
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
          "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
                           "fused_project_argmax": True, "softmax_free": True}}
+# switches resolved elsewhere than their bench group's device at batch 1
+WHERE = {"narrow_beam": dict(device="cuda", beam=4)}  # the graphs' beam loop
 
 
 def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
@@ -54,7 +57,8 @@ def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
         monkeypatch.setattr(opt, "int_mm_vnni", lambda: o.name not in ("int8_wide_gemm", "int8_wide_output"))
         off = {**opt.all_off(), **NEEDS.get(o.name, {})}
         # each on the device it has kernels for, with every kernel loaded
-        where = dict(device="cuda" if o.bench == "cuda" else "cpu", kernels=opt.Kernels(cpu=True, cuda=True))
+        where = {"device": "cuda" if o.bench == "cuda" else "cpu", "kernels": opt.Kernels(cpu=True, cuda=True),
+                 **WHERE.get(o.name, {})}
         base = opt.resolve(opt.Switches(**off), no_repeat_ngram=0, **where)
         plan = opt.resolve(opt.Switches(**{**off, o.name: True}), no_repeat_ngram=0, **where)
         changed = {f.name for f in dataclasses.fields(plan) if getattr(plan, f.name) != getattr(base, f.name)}

@@ -1,5 +1,5 @@
 """How many decode steps a greedy run takes, per batch against refilled rows (switch refill_rows);
-with --beam, what a beam search's reorders move (switch kv_row_table).
+with --beam, what a beam search's reorders move (switch kv_row_table) and its rows' steps (narrow_beam).
 
     python -m tools.decode_steps --model DIR --src FILE [--lines 10000] [--max-tokens 65536]
         [--max-sentences 8192] [--sync-every 8] [--chunk-lines 20000] [--beam 1] [--out PREFIX]
@@ -25,9 +25,11 @@ not a GPU's.
 With --beam K the same fixed-shape state runs the graphs' beam loop (at the
 GPU's beam defaults: 65536 / K tokens, 8192 / K sentences), once moving its K/V
 buffer at each step's reorder and once moving a row table (switch
-kv_row_table); the reorder traffic is what each step's reorder reads and
-writes (an index_select and a copy back: the moved tensor twice each way), at
-the GPU's fp16 for the K/V buffer.
+kv_row_table), then once more with the unfinished sentences moved to a
+narrower state whenever they hold at most half of its rows (switch
+narrow_beam); the reorder traffic is what each step's reorder reads and writes
+(an index_select and a copy back: the moved tensor twice each way), at the
+GPU's fp16 for the K/V buffer.
 """
 from __future__ import annotations
 
@@ -114,9 +116,12 @@ LOOPS = {"a state per batch": dict(refill_rows=False, early_start=False, refill_
              dict(refill_rows=True, early_start=False, refill_on_device=True, narrow_tail=False)}
 
 
-# beam search's loops, the first the reference: its reorder moves the K/V buffer or a row table
-BEAM_LOOPS = {"beam, the K/V buffer moved at each reorder": dict(kv_row_table=False),
-              "beam, a row table moved at each reorder (kv_row_table)": dict(kv_row_table=True)}
+# beam search's loops, the first the reference: its reorder moves the K/V buffer or a row table; its
+# unfinished sentences stay in the batch's state or move to narrower ones
+BEAM_LOOPS = {"beam, the K/V buffer moved at each reorder": dict(kv_row_table=False, narrow_beam=False),
+              "beam, a row table moved at each reorder (kv_row_table)": dict(kv_row_table=True, narrow_beam=False),
+              "beam, the row table, unfinished sentences moved to narrower states (narrow_beam)":
+                  dict(kv_row_table=True, narrow_beam=True)}
 
 
 def loop_of(plan) -> str:
@@ -149,7 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-lines", type=cliargs.positive_int, default=Options.chunk_lines,
                    help="lines a chunk (the decoder's default): each chunk's state ends with its longest output")
     p.add_argument("--beam", type=cliargs.int_range(1, cliargs.MAX_BEAM), default=1,
-                   help="beam size; above 1 the beam loop's reorders are counted (kv_row_table off and on)")
+                   help="beam size; above 1 the beam loop's reorders are counted (kv_row_table off and on, "
+                        "then narrow_beam on)")
     p.add_argument("--threads", type=cliargs.positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", help="also write PREFIX.md and PREFIX.json")
     return p.parse_args(argv)
