@@ -456,7 +456,8 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "(tests/test_refill.py). Not measured on a GPU yet"),
     Optimisation("narrow_beam", True, "a fixed-shape beam state's unfinished sentences moved to a state of "
                  "their own once they hold at most half its rows", "narrow_beam", True, False, "every sentence's "
-                 "beams run to the batch's last sentence's end, most of them finished", "beam",
+                 "beams run to the batch's last sentence's end: about half the row-steps finished sentences'",
+                 "beam",
                  needs=lambda o: o.graph_steps,
                  detail="with graph_steps, beam (decoder/static_steps.py `narrows`): at a read of the finished "
                  "sentences, a state of at least 512 rows whose unfinished sentences hold at most half of them "
