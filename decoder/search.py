@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import hostsync
@@ -344,17 +345,19 @@ class Finals:
         K1 = self.K + 1
         scores = hostsync.later(self.score.view(-1, K1)[:, :-1], "outputs")
         rows = hostsync.later(self.tokens[:, :steps + 1], "outputs")
-        return Outputs(lambda: pick_best(scores.tolist(), rows.tolist(), K1, length_penalty))
+        return Outputs(lambda: pick_best(scores.tolist(), rows.array(), K1, length_penalty))
 
 
-def pick_best(scores: list, rows: list, K1: int, length_penalty: float) -> list[list[int]]:
-    """Finals.best's choice, from its two reads: scores (B, K) and rows (B*K1, 1 + steps)."""
-    out = []
+def pick_best(scores: list, rows: np.ndarray, K1: int, length_penalty: float) -> list[list[int]]:
+    """Finals.best's choice, from its two reads: scores (B, K) and rows (B*K1, 1 + steps), each row its
+    length and tokens. Only the chosen rows become lists: the text pipeline's thread runs this, and
+    a tolist of every row (K1 a sentence, each as long as the batch's steps) held the GIL from the
+    decoding thread for tens of milliseconds a batch."""
+    lengths, out = rows[:, 0].tolist(), []
     for b, sc in enumerate(scores):
-        cands = [(x / (rows[b * K1 + j][0] + 1) ** length_penalty, rows[b * K1 + j])
-                 for j, x in enumerate(sc) if x > NEG_INF]
-        _, row = max(cands, key=lambda c: c[0])
-        out.append(row[1:row[0] + 1])
+        _, j = max(((x / (lengths[b * K1 + j] + 1) ** length_penalty, j) for j, x in enumerate(sc) if x > NEG_INF),
+                   key=lambda c: c[0])  # the first of equals
+        out.append(rows[b * K1 + j, 1:lengths[b * K1 + j] + 1].tolist())
     return out
 
 

@@ -348,6 +348,18 @@ def test_encode_ahead_encodes_the_next_batch_before_this_ones_search(model_dir, 
     assert n > 2 and events == ["encode"] + ["encode", "search"] * (n - 1) + ["search"]
 
 
+def test_the_device_beams_best_is_the_first_of_equal_normalised_scores_cut_at_its_length():
+    import numpy as np
+    from decoder.search import NEG_INF, pick_best
+    # two sentences, K=2 (slot K: the ends not kept); rows: length, then tokens (9: past the length)
+    rows = np.array([[1, 5, 9, 9], [2, 6, 7, 9], [0, 9, 9, 9],
+                     [3, 4, 4, 4], [1, 8, 9, 9], [0, 9, 9, 9]])
+    # length penalty 1: sentence 0's -2/2 and -3/3 tie (the first wins), sentence 1's -1.5/2 beats -8/4;
+    # length penalty 0: the raw scores, an unused slot (NEG_INF) never chosen
+    assert pick_best([[-2.0, -3.0], [-8.0, -1.5]], rows, 3, 1.0) == [[5], [8]]
+    assert pick_best([[-3.0, -2.0], [-8.0, NEG_INF]], rows, 3, 0.0) == [[6, 7], [4, 4, 4]]
+
+
 def test_beam_results_independent_of_batch_size(model_dir, srcs):
     a = Translator(model_dir, beam=3, max_sentences=1).translate_ids(srcs[:10])
     b = Translator(model_dir, beam=3).translate_ids(srcs[:10])
