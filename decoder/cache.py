@@ -209,7 +209,8 @@ class StaticCache(IncrementalCache):
         if beam > 1 and self.plan.kv_row_table:
             self.table = identity_table(N, max_len, dev)
             self.own = self.table[:, :1].clone()
-        self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, kept with it
+        self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, where kept
+        self.kept = False  # kept for later batches of its shape (graph_reuse, `static_cache`)
 
     def _run(self):
         m = self.m
@@ -493,6 +494,8 @@ def static_cache(model: Model, enc, mask, beam: int, max_len: int) -> StaticCach
         cache.reload(enc, mask)
     if enc.shape[0] * beam <= STATIC_KEEP_ROWS and plan.static_keep:
         kept[key] = cache
+        cache.kept = True
         while len(kept) > plan.static_keep:
-            kept.popitem(last=False)
+            _, old = kept.popitem(last=False)
+            old.loops.clear()  # its loops refer to it: freed now, not at the collector's next full pass
     return cache

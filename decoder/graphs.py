@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -105,16 +106,23 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
 
 
 class Captured:
-    """fn as the states replay it: the first call runs it eagerly on the capture stream (the
-    warm-up), the second captures it and replays it, every later call replays it; the
-    output is where fn left it (a replay rewrites it). Where a capture fails (a CUDA or torch
+    """method(*args) as the states replay it: the first call runs it eagerly on the capture stream
+    (the warm-up), the second captures it and replays it, every later call replays it; the
+    output is where it left it (a replay rewrites it). Where a capture fails (a CUDA or torch
     version whose graphs refuse an op), one warning, and this model's steps run eagerly from
-    then on: slower, the same tokens, no crash."""
+    then on: slower, the same tokens, no crash.
 
-    def __init__(self, fn: Callable[[], torch.Tensor], model):
-        self.fn, self.model = fn, model
+    `method` is a method of the object that holds this graph (a state, a search loop), held
+    weakly: a strong reference would close a cycle, and the object, its K/V buffers and its
+    graphs would outlive their batch until the collector's next full pass."""
+
+    def __init__(self, method: Callable[..., torch.Tensor], model, *args):
+        self.method, self.args, self.model = weakref.WeakMethod(method), args, model
         self.graph = self.out = None
         self.warmed = False
+
+    def fn(self) -> torch.Tensor:
+        return self.method()(*self.args)  # its owner is alive: it is the caller
 
     def __call__(self) -> torch.Tensor:
         if self.model.graphs_failed:

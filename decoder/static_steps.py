@@ -27,15 +27,18 @@ import numpy as np
 import torch
 
 from . import graphs, hostsync
-from .cache import DecoderState
 from .search import NEG_INF, Finals, Outputs, Search, beam_top, checkpoint, pick
 
 
 def kept(state, kind: str, make, limits):
-    """The state's loop of this kind: one kept with it, reset for this batch's limits, else a new one."""
+    """The state's loop of this kind: one kept with it, reset for this batch's limits, else a new one,
+    kept with it where the state is kept for later batches (graph_reuse; a loop and its state refer
+    to each other, so a batch's own would outlive the batch until the collector's next full pass)."""
     loop = state.cache.loops.get(kind)
     if loop is None:
-        loop = state.cache.loops[kind] = make()
+        loop = make()
+        if state.cache.kept:
+            state.cache.loops[kind] = loop
     else:
         loop.reset(limits)
     return loop
@@ -180,7 +183,7 @@ class StaticBeam(StaticLoop):
         self.sent = torch.arange(B, device=dev) if sent is None else sent  # (B,) its slots in `finals`
         self.rank = torch.arange(self.n_top, device=dev)  # (n_top,) </s> ranked after the rest:
         self.rank_eos = self.rank + self.n_top              # its ranks shifted by n_top
-        self.steps = {f: graphs.Captured(lambda f=f: self._step(f), m) for f in (False, True)}
+        self.steps = {f: graphs.Captured(self._step, m, f) for f in (False, True)}
         if finals is None:
             self.reset()
 
@@ -232,8 +235,8 @@ class StaticBeam(StaticLoop):
         dev = self.limits.device
         sents = hostsync.to_device(torch.from_numpy(keep), dev)  # (n,)
         rows = (sents[:, None] * self.K + torch.arange(self.K, device=dev)).view(-1)  # (n * K,)
-        state = DecoderState(self.state.m, self.cache.narrowed(sents, rows, written), self.state.out,
-                             self.state.phase)
+        state = self.state  # the batch's: it holds the narrower cache from here on, and the wider one goes
+        state.cache = self.cache.narrowed(sents, rows, written)
         new = StaticBeam(state, self.limits.index_select(0, sents), self.s, self.finals,
                          self.sent.index_select(0, sents))
         new.scores.copy_(self.scores.index_select(0, sents))

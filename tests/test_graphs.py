@@ -360,3 +360,49 @@ def test_graph_attention_resolves_on_the_fixed_shape_state_with_the_attention_ke
     assert not resolve(Switches(graph_attention=True), device="cpu", kernels=both).static_attend
     # without the CUDA kernels its reference would read the whole cache, as SDPA does, in more kernels
     assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).static_attend
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    from fixture_model import make_model_dir
+    return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1)
+
+
+@pytest.mark.parametrize("kw", [dict(beam=1, refill_rows=False), dict(beam=1), dict(beam=4)])
+def test_a_batchs_fixed_shape_state_is_freed_with_the_batch_without_the_collector(fixture_dir, kw, monkeypatch):
+    # its K/V buffers (GBs a batch on a GPU) must not wait for the collector's next full pass, which
+    # a cycle between the state, its loop and their graphs made them do
+    import weakref
+    from fixture_model import synthetic_corpus
+    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the beam's states narrow too
+    made, init = [], cache.StaticCache.__init__
+    monkeypatch.setattr(cache.StaticCache, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
+    tr = Translator(fixture_dir, static_shapes=True, fused_project_topk=False, max_sentences=24, **kw)
+    gc.disable()
+    try:
+        tr.translate(synthetic_corpus(64, seed=3))
+        kept = list(tr.model.static_states.values())  # graph_reuse's: states of at most 16 rows
+        assert len(made) > len(kept) and all(c.kept for c in kept)
+        assert [r for r in made if r() is not None and r() not in kept] == []
+    finally:
+        gc.enable()
+
+
+def test_a_kept_state_pushed_out_by_newer_shapes_is_freed_without_the_collector(fixture_dir, monkeypatch):
+    import dataclasses
+    import weakref
+    from fixture_model import synthetic_corpus
+    made, init = [], cache.StaticCache.__init__
+    monkeypatch.setattr(cache.StaticCache, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
+    tr = Translator(fixture_dir, static_shapes=True)
+    tr.model.plan = dataclasses.replace(tr.model.plan, static_keep=1)  # graph_reuse keeps one shape
+    lines = sorted(synthetic_corpus(40, seed=5), key=len)
+    gc.disable()
+    try:
+        for line in (lines[0], lines[-1]):  # two shapes, one sentence each
+            tr.translate([line])
+        assert len(made) == 2 and made[0]() is None and made[1]().kept
+    finally:
+        gc.enable()
