@@ -103,40 +103,25 @@ def test_cuda_host_scheduling_switches_keep_the_tokens(model_dir, beam, switch):
 
 
 @cuda
-def test_cuda_narrowed_states_capture_their_own_graphs_and_keep_the_tokens(model_dir, monkeypatch):
-    # a narrower state is captured into the model's pool while the wider one's last block still runs
-    from decoder import refill
-    monkeypatch.setattr(refill, "NARROW_MIN", 4)  # the 32-row states narrow
-    taken, take = [], refill.RefillGreedy.take_rows
-    monkeypatch.setattr(refill.RefillGreedy, "take_rows",
-                        lambda self, old, rows: (taken.append(rows.numel()), take(self, old, rows))[1])
+@pytest.mark.parametrize("switch", ["narrow_tail", "narrow_beam"])
+def test_cuda_narrowed_states_capture_their_own_graphs_and_keep_the_tokens(model_dir, monkeypatch, switch):
+    # a narrower state is captured into the model's pool beside the wider one (greedy: while the wider
+    # one's last block still runs)
+    from decoder import cache, refill, static_steps
+    beam = 4 if switch == "narrow_beam" else 1
+    module, floor, owner, method = ((static_steps, "NARROW_MIN_ROWS", cache.StaticCache, "narrowed") if beam > 1
+                                    else (refill, "NARROW_MIN", refill.RefillGreedy, "take_rows"))
+    monkeypatch.setattr(module, floor, 4)  # the 32-sentence states narrow
+    seen, run = [], getattr(owner, method)
+    monkeypatch.setattr(owner, method, lambda self, *a: (seen.append(method), run(self, *a))[1])
     lines = synthetic_corpus(240, seed=11)
-    kw = dict(device="cuda", precision="fp16", max_sentences=32, chunk_lines=100)
+    kw = dict(device="cuda", precision="fp16", beam=beam, max_sentences=32, chunk_lines=100)
     narrowed = Translator(model_dir, **kw)
     a = narrowed.translate(lines)
-    assert taken and narrowed.plan.narrow_tail
-    b = Translator(model_dir, **kw, narrow_tail=False).translate(lines)
+    assert seen and getattr(narrowed.plan, switch)
+    b = Translator(model_dir, **kw, **{switch: False}).translate(lines)
     assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(lines)  # products of other row counts
     assert narrowed.translate(lines) == a and not narrowed.model.graphs_failed
-
-
-@cuda
-def test_cuda_narrowed_beam_states_capture_their_own_graphs_and_keep_the_tokens(model_dir, monkeypatch):
-    # a narrower beam state's graphs are captured into the model's pool beside the wider one's
-    from decoder import static_steps
-    from decoder.cache import StaticCache
-    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the 128-row states narrow
-    seen, narrowed = [], StaticCache.narrowed
-    monkeypatch.setattr(StaticCache, "narrowed",
-                        lambda self, *a: (seen.append(self.kv.shape[2]), narrowed(self, *a))[1])
-    lines = synthetic_corpus(240, seed=12)
-    kw = dict(device="cuda", precision="fp16", beam=4, max_sentences=32, chunk_lines=100)
-    narrow = Translator(model_dir, **kw)
-    a = narrow.translate(lines)
-    assert seen and narrow.plan.narrow_beam
-    b = Translator(model_dir, **kw, narrow_beam=False).translate(lines)
-    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(lines)  # products of other row counts
-    assert narrow.translate(lines) == a and not narrow.model.graphs_failed
 
 
 @cuda
