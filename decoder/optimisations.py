@@ -446,7 +446,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("narrow_tail", True, "a refilled state's busy rows moved to one of half its rows once no "
                  "sentence waits", "narrow_tail", True, False, "the state's every row run to its last sentence's "
                  "end, most of them finished", "cuda", needs=lambda o: o.refill_rows and not o.refill_on_device,
-                 detail="with refill_rows (decoder/refill.py `narrow_to`): once the chunk's last sentences have "
+                 detail="with refill_rows (decoder/static_steps.py `narrow_to`): once the chunk's last sentences have "
                  "rows and at most half of the state's rows are busy, those rows (their K/V so far, cross K/V, "
                  "positions, outputs) move to a state of half the rows, or a quarter, ..., not below 256, "
                  "behind the block the GPU is running, and its graph is captured ahead. The Bible's 10,000 lines "
@@ -459,7 +459,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "beams run to the batch's last sentence's end: about half the row-steps finished sentences'",
                  "beam",
                  needs=lambda o: o.graph_steps,
-                 detail="with graph_steps, beam (decoder/static_steps.py `narrows`): at a read of the finished "
+                 detail="with graph_steps, beam (decoder/static_steps.py `narrow_to`): at a read of the finished "
                  "sentences, a state of at least 512 rows whose unfinished sentences hold at most half of them "
                  "moves those (their K/V so far, row table, cross K/V, scores, histories, caps) to a state of "
                  "their own, whose graphs are captured anew; the finished hypotheses stay where they are. The "

