@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -105,6 +107,20 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
     return graph, out
 
 
+@dataclass
+class Tally:
+    """A model's graph captures so far and the host's seconds in them: a capture records the
+    step's launches and instantiates the graph while the GPU may wait, once per state (a batch's
+    shape, a narrowed state). The GPU bench reports them a pass, so that a switch that makes more
+    states (narrow_tail, narrow_beam) shows what its captures cost beside what its rows save."""
+    count: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+
+
 class Captured:
     """method(*args) as the states replay it: the first call runs it eagerly on the capture stream
     (the warm-up), the second captures it and replays it, every later call replays it; the
@@ -141,8 +157,10 @@ class Captured:
         captures while the GPU still runs the warm-up (switch capture_ahead) rather than after
         the host has waited for it; whether a graph is ready to replay."""
         if self.graph is None and self.warmed and not self.model.graphs_failed:
+            t = time.perf_counter()
             try:
                 self.graph, self.out = capture(self.fn, self.model)
+                self.model.captures.add(time.perf_counter() - t)
             except RuntimeError as e:
                 self.model.graphs_failed = True
                 print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fused, modeldir
+from . import fused, graphs, modeldir
 from .modeldir import sinusoidal_table
 from .optimisations import Plan, bias_in_epilogue
 from .quant import DTYPES, Int8Linear, Linear, make_linear
@@ -152,6 +152,7 @@ class Model:
         # CUDA: its graphs' memory pool, the graph that holds it open, their stream (decoder/graphs.py)
         self.graph_pool = self.graph_anchor = self.graph_stream = None
         self.graphs_failed = False  # a capture failed here: steps run eagerly (graphs.Captured)
+        self.captures = graphs.Tally()  # this model's graph captures and the host's seconds in them
 
     def embed(self, ids, start: int = 0):
         # ids: (B, T); fairseq positions start at pad_id + 1

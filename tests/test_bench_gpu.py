@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from decoder import graphs
 from tools import bench_gpu
 from tools.bench import SUMMARY_RATIOS
 
@@ -328,12 +329,34 @@ def test_a_row_whose_graph_capture_failed_says_it_ran_eagerly():
         return list(ls)
     lines = ["a b c", "d e"]
     for failed in (False, True):
-        go.translator = SimpleNamespace(model=SimpleNamespace(graphs_failed=failed))
+        go.translator = SimpleNamespace(model=SimpleNamespace(graphs_failed=failed, captures=graphs.Tally()))
         r = {**row("throughput", "ours fp16", 32768, 1), **bench_gpu.timed(go, lines, lines, 1)}
         assert r.get("graphs_failed", False) is failed
         rows = [r, *ROWS[1:]]
         md = bench_gpu.to_markdown(rows, bench_gpu.summary(rows, None, {}), None, "head")
         assert ("| ours fp16 (graph capture failed: eager) | 32768 |" in md) is failed
+
+
+def test_a_row_reports_the_graphs_its_fastest_timed_pass_captured():
+    """The warm-up pass captures too; a row says what a timed pass cost the host in captures."""
+    import time
+    from types import SimpleNamespace
+    calls = iter([(5, 0.5, 0.0), (3, 0.3, 0.08), (2, 0.2, 0.04)])  # warm-up (fastest of all), slow, fast
+
+    def go(ls):
+        n, sec, wait = next(calls)
+        for _ in range(n):
+            go.translator.model.captures.add(sec / n)
+        time.sleep(wait)
+        return list(ls)
+    go.translator = SimpleNamespace(model=SimpleNamespace(graphs_failed=False, captures=graphs.Tally()))
+    lines = ["a b c", "d e"]
+    r = {**row("throughput", "ours fp16", 32768, 1), **bench_gpu.timed(go, lines, lines, 2)}
+    assert (r["captures"], r["capture_s"]) == (2, 0.2)
+    rows = [r, *ROWS[1:]]
+    md = bench_gpu.to_markdown(rows, bench_gpu.summary(rows, None, {}), None, "head")
+    assert f"| {r['bleu']:.2f} | {r['chrf']:.2f} | 2 (0.200) |" in md
+    assert "| ct2 float16 | 32768 | **60,000** | 1.00 | 20.00 | 40.00 |  |" in md  # other engines: blank
 
 
 @pytest.fixture(scope="module")

@@ -337,6 +337,29 @@ def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, 
 
 
 @trained
+@pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4, fused_project_topk=False)])
+def test_the_model_tallies_its_captures_and_the_hosts_seconds_in_them(kw, monkeypatch):
+    """What the GPU bench reports a pass: a narrowed state's new graphs must show their cost."""
+    import time
+    seen = on_cpu_with_graphs(monkeypatch)
+    fake = graphs.capture
+
+    def slow(fn, model):
+        time.sleep(0.01)
+        return fake(fn, model)
+    monkeypatch.setattr(graphs, "capture", slow)
+    tr = Translator(MODEL, static_shapes=True, **kw)
+    with open(SRC, encoding="utf-8") as fh:
+        srcs = tr.text.encode([line.rstrip("\n") for line in fh][:12])
+    tr.translate_ids(srcs)
+    n = len(seen["capture"])
+    assert n > 0 and tr.model.captures.count == n and tr.model.captures.seconds >= 0.01 * n
+    monkeypatch.setattr(graphs, "capture", lambda fn, model: (_ for _ in ()).throw(RuntimeError("refused")))
+    tr.translate_ids(srcs[:3])  # a failed capture is not a capture
+    assert tr.model.captures.count == n and tr.model.graphs_failed
+
+
+@trained
 @pytest.mark.parametrize("beam", [1, 4])
 def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam):
     with open(SRC, encoding="utf-8") as fh:

@@ -402,13 +402,23 @@ def timed(go, s: list[str], r: list[str], passes: int) -> dict:
     (the first pass at a batch size pays for the GPU memory the allocator then keeps and for each
     shape's kernel plans and graphs; H200, 2026-11-26: warmed on 8 lines, the default row, 32k
     tokens, timed 52k words/s, the same size 179k three rows later), with BLEU and chrF."""
-    out, sec = fastest(go, s, passes, warm=None)
+    tr = getattr(go, "translator", None)
+    passes_seen = []  # (seconds, captures, their host seconds) of each pass, the warm-up's first
+
+    def counted(lines):
+        n, cs, t = tr.model.captures.count, tr.model.captures.seconds, time.perf_counter()
+        out = go(lines)
+        passes_seen.append((time.perf_counter() - t, tr.model.captures.count - n, tr.model.captures.seconds - cs))
+        return out
+    out, sec = fastest(go if tr is None else counted, s, passes, warm=None)
     bleu, chrf = scores(out, r)
     words = sum(len(x.split()) for x in s)
     row = {"src_words_per_s": round(words / sec, 1), "seconds": round(sec, 4), "bleu": bleu, "chrf": chrf}
-    tr = getattr(go, "translator", None)
-    if tr is not None and tr.model.graphs_failed:  # a capture failed: the row ran eagerly (H200, 2026-11-26)
-        row["graphs_failed"] = True
+    if tr is not None:
+        if tr.model.graphs_failed:  # a capture failed: the row ran eagerly (H200, 2026-11-26)
+            row["graphs_failed"] = True
+        _, n, cs = min(passes_seen[1:])  # the fastest timed pass's: each pass captures its states anew
+        row |= {"captures": n, "capture_s": round(cs, 4)}
     return row
 
 
@@ -709,18 +719,18 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
     md = [head, ""]
     for g in GROUPS:
         ref = best(rows, g, "ct2")
-        md += [f"### {g}", "", "| engine | batch | words/s | x CT2 best | BLEU | chrF |",
-               "|---|---:|---:|---:|---:|---:|"]
+        md += [f"### {g}", "", "| engine | batch | words/s | x CT2 best | BLEU | chrF | graphs captured (host s) |",
+               "|---|---:|---:|---:|---:|---:|---:|"]
         for r in (x for x in rows if x["group"] == g):
             how = f" ({r['how']})" if r.get("how") else ""
             if "error" in r:
-                md.append(f"| {r['engine']}{how} | {_label(r['batch'])} | {r['error']} | | | |")
+                md.append(f"| {r['engine']}{how} | {_label(r['batch'])} | {r['error']} | | | | |")
                 continue
             mark = "**" if r is best(rows, g, r["engine"]) else ""
             x = ratio(r, ref)
             eager = " (graph capture failed: eager)" if r.get("graphs_failed") else ""
             md.append(f"| {r['engine']}{how}{eager} | {_label(r['batch'])} | {mark}{r['src_words_per_s']:,.0f}{mark} | "
-                      f"{'-' if x is None else f'{x:.2f}'} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
+                      f"{'-' if x is None else f'{x:.2f}'} | {r['bleu']:.2f} | {r['chrf']:.2f} | {_captures(r)} |")
         md.append("")
     ratios = ", ".join(f"{SUMMARY_RATIOS[g]} {summ[SUMMARY_RATIOS[g]]}" for g in GROUPS)
     md.append(f"Ours over CTranslate2's best (bold: each engine's best row): {ratios}.")
@@ -730,6 +740,11 @@ def to_markdown(rows: list[dict], summ: dict, prof: dict | None, head: str) -> s
     if prof and "gpu_busy" in prof:
         md += ["", f"{NOT_PROFILED}."]
     return "\n".join(md) + "\n"
+
+
+def _captures(r: dict) -> str:
+    """A row's graph captures a pass and the host's seconds in them; blank for other engines."""
+    return f"{r['captures']} ({r['capture_s']:.3f})" if "captures" in r else ""
 
 
 def profile_markdown(prof: dict, what: str) -> list[str]:
