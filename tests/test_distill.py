@@ -576,16 +576,20 @@ def test_ranks_partition_the_shards_round_robin(tmp_path):
     assert missing_shards(str(tmp_path), 95, 10, 0, 3) == [0, 6, 9]
 
 
-def test_cleaning_drops_empty_copied_repetitive_and_length_ratio_outliers():
+def test_cleaning_drops_empty_punctuation_only_copied_repetitive_and_length_ratio_outliers():
     from student.distill.filter import clean_distilled
     src = ["the man sees the dog", "the red house", "a big city", "the king has a word",
-           "the dog", "a small cat sees the old woman", "the house\u2028is red"]
+           "the dog", "a small cat sees the old woman", "the house\u2028is red", "the cat", "\u2014 1:2",
+           "\u2014"]
     hyp = ["el hombre ve el perro", "", "a big city", "el rey el rey el rey el rey el rey tiene",
-           "el perro es un perro grande y viejo y rojo", "gato", "la casa es roja"]
+           "el perro es un perro grande y viejo y rojo", "gato", "la casa es roja", ",,,, _", "\u2014 1:2",
+           "\u2014"]
     s, h, counts = clean_distilled(src, hyp)
-    assert counts == {"empty": 1, "copy": 1, "repetitive": 1, "ratio": 2, "kept": 2}
-    assert s == ["the man sees the dog", "the house is red"]  # line separators never reach the corpus
-    assert h == ["el hombre ve el perro", "la casa es roja"]
+    # an output of only punctuation is empty of translation; a source of only punctuation may keep it
+    assert counts == {"empty": 2, "copy": 1, "repetitive": 1, "ratio": 2, "kept": 4}
+    # line separators never reach the corpus
+    assert s == ["the man sees the dog", "the house is red", "\u2014 1:2", "\u2014"]
+    assert h == ["el hombre ve el perro", "la casa es roja", "\u2014 1:2", "\u2014"]
 
 
 def test_report_verdict_says_by_how_much_the_student_misses_and_whether_it_was_still_learning():

@@ -1,6 +1,6 @@
 """Cleaning the distilled corpus: teachers fail in ways the original data does not.
 
-A teacher can return nothing, copy the source, loop ("the the the ..."), or
+A teacher can return nothing (or only punctuation), copy the source, loop ("the the the ..."), or
 hallucinate far too long or short outputs; the student would learn each of those.
 """
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 RULES = ("empty", "copy", "repetitive", "ratio")
+_WORDY = re.compile(r"[^\W_]")  # a letter or digit, in any script
 
 
 def one_line(text: str) -> str:
@@ -51,8 +52,8 @@ def iter_clean_distilled(pairs, counts: dict, min_ratio: float = 0.3, max_ratio:
     for s, h in pairs:
         s, h = one_line(s), one_line(h)
         sw, hw = s.split(), h.split()
-        if not sw or not hw:
-            rule = "empty"
+        if not sw or not hw or (not _WORDY.search(h) and _WORDY.search(s)):
+            rule = "empty"  # nothing, or only punctuation (",,,,") for a source with words
         elif s == h and len(sw) > 2:
             rule = "copy"  # the teacher passed the source through untranslated
         elif repetitive(hw, max_repeat):
