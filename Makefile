@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.setup-stamp
 APT_PKGS := sword-text-web sword-text-sparv apertium-eng-spa
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test distill bench clean help image image-context image-gpu-test gpu-carry evaluate cuda-check oldest-torch-check
+.PHONY: setup test distill bench clean help image image-context image-gpu-test gpu-carry evaluate cuda-check oldest-torch-check newest-torch-check
 
 help:
 	@echo "make distill   teacher -> distilled corpus -> student -> export -> report (embedded default)"
@@ -18,6 +18,7 @@ help:
 	@echo "make image     the submission image [MODEL=dir] [DEVICE=gpu]; make image-context, then docker build -t kit ."
 	@echo "make gpu-carry  the corpus, wheels and prebuilt fused ops tools/gpu_session.sh needs on a GPU machine without network"
 	@echo "make oldest-torch-check  the fused ops built and tested on the oldest torch the kit supports"
+	@echo "make newest-torch-check  the same on the newest torch release ($(NEWEST_TORCH))"
 
 setup: $(STAMP)
 
@@ -132,6 +133,12 @@ oldest-torch-check:
 	test -x $(OLDEST_VENV)/bin/python || $(PY) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install -q "torch==$(OLDEST_TORCH)" -e ".[test]"
 	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+
+# The same on the newest torch release, the one a plain `pip install` of the kit gets (its
+# extension flags and headers are C++20, so the C++17 check skips there).
+NEWEST_TORCH ?= 2.15.0
+newest-torch-check:
+	$(MAKE) oldest-torch-check OLDEST_TORCH=$(NEWEST_TORCH) OLDEST_VENV=build/newest-torch/venv
 
 clean:
 	rm -rf build .pytest_cache

@@ -86,9 +86,10 @@ def stop_on_signals() -> None:
 def release_ops_build() -> None:
     """Removes the fused ops' build lock if this process is building or loading them
     (decoder/ops.py; torch's FileBaton): an exit that skips its release would leave the
-    lock behind, and every later run would wait on it forever."""
+    lock behind, and every later run would wait on it forever. A torch that flocks the file
+    instead (2.14 on) needs nothing: the exit drops the flock."""
     ops = sys.modules.get("decoder.ops")
-    if ops is None or not ops._lock.locked() or "ok" in ops._state:
+    if ops is None or not ops._lock.locked() or "ok" in ops._state or not ops.load_waits_on_lock_file():
         return
     try:
         os.remove(os.path.join(ops.default_build_dir(), "lock"))

@@ -309,18 +309,27 @@ def build_library(build_dir: str | None = None) -> str:
 def exclusive_build(build_dir: str):
     """One build in build_dir at a time across processes, and no wait on a dead one.
 
-    torch's load() waits, forever and silently, while a file `lock` exists in the build
-    folder; a build stopped half-way (Ctrl-C, a killed test run) leaves it, and every
-    later process hung. Our builds first take an flock on `kit.flock`, which the kernel
-    drops when its holder dies: holding it, a `lock` found is one nobody holds any more."""
+    torch's load() (up to 2.13) waits, forever and silently, while a file `lock` exists in
+    the build folder; a build stopped half-way (Ctrl-C, a killed test run) leaves it, and
+    every later process hung. Our builds first take an flock on `kit.flock`, which the kernel
+    drops when its holder dies: holding it, a `lock` found is one nobody holds any more.
+    A torch that flocks `lock` itself (2.14 on) keeps the file between builds: it is left be."""
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, "kit.flock"), "a") as f:
         baton = os.path.join(build_dir, "lock")
-        if _flock(f) and os.path.exists(baton):
+        if _flock(f) and load_waits_on_lock_file() and os.path.exists(baton):
             os.remove(baton)
             print(f"removed a stale build lock ({baton}), left by a build that was stopped", file=sys.stderr,
                   flush=True)
         yield  # closing the file releases the flock
+
+
+def load_waits_on_lock_file() -> bool:
+    """Whether this torch's load() waits while the file `lock` exists (its FileBaton), rather
+    than holding an flock on it that a dead holder drops (torch 2.14's FileLock). Removing the
+    file under the latter would only break its lock: a waiter could lock a fresh file."""
+    from torch.utils import cpp_extension
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def _flock(f) -> bool:

@@ -138,12 +138,43 @@ def test_make_setup_ends_by_printing_the_same_status_line():
     assert r.stdout == "fused ops: cpu no (off: DECODER_NO_CPP_OPS), cuda no (off: DECODER_NO_CPP_OPS)\n", r.stderr
 
 
-def test_a_build_lock_left_by_a_stopped_build_is_cleared_not_waited_on(tmp_path, capsys):
-    # torch's load() waits forever while `lock` exists; a build killed half-way leaves it
+def test_a_build_lock_left_by_a_stopped_build_is_cleared_not_waited_on(tmp_path, capsys, monkeypatch):
+    # torch's load() (to 2.13) waits forever while `lock` exists; a build killed half-way leaves it
+    monkeypatch.setattr(ops, "load_waits_on_lock_file", lambda: True)
     (tmp_path / "lock").write_text("")
     with ops.exclusive_build(str(tmp_path)):
         assert not (tmp_path / "lock").exists()
     assert "removed a stale build lock" in capsys.readouterr().err
+
+
+def test_the_lock_file_of_a_torch_that_flocks_it_is_left_alone(tmp_path, capsys, monkeypatch):
+    # torch 2.14 on keeps `lock` after every build: removing it warned at every start
+    monkeypatch.setattr(ops, "load_waits_on_lock_file", lambda: False)
+    (tmp_path / "lock").write_text("")
+    with ops.exclusive_build(str(tmp_path)):
+        assert (tmp_path / "lock").exists()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_stop_during_the_build_removes_the_lock_file_only_where_torch_would_wait_on_it(tmp_path, monkeypatch,
+                                                                                       waits):
+    from decoder import lifecycle
+    building = threading.Lock()
+    building.acquire()
+    monkeypatch.setattr(ops, "_lock", building)
+    monkeypatch.setattr(ops, "_state", {})
+    monkeypatch.setattr(ops, "default_build_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(ops, "load_waits_on_lock_file", lambda: waits)
+    (tmp_path / "lock").write_text("")
+    lifecycle.release_ops_build()
+    assert (tmp_path / "lock").exists() != waits
+
+
+def test_which_kind_of_build_lock_this_torch_takes_is_read_from_its_loader():
+    from torch.utils import cpp_extension
+    loader = open(cpp_extension.__file__).read()
+    assert ops.load_waits_on_lock_file() == ("FileBaton(os.path.join(build_directory, 'lock'))" in loader)
 
 
 def test_a_build_running_in_another_process_is_waited_for_and_its_lock_kept(tmp_path):
@@ -178,7 +209,8 @@ def test_loading_the_library_from_a_build_folder_with_a_stale_lock_returns(tmp_p
     (build / "lock").write_text("")
     r = subprocess.run([sys.executable, "-c", f"from decoder import ops; ops.build_library({str(build)!r})"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0 and "removed a stale build lock" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("removed a stale build lock" in r.stderr) == ops.load_waits_on_lock_file(), r.stderr[-2000:]
 
 
 def test_the_cpu_library_is_stale_after_its_sources_or_headers_change_not_the_cuda_file(tmp_path, monkeypatch):
