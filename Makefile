@@ -135,7 +135,7 @@ oldest-torch-check:
 	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
 # The same on the newest torch release, the one a plain `pip install` of the kit gets (its
-# extension flags and headers are C++20, so the C++17 check skips there).
+# extension flags and headers are C++20, so the C++17 check skips there); about 5 GB too.
 NEWEST_TORCH ?= 2.15.0
 newest-torch-check:
 	$(MAKE) oldest-torch-check OLDEST_TORCH=$(NEWEST_TORCH) OLDEST_VENV=build/newest-torch/venv
