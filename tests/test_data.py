@@ -168,8 +168,21 @@ def test_mismatched_line_counts_error_names_both_counts(tmp_path):
 
 def test_everything_cleaned_away_is_a_clear_error(tmp_path):
     src = ["one two three four five six seven"] * 50
-    with pytest.raises(DataError, match="nothing left to train on .*ratio"):
+    with pytest.raises(DataError, match=r"nothing left to train on: of 50 pairs read, \d+ went to dev/test "
+                                        r".*ratio [1-9]"):
         prep(tmp_path, write(tmp_path / "x.en", src), write(tmp_path / "x.es", ["uno"] * 50))
+
+
+def test_a_corpus_too_small_for_a_train_split_says_it_went_to_dev_test(tmp_path):
+    src, tgt = toy(2)
+    with pytest.raises(DataError, match=r"of 2 pairs read, 2 went to dev/test and cleaning removed empty 0"):
+        prep(tmp_path, write(tmp_path / "s.en", src), write(tmp_path / "s.es", tgt))
+
+
+def test_a_min_ratio_above_the_max_ratio_is_refused_before_any_work(tmp_path):
+    with pytest.raises(DataError, match=r"--min-ratio 3 is above --max-ratio 1\.5: no pair could pass"):
+        prep(tmp_path, "missing.en", "missing.es", min_ratio=3, max_ratio=1.5)
+    assert not (tmp_path / "data").exists()
 
 
 def test_a_killed_build_leaves_no_cache_behind(tmp_path, corpus, monkeypatch):

@@ -87,6 +87,8 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     src/tgt given, a name for the user's files. Raises DataError on bad input.
     """
     log = _logger(verbose)
+    if min_ratio > max_ratio:
+        raise DataError(f"--min-ratio {min_ratio:g} is above --max-ratio {max_ratio:g}: no pair could pass")
     data_dir = os.path.abspath(data_dir or default_data_dir())
     held_out = _held_out_files(dev_src, dev_tgt, test_src, test_tgt)
     if src or tgt:
@@ -216,6 +218,7 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
     routes, total = _routes(pairs, files, held, options["seed"], verbose)
     _clean_train(out, (s_lang, t_lang), routes, total, own, cleaner, sample, verbose)
     cleaner.close()
+    n_own = sum(map(len, own.values()))
     held.update(own)
     n_pairs, bad = pairs.src.n, bad + pairs.bad
 
@@ -225,8 +228,9 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
     removed = dict(cleaner.counts)
     kept = removed.pop("kept")
     if not kept:
-        raise DataError(f"nothing left to train on after cleaning {n_pairs} pairs "
-                        f"(removed: {', '.join(f'{k} {n}' for k, n in removed.items())}); "
+        # a tiny corpus can go whole to the held-out splits: say so, or the counts read as all zero
+        raise DataError(f"nothing left to train on: of {n_pairs} pairs read, {n_own} went to dev/test and "
+                        f"cleaning removed {', '.join(f'{k} {n}' for k, n in removed.items())}; "
                         "check the files, --max-words and the ratio bounds")
     for split, p in held.items():
         if not p:
