@@ -102,7 +102,8 @@ BAD_INPUT = {  # what the one error line says: the arguments
     "apply to --from-hf only": ["--to", "ct2", "--spm", "x.model", FIXTURE, "OUT"],
     "invalid choice": ["--to", "xx", FIXTURE, "OUT"],
     "not allowed with": ["--to", "ct2", "--from-hf", FIXTURE, "OUT"],
-    "model_type": ["--from-hf", FIXTURE, "OUT"],  # our model dir is not an HF dir
+    "no model_type, so not a Hugging Face model dir (a kit model dir converts the other way: --to hf)":
+        ["--from-hf", FIXTURE, "OUT"],
     "replace the input": ["--to", "ct2", FIXTURE, FIXTURE],
 }
 

@@ -94,9 +94,12 @@ def _hf_configs(hf_dir: str):
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model dir)")
     try:  # bounded and fully checked before transformers reads it (no limit there)
-        modeldir.read_json(os.path.join(hf_dir, "config.json"))
+        raw = modeldir.read_json(os.path.join(hf_dir, "config.json"))
     except modeldir.ModelDirError as e:
         raise ValueError(str(e)) from None
+    if not isinstance(raw, dict) or "model_type" not in raw:  # e.g. one of our model dirs, the wrong way round
+        raise ValueError(f"{hf_dir}: config.json has no model_type, so not a Hugging Face model dir "
+                         "(a kit model dir converts the other way: --to hf)")
     hc = AutoConfig.from_pretrained(hf_dir)
     try:
         gc = GenerationConfig.from_pretrained(hf_dir)
