@@ -387,3 +387,23 @@ def test_replot_redraws_the_chart_from_summary_csv_and_jsonl(tmp_path, capsys):
         assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert "none.csv: no such file" in cli_error(capsys, ["--replot", str(tmp_path / "none.csv")])
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\xff\xfe\n", "not UTF-8 text"),
+    (b'{"mode": "throughput"}\n\n{"a":\n', "line 3: invalid JSON"),
+    (b"[1, 2]\n", "record 1 is not a JSON object"),
+    (b'{"mode": "throughput"}\n', "record 1 has no system, engine: not a summary record"),
+])
+def test_replot_of_a_file_that_is_not_a_summary_is_one_error_line(tmp_path, capsys, content, says):
+    (tmp_path / "s.jsonl").write_bytes(content)
+    assert says in cli_error(capsys, ["--replot", str(tmp_path / "s.jsonl"), "--out", str(tmp_path / "o")])
+
+
+def test_replot_of_a_summary_with_a_field_of_the_wrong_type_is_one_error_line(tmp_path, capsys):
+    from submission.evaluate.report import write_jsonl
+    rows = [{**r, "hardware": HW, "testset": TESTSET} for r in CHART_ROWS]
+    rows[0]["src_words_per_s"] = "fast"
+    write_jsonl(str(tmp_path / "s.jsonl"), rows)
+    assert "not a summary as evaluate writes it (TypeError" in \
+        cli_error(capsys, ["--replot", str(tmp_path / "s.jsonl"), "--out", str(tmp_path / "o")])

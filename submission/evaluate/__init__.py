@@ -126,7 +126,7 @@ def replot(summary_path: str, out_dir: str) -> list[str]:
     """Draw the charts again from a summary.jsonl/.csv (new chart code, same measurements)."""
     if not os.path.isfile(summary_path):
         raise EvalError(f"{summary_path}: no such file")
-    rows = report.read_summaries(summary_path)
+    rows = _summary_records(summary_path)
     ok = [r for r in rows if r.get("hardware") and r.get("testset")]
     if not ok:
         raise EvalError(f"{summary_path}: no summary records with hardware and test set")
@@ -137,7 +137,27 @@ def replot(summary_path: str, out_dir: str) -> list[str]:
         if len(paths) >= 2:
             ts = {**ts, "src_lang": lang_suffix(paths[0]), "tgt_lang": lang_suffix(paths[1])}
     os.makedirs(out_dir, exist_ok=True)
-    return write_charts(rows, ok[0]["hardware"], ts, out_dir)
+    try:
+        return write_charts(rows, ok[0]["hardware"], ts, out_dir)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field missing or of the wrong type
+        raise EvalError(f"{summary_path}: not a summary as evaluate writes it ({type(e).__name__}: {e})") from None
+
+
+def _summary_records(path: str) -> list[dict]:
+    """The file's records, each a JSON object with the fields every chart point needs, or
+    one EvalError naming what is wrong (a hand-edited or foreign file)."""
+    try:
+        rows = report.read_summaries(path)
+    except UnicodeDecodeError:
+        raise EvalError(f"{path}: not UTF-8 text") from None
+    except ValueError as e:  # a line that is not JSON
+        raise EvalError(f"{path}: {e}") from None
+    for i, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise EvalError(f"{path}: record {i} is not a JSON object")
+        if missing := [k for k in ("mode", "system", "engine") if k not in r]:
+            raise EvalError(f"{path}: record {i} has no {', '.join(missing)}: not a summary record")
+    return rows
 
 
 def write_charts(summaries, hw, tsrec, out_dir) -> list[str]:

@@ -44,7 +44,14 @@ def read_summaries(path: str) -> list[dict]:
     with open(path, encoding="utf-8", newline="") as fh:
         if path.endswith(".csv"):
             return [unflatten(r) for r in csv.DictReader(fh)]
-        return [json.loads(x) for x in fh if x.strip()]
+        return [_json_line(x, n) for n, x in enumerate(fh, 1) if x.strip()]
+
+
+def _json_line(text: str, n: int):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {n}: invalid JSON ({e.msg})") from None
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:
