@@ -154,6 +154,45 @@ def test_unknown_isa_is_one_error_line(capsys):
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --isa")
 
 
+@pytest.mark.parametrize("args, flags, says", [
+    (["--skip", "naive,foo"], AVX512, "--skip: unknown name 'foo' (choose from naive, ablation, hf, ct2, batch1,"),
+    (["--ct2-isa", "sse9"], AVX512, "--ct2-isa SSE9: not one this CPU runs (GENERIC, AVX, AVX2, AVX512)"),
+    (["--ct2-isa", "avx512"], ["avx2", "fma"], "--ct2-isa AVX512: not one this CPU runs (GENERIC, AVX, AVX2)"),
+    (["--ref", "SHORT"], AVX512, "lines but --src"),
+])
+def test_options_the_parser_cannot_check_are_refused_before_any_work(args, flags, says, tmp_path, monkeypatch,
+                                                                      capsys):
+    (tmp_path / "short.es").write_text("one line\n", encoding="utf-8")
+    monkeypatch.setattr(bench, "cpu_info", lambda: {"cpu": "Test CPU", "cores": 2, "flags": flags})
+    monkeypatch.setattr(bench, "run_pass", lambda *a: pytest.fail("a pass started"))
+    args = [str(tmp_path / "short.es") if x == "SHORT" else x for x in args]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--src", os.path.join(DATA, "test.en"), *args, "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_the_interleaved_benches_refuse_a_reference_of_another_length(tmp_path, capsys):
+    import argparse
+    (tmp_path / "short.es").write_text("one line\n", encoding="utf-8")
+    src = os.path.join(DATA, "test.en")
+    a = argparse.Namespace(model=MODEL, src=src, ref=str(tmp_path / "short.es"), lines=1)
+    with pytest.raises(SystemExit) as e:
+        bench.read_test_set(a)  # bench_fused's, bench_gpu's and ablation_gpu's test set
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "short.es has 1 lines but --src" in err[0], err
+    assert bench.read_test_set(argparse.Namespace(model=MODEL, src=src, ref=None, lines=2)) == \
+        (bench.read(src)[:2], bench.read(os.path.join(DATA, "test.es"))[:2])
+
+
+def test_summary_goes_into_a_folder_made_for_it(tmp_path, monkeypatch):
+    fake_engines(monkeypatch)
+    summary = tmp_path / "new" / "ratios.json"
+    bench.main([*TEST_SET, "--lines", "2", "--skip", ",".join(bench.SKIPPABLE), "--out", str(tmp_path / "b"),
+                "--summary", str(summary)])
+    assert [s["isa"] for s in json.load(open(summary))] == [bench.isa_family(bench.cpu_info()["flags"])]
+
+
 def fake_engines(monkeypatch):
     """Instant engines with known speeds (lines/s), so the bench's bookkeeping is what is tested."""
     def speed_ours(kw):

@@ -71,8 +71,17 @@ def read_test_set(a) -> tuple[list[str], list[str]]:
     """(source lines, reference lines) of add_test_set_args' options."""
     ref_path = a.ref or a.src[:-3] + ".es"
     cliargs.refuse_missing(a.model, src=a.src, ref=ref_path)
-    src, ref = read(a.src), read(ref_path)
+    src, ref = aligned(a.src, ref_path)
     return (src[:a.lines], ref[:a.lines]) if a.lines else (src, ref)
+
+
+def aligned(src_path: str, ref_path: str) -> tuple[list[str], list[str]]:
+    """Both files' lines, or one error line where their counts differ: every line would be
+    scored against another line's reference."""
+    src, ref = read(src_path), read(ref_path)
+    if len(ref) != len(src):
+        cliargs.refuse(f"--ref {ref_path} has {len(ref)} lines but --src {src_path} has {len(src)}")
+    return src, ref
 
 
 def scores(hyps, refs) -> tuple[float, float]:
@@ -227,6 +236,11 @@ def our_kernels_isa() -> str:
     return ops.kernel_isa() if ops.available() else "none"
 
 
+SKIPPABLE = ("naive", "ablation", "hf", "ct2", "batch1", "beam", "h2h")  # --skip's names
+# CT2_FORCE_CPU_ISA -> the CPU flag it needs (cpu_info lists no plain avx: every AVX2 CPU has it)
+CT2_ISAS = {"GENERIC": None, "AVX": "avx2", "AVX2": "avx2", "AVX512": "avx512f"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = cliargs.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
                                formatter_class=cliargs.HelpFormatter)
@@ -257,8 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--isa", default="native",
                    help="comma list of ISA families to measure: native (this CPU's best), avx2 (every engine "
                         "capped to AVX2 in a child process; the same as native on an AVX2-only CPU)")
-    p.add_argument("--ct2-isa", default=None, help="CT2_FORCE_CPU_ISA of the native pass (default: best the "
-                                                   "CPU has)")
+    p.add_argument("--ct2-isa", default=None, type=str.upper,
+                   help="CT2_FORCE_CPU_ISA of the native pass (default: best the CPU has)")
     p.add_argument("--skip", default="", help="comma list of: naive, ablation (only the best fp32 row and int8 of "
                                               "ours), hf, ct2, batch1, beam, h2h (the head-to-head reruns of each "
                                               "group's best rows)")
@@ -339,7 +353,7 @@ def model_facts(model_dir: str) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
-    input_paths(a)  # refused here, not in each ISA pass's child
+    check_options(a)  # refused here, not in each ISA pass's child
     flags = cpu_info()["flags"]
     try:
         passes = isa_passes(a.isa, flags)
@@ -364,6 +378,7 @@ def main(argv=None):
             results.append(json.load(fh))
     summary = a.summary or os.path.join(os.path.dirname(os.path.abspath(prefix)), "summary.json")
     if summary != "none":
+        os.makedirs(os.path.dirname(os.path.abspath(summary)), exist_ok=True)  # as --out's folder
         with open(summary, "w") as fh:
             json.dump([summary_entry(r) for r in results], fh, indent=2)
             fh.write("\n")
@@ -395,6 +410,21 @@ def pass_machine(a: argparse.Namespace) -> tuple[dict, object]:
           f"torch {machine['torch']} ({machine['torch_cpu_capability']}), {a.threads} threads, "
           f"CT2 ISA {isa}", file=sys.stderr)
     return machine, ctranslate2
+
+
+def check_options(a: argparse.Namespace) -> None:
+    """What the parser cannot see, refused in one error line before any work: the inputs
+    (present, as many reference lines as source lines), --skip's names, a --ct2-isa that
+    CTranslate2 or this CPU cannot run."""
+    src_path, ref_path = input_paths(a)
+    if unknown := [x for x in filter(None, a.skip.split(",")) if x not in SKIPPABLE]:
+        cliargs.refuse(f"--skip: unknown name {unknown[0]!r} (choose from {', '.join(SKIPPABLE)})")
+    flags = cpu_info()["flags"]
+    if a.ct2_isa is not None and (a.ct2_isa not in CT2_ISAS or CT2_ISAS[a.ct2_isa] not in (None, *flags)):
+        runnable = [k for k, f in CT2_ISAS.items() if f is None or f in flags]
+        cliargs.refuse(f"--ct2-isa {a.ct2_isa}: not one this CPU runs ({', '.join(runnable)})")
+    if ref_path and os.path.exists(ref_path):
+        aligned(src_path, ref_path)
 
 
 def input_paths(a: argparse.Namespace) -> tuple[str, str | None]:
