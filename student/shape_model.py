@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from decoder import durable, modeldir
-from decoder.cliargs import ArgumentParser, add_version, run
+from decoder.cliargs import ArgumentParser, add_version, nonneg_int, run
 from student.model import PRESETS, preset
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--like", required=True, metavar="MODEL_DIR",
                    help="model dir whose tokenizer, languages, normaliser and shortlist it takes")
     p.add_argument("--out", required=True, metavar="DIR", help="model dir to write")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random weights")
     a = p.parse_args(argv)
     try:
         print(shape_model(a.preset, a.like, a.out, a.seed))

@@ -4,6 +4,7 @@ work), and translates line by line at a terminal."""
 import gzip
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -291,6 +292,12 @@ def test_every_command_parses_its_arguments_with_the_kits_parser():
     assert [m for m, text in PARSERS.items() if "argparse.ArgumentParser(" in text] == []
     # and argparse's own formatter says "(default: None)" after every option without one
     assert [m for m, text in PARSERS.items() if "ArgumentDefaultsHelpFormatter" in text] == ["decoder.cliargs"]
+
+
+def test_every_numeric_option_is_range_checked():
+    # a bare int or float takes 0, negatives, 1e300 and nan, to fail later in a traceback
+    # or not at all (`--repeat 0` timed nothing); cliargs' range types refuse them in one line
+    assert [m for m, text in PARSERS.items() if re.search(r"\btype=(int|float)\b", text)] == []
 
 
 def test_the_kits_parser_says_defaults_that_mean_something_without_being_told():

@@ -2,7 +2,10 @@
 benchmark nobody runs in CI breaks silently (its train phase once lost the batch sizes)."""
 import json
 
+import pytest
+
 from student.data import bench
+from tools import synth_corpus
 from tools.synth_corpus import generate
 
 
@@ -15,3 +18,18 @@ def test_data_bench_reports_every_phase_on_a_tiny_corpus(tmp_path, capsys, monke
     assert prep["wall_s"] > 0 and prep["peak_tree_rss_gb"] > 0
     assert train["pairs"] == 540 and train["batches"] >= 1  # 600 less the 30-pair dev and test draws
     assert train["loss"] > 0 and train["peak_tree_rss_gb"] > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--src-lang", "de"], "--src-lang 'de' and --tgt-lang 'de': two distinct codes of 2-3 letters"),
+    (["--tgt-lang", "../en"], "two distinct codes of 2-3 letters"),  # would write outside --out
+    (["--out", "FILE"], "exists and is not a directory"),
+])
+def test_synth_corpus_refuses_what_would_not_make_two_files_in_a_folder(args, says, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    args = [str(tmp_path / "file") if x == "FILE" else x for x in args]
+    with pytest.raises(SystemExit) as e:
+        synth_corpus.main(["--pairs", "10", "--out", str(tmp_path / "synth"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "synth").exists()

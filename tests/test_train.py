@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -129,3 +130,10 @@ def test_trainer_speed_tool_lists_its_configurations_and_refuses_an_unknown_one(
     r = subprocess.run([sys.executable, "-m", "student.train.speed", "--configs", "fp64"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown configuration 'fp64'" in r.stderr.strip().splitlines()[-1]
+
+
+def test_trainer_speed_tool_refuses_a_warm_up_that_leaves_no_step_to_time(capsys):
+    from student.train import speed
+    with pytest.raises(SystemExit) as e:
+        speed.main(["--steps", "4", "--warm", "4"])
+    assert e.value.code == 2 and "--warm 4 leaves none of --steps 4 to time" in capsys.readouterr().err

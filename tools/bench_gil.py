@@ -115,10 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model dir (its normaliser and SentencePiece model)")
     p.add_argument("--src", required=True, help="source lines to encode")
     p.add_argument("--lines", type=cliargs.positive_int, default=2000, help="lines a round of encoding")
-    p.add_argument("--seconds", type=float, default=0.5, help="how long each row's loop runs")
-    p.add_argument("--block-ms", type=float, nargs="+", default=[2.4, 0.3],
+    p.add_argument("--seconds", type=cliargs.positive_float, default=0.5, help="how long each row's loop runs")
+    p.add_argument("--block-ms", type=cliargs.positive_float, nargs="+", default=[2.4, 0.3],
                    help="the GPU's time a block (H200: 8 greedy steps at 64k tokens ~2.4, one step at batch 1 ~0.3)")
-    p.add_argument("--intervals", type=float, nargs="+", default=[5.0, 1.0, 0.2],
+    p.add_argument("--intervals", type=cliargs.positive_float, nargs="+", default=[5.0, 1.0, 0.2],
                    help="switch intervals to try, in ms (Python's default is 5)")
     p.add_argument("--out", help="also write PREFIX.md and PREFIX.json")
     return p.parse_args(argv)

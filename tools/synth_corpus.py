@@ -13,12 +13,13 @@ pairs but the 2,000 it holds out for dev and test. Deterministic for a seed.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
 from tqdm import tqdm
 
-from decoder.cliargs import ArgumentParser
+from decoder.cliargs import ArgumentParser, nonneg_int, positive_int, refuse, run
 
 BLOCK = 50_000
 VOCAB = 30_000
@@ -84,19 +85,21 @@ def generate(pairs: int, out: str, src_lang: str = "en", tgt_lang: str = "de", s
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=int, required=True, help="pairs to write")
+    ap.add_argument("--pairs", type=positive_int, required=True, help="pairs to write")
     ap.add_argument("--out", required=True, help="directory for train.SRC and train.TGT")
-    ap.add_argument("--src-lang", default="en")
-    ap.add_argument("--tgt-lang", default="de")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--src-lang", default="en", help="source language code: the source file's suffix")
+    ap.add_argument("--tgt-lang", default="de", help="target language code")
+    ap.add_argument("--seed", type=nonneg_int, default=1)
     a = ap.parse_args(argv)
-    if a.pairs < 1:
-        print("error: --pairs must be at least 1", file=sys.stderr)
-        return 2
+    # the codes name the files, as prepare reads them back: two distinct codes of 2-3 letters
+    if not all(re.fullmatch(r"[A-Za-z]{2,3}", x) for x in (a.src_lang, a.tgt_lang)) or a.src_lang == a.tgt_lang:
+        refuse(f"--src-lang {a.src_lang!r} and --tgt-lang {a.tgt_lang!r}: two distinct codes of 2-3 letters")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        refuse(f"--out {a.out}: exists and is not a directory")
     for p in generate(a.pairs, a.out, a.src_lang, a.tgt_lang, a.seed):
         print(p)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

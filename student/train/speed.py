@@ -78,14 +78,14 @@ def main(argv=None):
     p = cliargs.ArgumentParser(prog="python -m student.train.speed", description=__doc__.split("\n")[0])
     cliargs.add_version(p)
     p.add_argument("--preset", default="teacher-tiny", help="model preset (student.model)")
-    p.add_argument("--steps", type=int, default=24, help="steps per configuration and pass")
-    p.add_argument("--warm", type=int, default=4, help="leading steps left out of the timing")
-    p.add_argument("--passes", type=int, default=2, help="interleaved passes; the fastest counts")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    p.add_argument("--steps", type=cliargs.positive_int, default=24, help="steps per configuration and pass")
+    p.add_argument("--warm", type=cliargs.nonneg_int, default=4, help="leading steps left out of the timing")
+    p.add_argument("--passes", type=cliargs.positive_int, default=2, help="interleaved passes; the fastest counts")
+    p.add_argument("--threads", type=cliargs.int_range(1, cliargs.MAX_THREADS), default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--configs", default="fp32,bf16", help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--batches", type=batch_list, default=[3072],
                    help="padded tokens a step, comma-separated; 'auto' = the trainer's default on --device")
-    p.add_argument("--max-batch-tokens", type=int, help="one batch size (the same as --batches N)")
+    p.add_argument("--max-batch-tokens", type=cliargs.positive_int, help="one batch size (the same as --batches N)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", help="append the result as JSON to this file")
     a = p.parse_args(argv)
@@ -93,6 +93,8 @@ def main(argv=None):
     bad = [n for n in names if n not in CONFIGS]
     if bad:
         p.error(f"unknown configuration {bad[0]!r}; choose from {', '.join(CONFIGS)}")
+    if a.warm >= a.steps:  # no step would be timed
+        p.error(f"--warm {a.warm} leaves none of --steps {a.steps} to time")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here")
     batches = [a.max_batch_tokens] if a.max_batch_tokens else a.batches
