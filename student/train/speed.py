@@ -81,7 +81,8 @@ def main(argv=None):
     p.add_argument("--steps", type=cliargs.positive_int, default=24, help="steps per configuration and pass")
     p.add_argument("--warm", type=cliargs.nonneg_int, default=4, help="leading steps left out of the timing")
     p.add_argument("--passes", type=cliargs.positive_int, default=2, help="interleaved passes; the fastest counts")
-    p.add_argument("--threads", type=cliargs.int_range(1, cliargs.MAX_THREADS), default=os.cpu_count(), help="torch intra-op threads")
+    p.add_argument("--threads", type=cliargs.int_range(1, cliargs.MAX_THREADS), default=os.cpu_count(),
+                   help="torch intra-op threads")
     p.add_argument("--configs", default="fp32,bf16", help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--batches", type=batch_list, default=[3072],
                    help="padded tokens a step, comma-separated; 'auto' = the trainer's default on --device")
