@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from .modeldir import MAX_POSITIONS, ModelDirError, first_line, read_config
+from .modeldir import MAX_POSITIONS, ModelDirError, check_files, first_line, read_config
 
 # the widest beam a command accepts: wider only costs time (100000 ran for
 # minutes before anything was refused)
@@ -155,11 +155,12 @@ def refuse(message) -> NoReturn:
     raise Refused(2)
 
 
-def model_dir_error(flag: str, path: str) -> str | None:
-    """Why `flag path` is no model dir whose config reads, as one line naming the option
+def model_dir_error(flag: str, path: str, shortlist: bool = True) -> str | None:
+    """Why `flag path` is no model dir whose config reads and whose files are there (a
+    listed shortlist too, unless the command never reads it), as one line naming the option
     ("--model m: model dir does not exist"), or None. Every command says it so."""
     try:
-        read_config(path)
+        check_files(path, read_config(path), shortlist)
     except ModelDirError as e:
         return f"{flag} {first_line(e)}"
     return None

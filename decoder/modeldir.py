@@ -335,6 +335,15 @@ def read_config(model_dir: str) -> ModelConfig:
     return ModelConfig.from_json(d, where=path)
 
 
+def check_files(model_dir: str, cfg: ModelConfig, shortlist: bool = True) -> None:
+    """ModelDirError for the first file the dir needs that is not there: the weights, the
+    SentencePiece model and (`shortlist`) the shortlist its config lists. A command that runs
+    for an hour finds out at its start, not when its first shortlist row loads."""
+    for name, listed in ((WEIGHTS, None), (SPM, None), (cfg.shortlist if shortlist else None, "files.shortlist")):
+        if name and not os.path.lexists(path := os.path.join(model_dir, name)):
+            raise ModelDirError(f"{path}: missing file" + (f" (listed as {listed} in {CONFIG})" if listed else ""))
+
+
 def load(model_dir: str, device: str = "cpu"):
     """(config, {name: tensor}, spm_path) of a validated model dir."""
     import torch  # noqa: F401  (safetensors.torch needs it)

@@ -116,6 +116,34 @@ def test_a_model_dir_or_input_that_is_not_there_is_one_line_naming_its_option(ca
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "none")
 
 
+def test_a_model_dir_without_a_file_its_config_lists_is_refused_before_any_work(model_dir, tmp_path, capsys):
+    import json
+    import shutil
+    import submission.evaluate.__main__ as evaluate
+    import student.shortlist.__main__ as shortlist
+    from tools import bench
+    m = tmp_path / "m"
+    shutil.copytree(model_dir, m)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["files"]["shortlist"] = "shortlist.safetensors"  # copied without the file it lists
+    (m / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "in.en").write_text("the dog\n")
+    said = f"error: --model {m}/shortlist.safetensors: missing file (listed as files.shortlist in config.json)\n"
+    assert evaluate.main(["--model", str(m), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == said
+    with pytest.raises(SystemExit):  # the bench's first shortlist row would have met it minutes in
+        bench.main(["--model", str(m), "--src", str(tmp_path / "in.en"), "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().err == said
+    # the command that writes the shortlist is the one that does not need it
+    src = str(tmp_path / "in.en")
+    assert shortlist.main(["--model", str(m), "--src", src, "--tgt", src]) == 0
+    assert (m / "shortlist.safetensors").exists()
+    (m / "spm.model").unlink()
+    assert evaluate.main(["--model", str(m), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: --model {m}/spm.model: missing file\n"
+    assert not (tmp_path / "out").exists()
+
+
 # -- student.export -----------------------------------------------------------------------
 
 def test_export_of_a_pickle_is_refused_with_one_error_line(tmp_path):

@@ -200,7 +200,7 @@ def check(cfg: DistillConfig) -> None:
     if cfg.min_ratio > cfg.max_ratio:
         raise ValueError(f"--min-ratio {cfg.min_ratio} is above --max-ratio {cfg.max_ratio}: no pair would be kept")
     for d in cfg.teacher_model:  # the full check (weights) comes with the teacher
-        if why := cliargs.model_dir_error("--teacher-model", d):
+        if why := cliargs.model_dir_error("--teacher-model", d, shortlist=False):
             raise ValueError(why)
     if cfg.teacher_hf and not os.path.isdir(cfg.teacher_hf):
         raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")

@@ -145,7 +145,7 @@ def options(argv) -> argparse.Namespace:
     try:
         a.overrides = model_overrides(a.set, a.preset, a.vocab_size)
         check_files(a)
-        if a.init_from and (why := cliargs.model_dir_error("--init-from", a.init_from)):
+        if a.init_from and (why := cliargs.model_dir_error("--init-from", a.init_from, shortlist=False)):
             raise ValueError(why)  # the full check (weights) comes with the student
         if os.path.exists(a.out) and not os.path.isdir(a.out):
             raise ValueError(f"--out {a.out}: exists and is not a directory")
