@@ -32,7 +32,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    why = model_dir_error("--model", a.model, shortlist=False) or file_error("--src", a.src) or file_error("--tgt", a.tgt)
+    why = (model_dir_error("--model", a.model, shortlist=False)  # the file it writes need not be there
+           or file_error("--src", a.src) or file_error("--tgt", a.tgt))
     if why:  # before the corpus is read
         print(f"error: {why}", file=sys.stderr)
         return 2
