@@ -144,6 +144,21 @@ def test_a_model_dir_without_a_file_its_config_lists_is_refused_before_any_work(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--teacher-cmd", " "], "--teacher-cmd: an empty command"),  # "" trained a teacher instead
+    (["--name", "../elsewhere"], "--name '../elsewhere': a folder name under --runs-dir, without '/'"),
+    (["--name", "a/b"], "--name 'a/b': a folder name under --runs-dir"),
+    (["--runs-dir", "FILE"], "exists and is not a directory"),  # a traceback when the run dir was made
+])
+def test_a_run_that_could_not_go_where_it_says_is_refused_before_any_work(args, says, tmp_path, capsys):
+    from student.distill.__main__ import options
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        options([str(tmp_path / "file") if x == "FILE" else x for x in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
 # -- student.export -----------------------------------------------------------------------
 
 def test_export_of_a_pickle_is_refused_with_one_error_line(tmp_path):

@@ -204,6 +204,12 @@ def check(cfg: DistillConfig) -> None:
             raise ValueError(why)
     if cfg.teacher_hf and not os.path.isdir(cfg.teacher_hf):
         raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")
+    if cfg.teacher_cmd is not None and not cfg.teacher_cmd.strip():  # "" would train a teacher instead
+        raise ValueError("--teacher-cmd: an empty command")
+    if cfg.name in ("", ".", "..") or "/" in cfg.name or (os.altsep and os.altsep in cfg.name):
+        raise ValueError(f"--name {cfg.name!r}: a folder name under --runs-dir, without '/'")
+    if os.path.exists(cfg.runs_dir) and not os.path.isdir(cfg.runs_dir):
+        raise ValueError(f"--runs-dir {cfg.runs_dir}: exists and is not a directory")
 
 
 def main(argv=None) -> int:
