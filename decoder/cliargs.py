@@ -181,6 +181,20 @@ def path_error(flag: str | None, path: str, e: OSError) -> str:
     return f"{_named(flag, path)}: {why or (e.strerror or str(e)).lower()}"
 
 
+def out_dir_error(flag: str | None, path: str, file: bool = False) -> str | None:
+    """Why `flag path` cannot be an output folder (it, or the nearest folder above it that
+    exists, is a file), as one line naming the option, or None; `file`: path names a file (or
+    a prefix of files) to write, so only the folders above it count. Checked before any work:
+    the folder is often made only when the first result is written, hours in."""
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not file:
+        return None if os.path.isdir(p) else f"{_named(flag, path)}: exists and is not a directory"
+    above = os.path.dirname(p)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    return None if os.path.isdir(above) else f"{_named(flag, path)}: {above} is a file, not a directory"
+
+
 def _named(flag: str | None, path: str) -> str:
     return f"{flag} {path}" if flag else path
 

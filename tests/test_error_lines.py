@@ -10,6 +10,7 @@ import tarfile
 
 import pytest
 
+from conftest import python_m_each
 from fixture_model import make_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,6 +158,39 @@ def test_a_run_that_could_not_go_where_it_says_is_refused_before_any_work(args, 
         options([str(tmp_path / "file") if x == "FILE" else x for x in args])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_an_output_folder_is_checked_for_a_file_in_its_way(tmp_path):
+    from decoder.cliargs import out_dir_error
+    (tmp_path / "f").write_text("")
+    f = str(tmp_path / "f")
+    assert out_dir_error("--out", f) == f"--out {f}: exists and is not a directory"
+    assert out_dir_error("--out", f"{f}/a/b") == f"--out {f}/a/b: {f} is a file, not a directory"
+    assert out_dir_error(None, f"{f}/a") == f"{f}/a: {f} is a file, not a directory"  # a positional OUT_DIR
+    assert out_dir_error("--out", f, file=True) is None  # a file to write over
+    assert out_dir_error("--out", f"{f}/x.json", file=True) == f"--out {f}/x.json: {f} is a file, not a directory"
+    assert out_dir_error("--out", str(tmp_path / "new" / "deeper")) is None and out_dir_error("--out", ".") is None
+
+
+OUT_UNDER_A_FILE = {  # module: its argv with FILE/x as the output, which must be refused before any work
+    "submission.evaluate": ["--model", "MODEL", "--out", "FILE/x"],
+    "student.train": ["--out", "FILE/x"],
+    "student.distill": ["--runs-dir", "FILE/x"],
+    "tools.convert": ["--to", "ct2", "MODEL", "FILE/x"],
+    "tools.synth_corpus": ["--pairs", "3", "--out", "FILE/x"],
+    "tools.bench": ["--model", "MODEL", "--src", "SRC", "--out", "FILE/x"],
+}
+
+
+def test_an_output_below_a_file_is_one_error_line_in_every_command(model_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "in.en").write_text("the dog\n")
+    paths = {"FILE": str(tmp_path / "file"), "MODEL": model_dir, "SRC": str(tmp_path / "in.en")}
+    fill = lambda x: next((x.replace(k, v) for k, v in paths.items() if x.startswith(k)), x)  # noqa: E731
+    argvs = [[m, *map(fill, argv)] for m, argv in OUT_UNDER_A_FILE.items()]
+    for m, (code, out, err) in zip(OUT_UNDER_A_FILE, python_m_each(argvs, env=ENV)):
+        assert (code, err.count("\n")) == (2, 1) and err.endswith(f"{tmp_path}/file is a file, not a directory\n"), \
+            (m, err)
 
 
 # -- student.export -----------------------------------------------------------------------

@@ -414,9 +414,12 @@ def pass_machine(a: argparse.Namespace) -> tuple[dict, object]:
 
 def check_options(a: argparse.Namespace) -> None:
     """What the parser cannot see, refused in one error line before any work: the inputs
-    (present, as many reference lines as source lines), --skip's names, a --ct2-isa that
-    CTranslate2 or this CPU cannot run."""
+    (present, as many reference lines as source lines), the outputs' folders, --skip's names,
+    a --ct2-isa that CTranslate2 or this CPU cannot run."""
     src_path, ref_path = input_paths(a)
+    for flag, path in (("--out", out_prefix(a)), ("--summary", a.summary if a.summary != "none" else None)):
+        if path and (why := cliargs.out_dir_error(flag, path, file=True)):
+            cliargs.refuse(why)
     if unknown := [x for x in filter(None, a.skip.split(",")) if x not in SKIPPABLE]:
         cliargs.refuse(f"--skip: unknown name {unknown[0]!r} (choose from {', '.join(SKIPPABLE)})")
     flags = cpu_info()["flags"]

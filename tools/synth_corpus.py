@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from decoder.cliargs import ArgumentParser, nonneg_int, positive_int, refuse, run
+from decoder.cliargs import ArgumentParser, nonneg_int, out_dir_error, positive_int, refuse, run
 
 BLOCK = 50_000
 VOCAB = 30_000
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     # the codes name the files, as prepare reads them back: two distinct codes of 2-3 letters
     if not all(re.fullmatch(r"[A-Za-z]{2,3}", x) for x in (a.src_lang, a.tgt_lang)) or a.src_lang == a.tgt_lang:
         refuse(f"--src-lang {a.src_lang!r} and --tgt-lang {a.tgt_lang!r}: two distinct codes of 2-3 letters")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        refuse(f"--out {a.out}: exists and is not a directory")
+    if why := out_dir_error("--out", a.out):
+        refuse(why)
     for p in generate(a.pairs, a.out, a.src_lang, a.tgt_lang, a.seed):
         print(p)
     return 0

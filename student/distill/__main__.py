@@ -208,8 +208,8 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError("--teacher-cmd: an empty command")
     if cfg.name in ("", ".", "..") or "/" in cfg.name or (os.altsep and os.altsep in cfg.name):
         raise ValueError(f"--name {cfg.name!r}: a folder name under --runs-dir, without '/'")
-    if os.path.exists(cfg.runs_dir) and not os.path.isdir(cfg.runs_dir):
-        raise ValueError(f"--runs-dir {cfg.runs_dir}: exists and is not a directory")
+    if why := cliargs.out_dir_error("--runs-dir", cfg.runs_dir):
+        raise ValueError(why)
 
 
 def main(argv=None) -> int:

@@ -147,8 +147,8 @@ def options(argv) -> argparse.Namespace:
         check_files(a)
         if a.init_from and (why := cliargs.model_dir_error("--init-from", a.init_from, shortlist=False)):
             raise ValueError(why)  # the full check (weights) comes with the student
-        if os.path.exists(a.out) and not os.path.isdir(a.out):
-            raise ValueError(f"--out {a.out}: exists and is not a directory")
+        if why := cliargs.out_dir_error("--out", a.out):
+            raise ValueError(why)
     except (ValueError, ModelDirError, DataError, OSError, EOFError) as e:
         cliargs.refuse(e)
     return a

@@ -112,6 +112,8 @@ def check(a) -> None:
             raise EvalError(f"{option}: unknown {noun} {bad[0]!r} (choose from {', '.join(known)})")
     if not MEMORY.fullmatch(a.container_memory):
         raise EvalError(f"--container-memory {a.container_memory!r}: a size such as 2g or 512m")
+    if why := cliargs.out_dir_error("--out", a.out):  # written after every system has been measured
+        raise EvalError(why)
     if a.replot:
         return
     pair = a.langpair.split("-", 1) if a.langpair else []

@@ -53,6 +53,8 @@ def options(argv) -> argparse.Namespace:
         why = f"{a.out}: exists (--force replaces it)"
     elif a.spm and not os.path.isfile(a.spm):
         why = f"--spm {a.spm}: no such file"
+    else:
+        why = cliargs.out_dir_error(None, a.out)
     if why:
         cliargs.refuse(why)
     return a
