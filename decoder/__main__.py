@@ -98,6 +98,8 @@ def check_output(path: str) -> None:
     OSError saying why, the words after `--output PATH: `."""
     if path == "-":
         return
+    if why := cliargs.file_in_the_way(path, file=True):  # resolve() would raise NotADirectoryError
+        raise OSError(why)
     from .durable import resolve
     target, in_place = resolve(path)  # where atomic_write will write
     if os.path.isdir(target):

@@ -186,13 +186,19 @@ def out_dir_error(flag: str | None, path: str, file: bool = False) -> str | None
     exists, is a file), as one line naming the option, or None; `file`: path names a file (or
     a prefix of files) to write, so only the folders above it count. Checked before any work:
     the folder is often made only when the first result is written, hours in."""
+    why = file_in_the_way(path, file)
+    return f"{_named(flag, path)}: {why}" if why else None
+
+
+def file_in_the_way(path: str, file: bool = False) -> str | None:
+    """out_dir_error's reason alone ("/a is a file, not a directory"), or None."""
     p = os.path.abspath(path)
     if os.path.exists(p) and not file:
-        return None if os.path.isdir(p) else f"{_named(flag, path)}: exists and is not a directory"
+        return None if os.path.isdir(p) else "exists and is not a directory"
     above = os.path.dirname(p)
     while not os.path.exists(above):
         above = os.path.dirname(above)
-    return None if os.path.isdir(above) else f"{_named(flag, path)}: {above} is a file, not a directory"
+    return None if os.path.isdir(above) else f"{above} is a file, not a directory"
 
 
 def _named(flag: str | None, path: str) -> str:

@@ -179,6 +179,8 @@ OUT_UNDER_A_FILE = {  # module: its argv with FILE/x as the output, which must b
     "tools.convert": ["--to", "ct2", "MODEL", "FILE/x"],
     "tools.synth_corpus": ["--pairs", "3", "--out", "FILE/x"],
     "tools.bench": ["--model", "MODEL", "--src", "SRC", "--out", "FILE/x"],
+    "decoder": ["--model", "MODEL", "--input", "SRC", "--output", "FILE/x"],
+    "student.data": ["prepare", "--data-dir", "FILE/x"],
 }
 
 

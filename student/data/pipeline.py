@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoder import durable
+from decoder.cliargs import out_dir_error
 
 from . import dedup
 from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings
@@ -90,6 +91,8 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     if min_ratio > max_ratio:
         raise DataError(f"--min-ratio {min_ratio:g} is above --max-ratio {max_ratio:g}: no pair could pass")
     data_dir = os.path.abspath(data_dir or default_data_dir())
+    if why := out_dir_error("--data-dir", data_dir):
+        raise DataError(why)
     held_out = _held_out_files(dev_src, dev_tgt, test_src, test_tgt)
     if src or tgt:
         inputs = _user_inputs(corpus, src, tgt, src_lang, tgt_lang, held_out)
