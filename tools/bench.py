@@ -353,8 +353,8 @@ def model_facts(model_dir: str) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
-    check_options(a)  # refused here, not in each ISA pass's child
     flags = cpu_info()["flags"]
+    check_options(a, flags)  # refused here, not in each ISA pass's child
     try:
         passes = isa_passes(a.isa, flags)
     except ValueError as e:
@@ -412,7 +412,7 @@ def pass_machine(a: argparse.Namespace) -> tuple[dict, object]:
     return machine, ctranslate2
 
 
-def check_options(a: argparse.Namespace) -> None:
+def check_options(a: argparse.Namespace, flags: list[str]) -> None:
     """What the parser cannot see, refused in one error line before any work: the inputs
     (present, as many reference lines as source lines), the outputs' folders, --skip's names,
     a --ct2-isa that CTranslate2 or this CPU cannot run."""
@@ -422,7 +422,6 @@ def check_options(a: argparse.Namespace) -> None:
             cliargs.refuse(why)
     if unknown := [x for x in filter(None, a.skip.split(",")) if x not in SKIPPABLE]:
         cliargs.refuse(f"--skip: unknown name {unknown[0]!r} (choose from {', '.join(SKIPPABLE)})")
-    flags = cpu_info()["flags"]
     if a.ct2_isa is not None and (a.ct2_isa not in CT2_ISAS or CT2_ISAS[a.ct2_isa] not in (None, *flags)):
         runnable = [k for k, f in CT2_ISAS.items() if f is None or f in flags]
         cliargs.refuse(f"--ct2-isa {a.ct2_isa}: not one this CPU runs ({', '.join(runnable)})")
