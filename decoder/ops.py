@@ -29,6 +29,7 @@ SOURCES = ("int8_linear.cpp", "int8_gemm.cpp", "int8_gemv.cpp", "fused_cpu.cpp",
 # caller, so without it every op ran serially in a multi-threaded process; the GOMP calls
 # resolve to the libgomp torch itself loads
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+CUDA_CFLAGS = ["-O3"]
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -183,7 +184,7 @@ def build_cuda_library(build_dir: str | None = None, verbose: bool = False) -> N
     ldflags = [f"-L{d}" for d in (os.path.join(CUDA_HOME or "", "lib"),)
                if os.path.exists(os.path.join(d, "libcudart.so"))]
     with exclusive_build(build_dir):
-        load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")], extra_cuda_cflags=["-O3"],
+        load(name="decoder_ops_cuda", sources=[os.path.join(_HERE, "fused_cuda.cu")], extra_cuda_cflags=CUDA_CFLAGS,
              extra_ldflags=ldflags, build_directory=build_dir, is_python_module=False, verbose=verbose)
 
 

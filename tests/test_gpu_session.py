@@ -149,7 +149,8 @@ def test_carried_fused_ops_are_taken_where_they_load_and_built_where_not(tmp_pat
 
 def test_carried_ops_are_refused_once_their_sources_changed(tmp_path):
     """The digest make gpu-carry writes beside the libraries: any byte, file or flag of the sources
-    changed since, and the lent machine builds its own instead of measuring stale kernels."""
+    changed since, and the lent machine builds its own instead of measuring stale kernels; an edit
+    to the rest of decoder/ops.py keeps the carried build (one cost a lease 83 s of compiling)."""
     import shutil
     from decoder import ops
     from tools.cuda_check import sources_digest
@@ -165,8 +166,14 @@ def test_carried_ops_are_refused_once_their_sources_changed(tmp_path):
     (csrc / "new.h").write_text("")
     assert sources_digest(str(csrc)) != digest
     (csrc / "new.h").unlink()
-    (tmp_path / "decoder" / "ops.py").write_text("CFLAGS = ['-O2']\n")
-    assert sources_digest(str(csrc)) != digest
+    ops_py = tmp_path / "decoder" / "ops.py"
+    shipped = ops_py.read_text()
+    for flags in ("CFLAGS = ['-O2']", "CUDA_CFLAGS = ['-O2']", "SOURCES = ('fused_cpu.cpp',)"):
+        ops_py.write_text(shipped + flags + "\n")
+        assert sources_digest(str(csrc)) != digest, flags
+    # how the ops load is not what they are built from: a carried build stays good across such edits
+    ops_py.write_text(shipped.replace("def build_library(", "def build_library_(") + "_lock_name = 'x'\n")
+    assert sources_digest(str(csrc)) == digest
     # the script's probe compares the carried digest with this checkout's, before loading anything
     probe = re.search(r'\$PY -c "\n(.*?)" "\$CARRIED/sources.sha256"', open(SCRIPT).read(), re.S).group(1)
     stale = tmp_path / "stale.sha256"

@@ -99,15 +99,29 @@ def cuda_ops(source: str | None = None) -> set[str]:
 DIGEST = "sources.sha256"  # beside the libraries --out copies: what they were built from
 
 
+# the names in decoder/ops.py that reach the compiler; the rest of the file (locks, loading) does not
+BUILD_NAMES = ("SOURCES", "CFLAGS", "CUDA_CFLAGS")
+
+
+def build_inputs(ops_py: str) -> str:
+    """decoder/ops.py's assignments to BUILD_NAMES, as source text: what of it a build depends on."""
+    import ast
+    tree = ast.parse(open(ops_py).read())
+    return "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id in BUILD_NAMES for t in n.targets))
+
+
 def sources_digest(csrc: str | None = None) -> str:
-    """sha256 of decoder/csrc (each file's name and bytes) and decoder/ops.py (the flags): a
-    library carried to another machine is taken there only while this is what it was built from."""
+    """sha256 of decoder/csrc (each file's name and bytes) and decoder/ops.py's build inputs (sources
+    and flags): a library carried to another machine is taken there only while this is what it was
+    built from. The rest of ops.py is left out, so an edit to how the ops load keeps a carried build."""
     if csrc is None:
         from decoder import ops
         csrc = ops._HERE
     h = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(csrc, "*"))) + [os.path.join(os.path.dirname(csrc), "ops.py")]:
+    for path in sorted(glob.glob(os.path.join(csrc, "*"))):
         h.update(os.path.basename(path).encode() + b"\0" + open(path, "rb").read() + b"\0")
+    h.update(b"ops.py\0" + build_inputs(os.path.join(os.path.dirname(csrc), "ops.py")).encode())
     return h.hexdigest()
 
 
