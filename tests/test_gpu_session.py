@@ -51,9 +51,11 @@ def test_train_stage_options_are_the_trainers():
 
 
 def test_speed_and_bench_stage_options_are_the_tools():
-    from student.train.speed import batch_list
+    from student.train.speed import CONFIGS, batch_list
     opts = _command("speed", "student.train.speed")
     assert batch_list(opts[opts.index("--batches") + 1])[-1] is None and opts[opts.index("--device") + 1] == "cuda"
+    assert opts[opts.index("--configs") + 1].split(",") == ["bf16", "bf16+no_cudnn"]  # both in CONFIGS:
+    assert {"bf16", "bf16+no_cudnn"} <= set(CONFIGS)  # cuDNN's per-shape plans, side by side
     from tools.bench_gpu import parse_args
     opts = _command("bench", "tools.bench_gpu")
     ablate = re.search(r"^BENCH_ABLATE=\$\{BENCH_ABLATE-([\w,=+]*)\}", open(SCRIPT).read(), re.M).group(1)

@@ -137,3 +137,41 @@ def test_trainer_speed_tool_refuses_a_warm_up_that_leaves_no_step_to_time(capsys
     with pytest.raises(SystemExit) as e:
         speed.main(["--steps", "4", "--warm", "4"])
     assert e.value.code == 2 and "--warm 4 leaves none of --steps 4 to time" in capsys.readouterr().err
+
+
+def test_speed_tool_no_cudnn_runs_its_steps_with_cudnn_attention_left_out_and_restores_it(monkeypatch):
+    """bf16+no_cudnn: on CUDA the steps run with SDPA's cuDNN backend off (the setting is global),
+    torch's choice again after; on a CPU, and without the switch, nothing changes."""
+    from torch.nn.attention import SDPBackend
+    from student.train import speed
+    seen = []
+    monkeypatch.setattr(speed, "Trainer", lambda cfg, corpus, device, ddp: None)
+    monkeypatch.setattr(speed, "timed", lambda t, steps, warm, device: seen.append(
+        (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for switches, device in ((("no_cudnn",), "cuda"), ((), "cuda"), (("no_cudnn",), "cpu")):
+        speed.run(None, None, 4, 1, switches, device)
+    assert seen == [(False, True), (True, True), (True, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    backends = speed.attention_backends("cuda", ("no_cudnn",))
+    assert SDPBackend.CUDNN_ATTENTION not in backends and SDPBackend.EFFICIENT_ATTENTION in backends  # masks
+    assert speed.attention_backends("cpu", ("no_cudnn",)) is None and speed.attention_backends("cuda", ()) is None
+
+
+def test_speed_tool_times_the_first_steps_apart_from_the_rest():
+    """warm_s_per_step: the steps that meet their shapes first (a cuDNN plan each), beside the rest."""
+    import time
+    import numpy as np
+    from types import SimpleNamespace
+    from student.train import speed
+    calls = []
+
+    def step(group):
+        calls.append(group)
+        time.sleep(0.05 if len(calls) <= 2 else 0.005)
+        return 100, 1.0, 0.1
+    t = SimpleNamespace(model=torch.nn.Linear(1, 1), cfg=SimpleNamespace(max_tokens=64, max_sentences=8, seed=1),
+                        train_lens=(np.full(40, 8, np.int32), np.full(40, 8, np.int32)), step=step)
+    r = speed.timed(t, 6, 2, "cpu")
+    assert len(calls) == 6 and r["warm_s_per_step"] >= 0.05 and r["s_per_step"] < 0.04
+    assert r["tokens_s"] == pytest.approx(400 / (4 * r["s_per_step"]))

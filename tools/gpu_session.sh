@@ -4,7 +4,7 @@
 #   build    compile the fused CPU ops and the CUDA kernels (or load build/carry/ops); say which loaded (~1 min)
 #   test     pytest tests/test_decoder_gpu.py tests/test_fused_ops.py tests/test_shortlist.py
 #   kernels  python -m tools.bench_kernels: the 16-byte-load kernels against the older ones (~10 s)
-#   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`       (~1 min)
+#   speed    trainer tokens/s of student-6-1 at several batch sizes and `auto`, SDPA with and without cuDNN (~2 min)
 #   train    a student-6-1 with the GPU-sized trainer, TRAIN_MINUTES, exported       (~4 min)
 #   bench    python -m tools.bench_gpu on BENCH_LINES lines of the training source    (~8 min)
 #   distill  the default `make distill` path (python -m student.distill), timed      (~12 min; target 20)
@@ -140,7 +140,7 @@ stage_kernels() {
 }
 
 stage_speed() {
-  run speed $PY -m student.train.speed --device cuda --preset student-6-1 --configs bf16 \
+  run speed $PY -m student.train.speed --device cuda --preset student-6-1 --configs bf16,bf16+no_cudnn \
     --batches 3072,12288,24576,49152,auto --steps 40 --warm 8 --passes 1 --out "$OUT/training-speed.json"
 }
 

@@ -31,36 +31,62 @@ from decoder import cliargs, durable, machine
 from student.train.batching import make_batches
 from student.train.trainer import Corpus, TrainConfig, Trainer
 
-# name -> (TrainConfig fields, compile the model): each is one of the trainer's speed switches alone.
-# compile is measured here before it becomes a trainer switch: it is kept only if it pays.
+# name -> (TrainConfig fields, the speed tool's own switches): each is one of the trainer's speed
+# switches alone. The tool's own are measured here before they become trainer switches, kept only if
+# they pay: "compile" (torch.compile), "no_cudnn" (CUDA: SDPA without cuDNN's attention, which builds
+# an execution plan per new (batch, length) shape, reported at 0.4-0.5 s each way; length-bucketed
+# batches are new shapes all through a first epoch, which ran at a fifth of the later epochs'
+# tokens/s on the H200).
 CONFIGS = {
-    "fp32": ({"amp": "off"}, False),
-    "bf16": ({"amp": "bf16"}, False),
-    "fp32+compile": ({"amp": "off"}, True),
-    "bf16+compile": ({"amp": "bf16"}, True),
+    "fp32": ({"amp": "off"}, ()),
+    "bf16": ({"amp": "bf16"}, ()),
+    "fp32+compile": ({"amp": "off"}, ("compile",)),
+    "bf16+compile": ({"amp": "bf16"}, ("compile",)),
+    "bf16+no_cudnn": ({"amp": "bf16"}, ("no_cudnn",)),
 }
 
 
-def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, compile_model: bool = False,
-        device: str = "cpu") -> dict:
-    """Train `steps` steps from scratch; tokens/s over the steps after `warm`."""
+def attention_backends(device: str, switches) -> list | None:
+    """The SDPA backends a configuration's steps may use (None: torch's own choice): with
+    "no_cudnn" on CUDA, all but cuDNN's, in torch's order (memory-efficient attention is the one
+    that takes the trainer's padding mask); CPUs have no cuDNN attention."""
+    if device != "cuda" or "no_cudnn" not in switches:
+        return None
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, switches=(), device: str = "cpu") -> dict:
+    """Train `steps` steps from scratch; tokens/s over the steps after `warm`, and the seconds a
+    step of the first `warm`, which meet their shapes first (caches, plans: what a new shape costs)."""
     t = Trainer(cfg, corpus, torch.device(device), ddp=False)
-    if compile_model:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
+    if "compile" in switches:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
         t.net = torch.compile(t.model, dynamic=True)
+    backends = attention_backends(device, switches)
+    if backends is None:
+        return timed(t, steps, warm, device)
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(backends):  # a global setting, restored after; the backward follows the forward
+        return timed(t, steps, warm, device)
+
+
+def timed(t: Trainer, steps: int, warm: int, device: str) -> dict:
     t.model.train()
     c = t.cfg  # the sizes the trainer resolved for the device
     batches = make_batches(*t.train_lens, c.max_tokens, c.max_sentences, c.seed, 0)
     tok, t0 = 0, None
+    start = time.perf_counter()
     for i in range(steps):  # Trainer.step alone: its schedule advances itself, nothing else is needed
         if i == warm:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # each step reads its loss: the steps before have finished
         ntok, loss, _ = t.step(batches[i % len(batches): i % len(batches) + 1])
         if i >= warm:
             tok += ntok
     if device == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm), "loss": loss, "max_tokens": t.cfg.max_tokens}
+    return {"tokens_s": tok / dt, "s_per_step": dt / (steps - warm),
+            "warm_s_per_step": (t0 - start) / warm if warm else None, "loss": loss, "max_tokens": t.cfg.max_tokens}
 
 
 def batch_list(text: str) -> list[int | None]:
@@ -105,12 +131,13 @@ def main(argv=None):
     best = measure(a, names, batches)
     first = next(iter(best))
     ref = best[first]["tokens_s"]
-    print(f"| {a.preset}, {a.device}, {a.threads} threads | tokens a step | tokens/s | s/step | x {first} | "
-          f"loss after {a.steps} |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {a.preset}, {a.device}, {a.threads} threads | tokens a step | tokens/s | s/step | "
+          f"s/step, first {a.warm} | x {first} | loss after {a.steps} |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for n, r in best.items():
-        print(f"| {n} | {r['max_tokens']:,} | {r['tokens_s']:,.0f} | {r['s_per_step']:.2f} | {r['tokens_s'] / ref:.2f} "
-              f"| {r['loss']:.3f} |")
+        warm = "" if r["warm_s_per_step"] is None else f"{r['warm_s_per_step']:.2f}"
+        print(f"| {n} | {r['max_tokens']:,} | {r['tokens_s']:,.0f} | {r['s_per_step']:.2f} | {warm} "
+              f"| {r['tokens_s'] / ref:.2f} | {r['loss']:.3f} |")
     if a.out:
         row = {"preset": a.preset, "threads": a.threads, "steps": a.steps, "device": a.device, "machine": hw,
                "date": time.strftime("%Y-%m-%d"), "results": best}
@@ -127,10 +154,10 @@ def measure(a, names: list[str], batches: list[int | None]) -> dict[str, dict]:
         for _ in range(a.passes):
             for n in names:
                 for b in batches:
-                    fields, compile_model = CONFIGS[n]
+                    fields, switches = CONFIGS[n]
                     key = n if len(batches) == 1 else f"{n}, {'auto' if b is None else b} tokens"
                     cfg = dataclasses.replace(base, max_tokens=b, **fields)
-                    r = run(cfg, corpus, a.steps, a.warm, compile_model, a.device)
+                    r = run(cfg, corpus, a.steps, a.warm, switches, a.device)
                     if key not in best or r["tokens_s"] > best[key]["tokens_s"]:
                         best[key] = r
     return best
