@@ -15,6 +15,7 @@ loads them prebuilt (submission/image.py).
 """
 from __future__ import annotations
 
+import ast
 import glob
 import hashlib
 import os
@@ -105,7 +106,6 @@ BUILD_NAMES = ("SOURCES", "CFLAGS", "CUDA_CFLAGS")
 
 def build_inputs(ops_py: str) -> str:
     """decoder/ops.py's assignments to BUILD_NAMES, as source text: what of it a build depends on."""
-    import ast
     tree = ast.parse(open(ops_py).read())
     return "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign)
                      and any(isinstance(t, ast.Name) and t.id in BUILD_NAMES for t in n.targets))

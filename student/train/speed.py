@@ -36,7 +36,7 @@ from student.train.trainer import Corpus, TrainConfig, Trainer
 # they pay: "compile" (torch.compile), "no_cudnn" (CUDA: SDPA without cuDNN's attention, which builds
 # an execution plan per new (batch, length) shape, reported at 0.4-0.5 s each way; length-bucketed
 # batches are new shapes all through a first epoch, which ran at a fifth of the later epochs'
-# tokens/s on the H200).
+# tokens/s on the H200; with --passes 1, as a second pass finds the first one's plans cached).
 CONFIGS = {
     "fp32": ({"amp": "off"}, ()),
     "bf16": ({"amp": "bf16"}, ()),
