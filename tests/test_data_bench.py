@@ -33,3 +33,13 @@ def test_synth_corpus_refuses_what_would_not_make_two_files_in_a_folder(args, sa
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "synth").exists()
+
+
+def test_data_bench_failure_says_the_failed_phase_s_own_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))
+    src, tgt = generate(300, str(tmp_path / "synth"), "en", "de", seed=1, verbose=False)
+    with pytest.raises(SystemExit) as e:  # 300 pairs yield far fewer than 8,000 pieces
+        bench.main(["--src", src, "--tgt", tgt, "--work", str(tmp_path / "work"), "--vocab-size", "8000"])
+    said = str(e.value.code)
+    assert said.startswith("error: SentencePiece training failed: --vocab-size 8,000") and "\n" not in said, said
+    assert "bench.log" in said

@@ -61,6 +61,7 @@ def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
     """Run cmd (stderr to log); wall seconds, peak tree RSS and peak single-process RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     peak, t0 = [0], time.time()
+    start = os.path.getsize(log) if os.path.exists(log) else 0
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, env=env)
         done = threading.Event()
@@ -75,11 +76,22 @@ def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
         done.set()
         th.join()
     if proc.returncode:
-        raise SystemExit(f"error: {' '.join(cmd)} failed with status {proc.returncode}; see {log}")
+        raise SystemExit(f"error: {phase_error(log, start) or ' '.join(cmd) + f' failed with status {proc.returncode}'}"
+                         f" (the phase's log: {log})")
     single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"wall_s": round(time.time() - t0, 1), "peak_tree_rss_gb": round(peak[0] / 1e9, 3),
             "peak_process_rss_gb": round(single / 1e9, 3) if single / 1024 > before else None,
             "stdout": out.decode().strip()}
+
+
+def phase_error(log: str, start: int) -> str | None:
+    """The failed phase's own last `error:` line (what its user would have seen), from its part
+    of the log, so the benchmark's one error line says why and not only which command."""
+    with open(log, "rb") as fh:
+        fh.seek(start)
+        lines = fh.read().decode(errors="replace").replace("\r", "\n").splitlines()
+    said = [x.strip() for x in lines if x.strip().startswith("error:")]
+    return said[-1].removeprefix("error:").strip() if said else None
 
 
 def first_step(a) -> None:
@@ -105,10 +117,10 @@ def first_step(a) -> None:
 
 def parse_args(argv=None):
     ap = ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--src", required=True)
-    ap.add_argument("--tgt", required=True)
+    ap.add_argument("--src", required=True, help="source side of the corpus, one sentence a line")
+    ap.add_argument("--tgt", required=True, help="target side, line-aligned with --src")
     ap.add_argument("--work", help="data dir and run dirs go here (required)")
-    ap.add_argument("--preset", default="teacher-tiny")
+    ap.add_argument("--preset", default="teacher-tiny", help="the model preset the training phases build")
     ap.add_argument("--vocab-size", type=positive_int, default=8000, help="SentencePiece vocabulary (prepare's)")
     ap.add_argument("--max-tokens", type=positive_int,
                     help="tokens a batch; unset, the trainer's choice for the machine")
