@@ -76,8 +76,8 @@ def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
         done.set()
         th.join()
     if proc.returncode:
-        raise SystemExit(f"error: {phase_error(log, start) or ' '.join(cmd) + f' failed with status {proc.returncode}'}"
-                         f" (the phase's log: {log})")
+        why = phase_error(log, start) or f"{' '.join(cmd)} failed with status {proc.returncode}"
+        raise SystemExit(f"error: {why} (the phase's log: {log})")
     single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"wall_s": round(time.time() - t0, 1), "peak_tree_rss_gb": round(peak[0] / 1e9, 3),
             "peak_process_rss_gb": round(single / 1e9, 3) if single / 1024 > before else None,
