@@ -58,7 +58,8 @@ def attention_backends(device: str, switches) -> list | None:
 
 def run(cfg: TrainConfig, corpus: Corpus, steps: int, warm: int, switches=(), device: str = "cpu") -> dict:
     """Train `steps` steps from scratch; tokens/s over the steps after `warm`, and the seconds a
-    step of the first `warm`, which meet their shapes first (caches, plans: what a new shape costs)."""
+    step of the first `warm`, which meet their shapes first (caches, plans: what a new shape costs).
+    The process's first row also pays its CUDA start-up there: compare warm columns from the second."""
     t = Trainer(cfg, corpus, torch.device(device), ddp=False)
     if "compile" in switches:  # batches vary in shape: dynamic shapes, or it recompiles per bucket
         t.net = torch.compile(t.model, dynamic=True)
