@@ -158,17 +158,17 @@ def test_speed_tool_no_cudnn_runs_its_steps_with_cudnn_attention_left_out_and_re
     assert speed.attention_backends("cpu", ("no_cudnn",)) is None and speed.attention_backends("cuda", ()) is None
 
 
-def test_speed_tool_times_the_first_steps_apart_from_the_rest():
+def test_speed_tool_times_the_first_steps_apart_from_the_rest(monkeypatch):
     """warm_s_per_step: the steps that meet their shapes first (a cuDNN plan each), beside the rest."""
-    import time
     import numpy as np
     from types import SimpleNamespace
     from student.train import speed
-    calls = []
+    calls, clock = [], [0.0]  # a clock of our own: what a step costs is set here, not by the machine's load
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
 
     def step(group):
         calls.append(group)
-        time.sleep(0.05 if len(calls) <= 2 else 0.005)
+        clock[0] += 0.05 if len(calls) <= 2 else 0.005
         return 100, 1.0, 0.1
     t = SimpleNamespace(model=torch.nn.Linear(1, 1), cfg=SimpleNamespace(max_tokens=64, max_sentences=8, seed=1),
                         train_lens=(np.full(40, 8, np.int32), np.full(40, 8, np.int32)), step=step)
