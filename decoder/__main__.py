@@ -17,7 +17,7 @@ from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BE
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
-from .translator import DEFAULT_PRECISION, Translator
+from .translator import Translator
 
 MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
@@ -37,11 +37,10 @@ def parser() -> argparse.ArgumentParser:
         "--beam-size", dest="beam", metavar="N", type=int_range(1, MAX_BEAM), default=1,
         help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy (old name: --beam)"))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    # the library's default (translator.DEFAULT_PRECISION): the same output as Translator(model)
+    # the library's default (translator.default_precision): the same output as Translator(model)
     p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16", "int8", "fp16"],
-                   help=f"default: {DEFAULT_PRECISION['cpu']} on CPU (the model's own output, the same on every "
-                        f"CPU), {DEFAULT_PRECISION['cuda']} on CUDA; auto: fp16 on CUDA, on CPU int8 where it beats "
-                        "fp32 here (measured at start), else fp32")
+                   help="default: the fast path, int8 on a CPU with an int8 kernel (else fp32), fp16 on CUDA; "
+                        "auto: on CPU int8 where it beats fp32 here (measured at start), else fp32")
     p.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch intra-op threads")
     p.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0,
                    help="CPU: N processes, each pinned to a core with one thread, fed whole batches "

@@ -140,8 +140,7 @@ class Model:
         self.pos = sinusoidal_table(a.max_positions + cfg.pad_id + 1, a.d_model, cfg.pad_id).to(
             self.device, self.dtype)  # (P, d)
         out_w = w["shared.weight"] if a.tie_embeddings else w["lm_head.weight"]
-        self.out_proj = linear(out_w, None) if precision != "int8" or plan.int8_out_kernel is None else \
-            Int8Linear(out_w, None, fused=plan.int8_fused, gemv_rows=plan.int8_gemv_rows, wide=True)
+        self.out_proj = linear(out_w, None)
         load = lambda p, dec: Layer.load(w, p, a, linear, plan.fused_qkv, self.dtype, dec)  # noqa: E731
         self.enc_layers = [load(f"encoder.layers.{i}", False) for i in range(a.encoder_layers)]
         self.dec_layers = [load(f"decoder.layers.{i}", True) for i in range(a.decoder_layers)]

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import fused
-from .quant import DTYPES, Int8Linear, fbgemm_available, int_mm_vnni, wide_gemm_available
+from . import fused, search
+from .quant import DTYPES, Int8Linear, fbgemm_available, int_mm_vnni
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,6 @@ def hidden_plain(ffn, y):
     return ffn.fc1(y, relu=True) if ffn.relu else F.gelu(ffn.fc1(y))
 
 
-def hidden_fused(ops, ffn, y):
-    if ffn.relu and ffn.fc1.dense:
-        return ops.add_bias_relu(ffn.fc1.mm(y), ffn.fc1.b)
-    return hidden_plain(ffn, y)
-
-
 def hidden_int8(ffn, y):
     """int8 fc1 whose epilogue quantises relu(fc1(y)) for fc2 (`QuantRows`): the
     (rows, ffn_dim) float hidden is never written nor read back."""
@@ -131,17 +125,12 @@ class CrossPlain:
         self.mask = None if self.mask is None else self.mask.index_select(0, sents)
 
 
-def cross_fused(ops, bf16: bool = False):
-    """The batch's cross K/V in the C++ op's store (`bf16`: rounded to bf16, switch
-    cross_bf16); where the ops have none (CUDA, no compiler) the plain store, which keeps
-    CUDA's decode_attention kernel."""
+def cross_fused(ops):
+    """The batch's cross K/V in the C++ op's store; where the ops have none (CUDA, no
+    compiler) the plain store, which keeps CUDA's decode_attention kernel."""
     if not ops.is_kernel("cross_store"):
         return CrossPlain
-    return lambda k, v, mask, attend: ops.cross_store(k, v, mask, bf16=bf16)
-
-
-def cross_fused_bf16(ops):
-    return cross_fused(ops, bf16=True)
+    return lambda k, v, mask, attend: ops.cross_store(k, v, mask)
 
 
 def write_kv_plain(attn, y, kc, vc, t: int):
@@ -165,10 +154,6 @@ def normalise_greedy(logits):
 
 def identity(x):
     return x
-
-
-def argmax_torch(logits):
-    return logits.argmax(-1)
 
 
 def topk_split(ops, logits, scores, K: int, n: int):
@@ -226,22 +211,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "holds a literal all its matches contain, and looked for only where the line has that "
                  "literal's non-ASCII characters; the same output, 11x faster on 10,000 Bible lines (0.51 to "
                  "0.046 s, EPYC core): a tenth of a GPU throughput pass was normalisation"),
-    Optimisation("ramp_chunks", False, "chunks ramping up from 2,048 lines", "ramp_chunks", True, False,
-                 "every chunk `chunk_lines` (20,000) lines: the first batch waits for a whole chunk's encoding",
-                 "cuda",
-                 detail="the first chunk 2,048 lines (`pipeline.RAMP_FIRST`), each next twice the last up to "
-                 "`chunk_lines`, so the first batch starts sooner and the next chunk's encoding overlaps the "
-                 "decoding; smaller sorting pools at the start. Not measured on a GPU yet"),
-    Optimisation("early_start", False, "the first chunk decoded from its longest lines while the rest encode",
-                 "early_start", True, False, "the first chunk encoded whole before its first block: the GPU idle "
-                 "meanwhile", "cuda", needs=lambda o: o.refill_rows,
-                 detail="with refill_rows, a run's first chunk of at least two states' worth of lines "
-                 "(`Translator._stage`): its longest lines by characters, a state's rows of them (4,096 at the "
-                 "GPU's 64k tokens), are encoded first and decoded at once while a thread encodes the rest, "
-                 "which joins the state when encoded (`refill.More`; a sentence longer than the state's sources "
-                 "gets a state of its own after). Later chunks are encoded while the one before decodes. The same "
-                 "outputs (tests/test_refill.py). Not measured on a GPU yet (`tools.bench_gpu --ablate "
-                 "early_start` turns it on)"),
     Optimisation("short_gil_interval", True, "the GPU-feeding thread takes the GIL back within 0.2 ms",
                  "switch_interval", 0.0002, None,
                  "Python's switch interval of 5 ms: the decoding thread waits up to that for the GIL after "
@@ -291,25 +260,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "shortlist's slice: per batch) for `vpdpbusd`, 6 rows x 64 columns a tile, the same integers as "
                  "`_int_mm`; calls of up to 256 rows (`Int8Linear.PACKED_ROWS`: every decode step, not the encoder's "
                  "batches): 1.1-1.9x `_int_mm` at 8-40 rows, 1.03x at 160 on an AVX-512 VNNI EPYC"),
-    Optimisation("int8_wide_gemm", False, "exact int16 int8 product where no VNNI (C++, AVX2)", "int8_kernel",
-                 "wide", "fbgemm", "fbgemm's linear (7-bit activations without VNNI, the shortlist's slice prepacked "
-                 "per batch)", "int8", row={"fbgemm_int8": True, "fused_ops": True},
-                 needs=lambda o: o.fused_ops and not int_mm_vnni() and wide_gemm_available(),
-                 detail="where `_int_mm` has no VNNI (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2) and our kernels run "
-                 "AVX2, every `Int8Linear` call above the gemv rows runs decoder/csrc/int8_gemm.cpp on the weights "
-                 "widened to int16 at load time (`vpmaddwd`, 2 rows x 4 columns a tile): exactly `_int_mm`'s "
-                 "integers, so the VNNI path's output on AVX2; the shortlist's slice a row gather (54x faster than "
-                 "fbgemm's repack). Off: 0.72-0.84x fbgemm's speed at 64-160 rows (fbgemm's AVX2 step sums two "
-                 "`vpmaddubsw` in saturating int16, more multiply-adds an instruction than any exact step), 0.93x "
-                 "decoding the fixture, AVX2-capped EPYC (docs/bench/decoder.md)"),
-    Optimisation("int8_wide_output", False, "exact int16 output projection beside fbgemm's layers (C++, AVX2)",
-                 "int8_out_kernel", "wide", None, "the layers' int8 linear (fbgemm: the shortlist's slice prepacked "
-                 "per batch)", "int8", row={"fbgemm_int8": True, "fused_ops": True},
-                 needs=lambda o: (o.fused_ops and o.fbgemm_int8 and o.shortlist and not o.int8_wide_gemm
-                                  and not int_mm_vnni() and fbgemm_available() and wide_gemm_available()),
-                 detail="where the layers run fbgemm (no VNNI), the output projection alone runs "
-                 "decoder/csrc/int8_gemm.cpp on int16-widened weights, so the shortlist's slice is a row gather "
-                 "instead of fbgemm's repack of the slice every batch; its logits are `_int_mm`'s integers"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
@@ -320,16 +270,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm",
                  with_ops(add_norm_fused, "add_bias_residual_layernorm"),
                  add_norm_plain, "`add_norm_plain`: addmm, add, layer_norm", "step"),
-    Optimisation("fused_relu", False, "fused bias+relu (C++)", "hidden",
-                 with_ops(hidden_fused, "add_bias_relu"), hidden_plain,
-                 "`hidden_plain`: addmm with bias, relu", "step",
-                 detail="fp32/bf16 fc1 as a bias-free product, then one C++ pass (int8 has it in its epilogue)"),
     Optimisation("int8_quantized_hidden", True, "int8 fc1 quantises its output for fc2 (C++)", "hidden",
-                 hidden_int8, None, "fc1's float output, quantised again by fc2", "int8",
-                 needs=lambda o: not o.fused_relu,
+                 hidden_int8, hidden_plain, "fc1's float output, quantised again by fc2", "int8",
                  detail="`_int_mm` layers: each row of relu(fc1) is rescaled into a row buffer and quantised "
-                 "there, so the (rows, ffn_dim) float hidden is never written nor read back; the same bits "
-                 "(fused_relu, for fp32/bf16, takes the slot when on)"),
+                 "there, so the (rows, ffn_dim) float hidden is never written nor read back; the same bits"),
     Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
                  detail="the cached step's attention for its few queries, reading the cache slice in place"),
@@ -345,22 +289,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  detail="the cross K/V laid out once per batch (per sentence and head: K transposed, padded to "
                  "register blocks, the padding left out); each step a sentence's beams (greedy: its one query) "
                  "run the encoder op's register blocks, FMAs along keys and features with no horizontal sums"),
-    Optimisation("cross_bf16", False, "bf16 cross-attention K/V (C++)", "cross_kv",
-                 Bound(cross_fused_bf16, ("cross_store",)), None,
-                 "fused_cross_attention's fp32 arranged K/V", "greedy", row={"fused_cross_attention": True},
-                 needs=lambda o: o.fused_cross_attention,
-                 detail="the cross K/V arranged once per batch, then rounded to bf16 (nearest even, as "
-                 "`Tensor.to`); each step the kernel widens them to fp32 in registers (a shift, vectorised in "
-                 "every ISA variant), arithmetic in fp32: half the bytes the step's cross-attention reads; "
-                 "a numeric change"),
     Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv",
                  with_ops(write_kv_fused, "qkv_to_cache_"),
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
                  detail="needs fused_qkv: the one q|k|v product is split by the C++ call"),
-    Optimisation("fused_argmax", False, "fused argmax (C++)", "argmax", op("argmax_rows"),
-                 argmax_torch,
-                 "`Tensor.argmax`", "greedy",
-                 detail="where fused_project_argmax does not apply; torch.argmax's rule for ties and NaN"),
     Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
                  False, "`F.linear`, then the argmax", "greedy",
                  needs=lambda o: o.softmax_free and not o.no_repeat_ngram,
@@ -410,63 +342,20 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  detail="with --no-repeat-ngram N"),
-    Optimisation("cuda_graphs", True, "CUDA graphs", "cuda_graphs", True, False, "eager steps", "cuda",
-                 detail="fixed-shape steps (decoder/cache.py StaticCache) replayed from one captured graph"),
+    Optimisation("cuda_graphs", True, "whole search steps replayed from CUDA graphs (small batches)",
+                 "cuda_graphs", True, False, "eager steps: the decoder's and the search's ~14 (greedy) or ~35 "
+                 "(beam) launches a step", "cuda", needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
+                 detail="batches of at most `GRAPH_ROWS` greedy rows, and every beam batch, decode on the "
+                 "fixed-shape state (decoder/state.py StaticCache) whose whole step (decoder, projection, argmax "
+                 "or top-k, forced </s>, finished rows and hypotheses, histories, beam reorder, the position "
+                 "advanced on the device) is captured at fixed addresses: greedy `every` steps one graph, beam "
+                 "one step a graph (decoder/search.py). Without a shortlist or n-gram blocking (a graph replays "
+                 "fixed addresses). Larger greedy batches run eagerly: at 8,192 rows the eager loop was 1.18x"),
     Optimisation("graph_reuse", True, "CUDA graphs kept per batch shape", "static_keep", 64, 0,
                  "a graph captured (and its state built) for every batch", "cuda",
                  detail="the fixed-shape state of a batch of at most 16 rows is kept, 64 shapes at most, and a "
                  "later batch of the same rows, source length, beam and cache length reloads it in place and "
                  "replays its graph: no capture, warm-up steps or graph memory per sentence at batch 1"),
-    Optimisation("graph_steps", True, "whole search steps, bookkeeping included, in CUDA graphs", "graph_steps",
-                 True, False, "one graph for the decoder's step; the search's projection, argmax or top-k and "
-                 "bookkeeping as ~14 (greedy) or ~35 (beam) launches a step", "cuda",
-                 needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
-                 detail="on the fixed-shape state without shortlist or n-gram blocking (decoder/static_steps.py): "
-                 "the whole step (decoder, projection, argmax or top-k, forced </s>, finished rows and "
-                 "hypotheses, histories, beam reorder, the position advanced on the device) at fixed "
-                 "addresses; greedy: `sync_every` steps one graph, the done mask read once per replay; beam: "
-                 "one step a graph"),
-    Optimisation("refill_rows", True, "finished greedy rows refilled with the chunk's next sentences",
-                 "refill_rows", True, False, "each batch decoded until its longest output ends, its finished rows "
-                 "fed <pad>", "cuda", needs=lambda o: o.graph_steps,
-                 detail="with graph_steps, greedy (decoder/refill.py): a chunk's sentences stream through one "
-                 "fixed-shape state of max_tokens/16 rows (4,096 on a GPU), each row at its own position; every "
-                 "`sync_every` steps the finished rows' outputs leave and the next sentences, encoded ahead in "
-                 "the usual batches, take their rows. One graph a chunk; the steps are as many as the chunk's "
-                 "tokens need at that width (the Bible's 10,000 lines: 160 against 504 at 64k-token "
-                 "batches, half of whose rows' steps fed <pad>). Not measured on a GPU yet"),
-    Optimisation("refill_on_device", False, "finished greedy rows refilled on the device, step by step",
-                 "refill_on_device", True, False, "rows refilled by the host after it reads them finished: "
-                 "idle from their </s> to the block after next", "cuda", needs=lambda o: o.refill_rows,
-                 detail="with refill_rows (decoder/refill_device.py): a ring of encoded sentences waits on the "
-                 "device, and at the end of every step the finished rows take its next ones (at most an eighth "
-                 "of the rows a step) in fixed-shape ops the block's graph holds; each sentence writes to an "
-                 "output slot of its own. The host reads the finished slots and tops the ring up once a block. "
-                 "The same outputs (tests/test_refill_device.py). Not measured on a GPU yet"),
-    Optimisation("narrow_tail", True, "a refilled state's busy rows moved to one of half its rows once no "
-                 "sentence waits", "narrow_tail", True, False, "the state's every row run to its last sentence's "
-                 "end, most of them finished", "cuda", needs=lambda o: o.refill_rows and not o.refill_on_device,
-                 detail="with refill_rows (decoder/static_steps.py `narrow_to`): once the chunk's last sentences have "
-                 "rows and at most half of the state's rows are busy, those rows (their K/V so far, cross K/V, "
-                 "positions, outputs) move to a state of half the rows, or a quarter, ..., not below 256, "
-                 "behind the block the GPU is running, and its graph is captured ahead. The Bible's 10,000 lines "
-                 "at 8,192 rows (the GPU's 128k tokens): 1,048,576 row-steps in 128 steps, against 690,488 in 304 "
-                 "for a state per batch; narrowed, 509,952 in 128 (4,096 rows: 589,824 to 456,704; "
-                 "`python -m tools.decode_steps`, docs/bench/decode-steps.md). The same outputs "
-                 "(tests/test_refill.py). Not measured on a GPU yet"),
-    Optimisation("narrow_beam", True, "a fixed-shape beam state's unfinished sentences moved to a state of "
-                 "their own once they hold at most half its rows", "narrow_beam", True, False, "every sentence's "
-                 "beams run to the batch's last sentence's end: about half the row-steps finished sentences'",
-                 "beam",
-                 needs=lambda o: o.graph_steps,
-                 detail="with graph_steps, beam (decoder/static_steps.py `narrow_to`): at a read of the finished "
-                 "sentences, a state of at least 512 rows whose unfinished sentences hold at most half of them "
-                 "moves those (their K/V so far, row table, cross K/V, scores, histories, caps) to a state of "
-                 "their own, whose graphs are captured anew; the finished hypotheses stay where they are. The "
-                 "GPU bench's 1,000 beam lines, KD student: 238,176 row-steps in 184 steps at the GPU's beam "
-                 "batches (16k tokens), narrowed 148,000 in the same steps (64k tokens: 265,920 to 151,744), "
-                 "the same outputs (`python -m tools.decode_steps --beam 4`, docs/bench/decode-steps.md; "
-                 "tests/test_beam_cache.py). Not measured on a GPU yet"),
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
@@ -482,14 +371,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "encoder output and the host goes straight to its search; one more batch's encoder output "
                  "held. CUDA only (a CPU runs the same work in the same order either way). Not measured on a "
                  "GPU yet"),
-    Optimisation("capture_ahead", True, "the greedy block's graph captured while the GPU runs the warm-up",
-                 "capture_ahead", True, False, "captured at the second block, after the host's read of the first "
-                 "has waited for the GPU: the GPU idle while the host captures", "cuda",
-                 needs=lambda o: o.graph_steps,
-                 detail="with graph_steps, greedy: a batch's first block of steps runs eagerly (the warm-up), then "
-                 "its graph is captured at once, before the read of the first block's finished rows, so the "
-                 "host's capture (a few ms for 8 steps) overlaps the GPU's encoder and warm-up; a batch whose "
-                 "cap allows one block only captures nothing. Not measured on a GPU yet"),
     Optimisation("graph_attention", True, "decode-step attention kernel in the fixed-shape state",
                  "static_attend", True, False, "`scaled_dot_product_attention` over the whole cache with a -inf "
                  "bias past the position (cuDNN's flash attention on a GPU: a third of the H100's GPU time)", "cuda",
@@ -502,22 +383,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "Bible's 10,000 lines). On where the CUDA kernels are loaded. H200, the per-batch loop "
                  "without graphs: 1.05x throughput, 0.97x at batch 1 (one pass each); with refill_rows not "
                  "measured on a GPU yet (`tools.bench_gpu --ablate graph_attention` measures it off)"),
-    Optimisation("warp_attention", True, "decode-step attention a warp per row and head (CUDA)", "attend",
-                 op("decode_attention_warp"), None, "the CUDA kernel's block of 256 threads per row and head: a "
-                 "thread per key, reading its key with a stride, and a quarter of the threads over the features",
-                 "cuda",
-                 needs=lambda o: o.fused_attention,
-                 detail="csrc/fused_cuda.cu `decode_attention_warp_kernel`: four (row, head) pairs a block of 128 "
-                 "threads, the 32 lanes of a warp splitting each key's dot product and the output's features (rows "
-                 "of K and V read whole, reductions by shuffles, no block barrier, keys in tiles of 8 whose loads "
-                 "go out together; where a head's rows are 16-byte aligned, as the decoder's 64 fp16 features are, "
-                 "`decode_attention_wide_kernel`: 16-byte loads, eight lanes a key, four keys at once), for self- and cross-attention wherever the plan's attention runs the CUDA "
-                 "kernel; the block kernel past 128 features or 3,072 keys, and under 16 (row, head) pairs per "
-                 "multiprocessor (`fused.WARP_MIN_PER_SM`: batch 1, where a warp walking its keys is slower than "
-                 "a block spreading them; estimated, not measured). Its self-check refuses it alone "
-                 "(`fused.OWN_FALLBACK`): the block kernel then runs. "
-                 "With refill_rows a step attends for thousands of rows, where the block kernel's 256-thread "
-                 "blocks queue in waves. Not measured on a GPU yet (`tools.bench_gpu --ablate warp_attention`)"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
                  detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
@@ -548,7 +413,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "the first norm (ATen's layer_norm), every layer as one_row_layer, the output projection "
                  "(gemv, full or the shortlist's rows) and the argmax, and returns the column: one dispatch a "
                  "step"),
-    Optimisation("shortlist", False, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
+    Optimisation("shortlist", True, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist", detail="the output layer over the batch's candidates from the model dir's "
                  "shortlist.safetensors (python -m student.shortlist)"),
 )
@@ -586,24 +451,46 @@ def describe(kw: dict) -> str:
 
 
 @dataclass(frozen=True)
+class StateOptions:
+    """Which decoder state a batch runs on, and its options (decoder/state.py), resolved once."""
+    eager: str = "incremental"  # "incremental" | "row_table" | "recompute": a batch's state where none below
+    one_row: bool = False       # a greedy batch of one sentence: the one-row latency state
+    static: bool = False        # batches of at most `graph_rows` rows: the fixed-shape state
+    graph_rows: int = 0
+    graphs: bool = False        # ... its steps replayed from CUDA graphs
+    keep_states: int = 0        # fixed-shape states kept for later batches of their shape (graph_reuse)
+    every: int = 1              # greedy: the steps of a block (the host reads after each)
+    half_kv: bool = False       # batch caches: an fp32 model's self-attention K/V in fp16
+    row_table: bool = False     # the fixed-shape beam state reorders a row table, not its K/V
+    masked_attend: bool = False  # the fixed-shape state attends through the plan's kernel (a bool mask)
+    one_row_layer: bool = False  # one-row state: each decoder layer one C++ call
+    one_row_step: bool = False   # one-row state: the whole step one C++ call
+
+    def kind(self, sentences: int, beam: int) -> str:
+        """The state of a batch of `sentences` at `beam` (decoder/state.py new_state)."""
+        if self.one_row and sentences == 1 and beam == 1:
+            return "one_row"
+        if self.static and sentences * beam <= self.graph_rows:
+            return "static"
+        return self.eager
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What the decoder runs, resolved once from the switches."""
-    state: str                  # "recompute" | "incremental" | "row_table" | "static" (decoder/cache.py)
+    """What the decoder runs, resolved once from the switches: the loop, the state and the
+    functions the step calls. Nothing after `resolve` reads a switch."""
     sort: bool
     normalise: Callable         # greedy: logits -> what the argmax runs on
     early_stop: bool
     fused_qkv: bool
     pipeline: bool
     fast_normaliser: bool       # decoder/normalise.py in place of sacremoses' normalize (same output)
-    ramp_chunks: bool           # the text pipeline's chunks ramp up from pipeline.RAMP_FIRST lines
-    early_start: bool           # refill_rows: the first chunk decoded from its longest lines while the rest encode
     switch_interval: float | None  # sys.setswitchinterval while the text pipeline's threads run (None: Python's)
     decode_ahead: bool          # the text pipeline decodes the next chunk while this one's outputs go out
     retain_memory: bool
     int8_fused: bool
-    int8_kernel: str            # "fbgemm" | "int_mm" | "wide": the int8 linear (decoder/quant.py)
+    int8_kernel: str            # "fbgemm" | "int_mm": the int8 linear (decoder/quant.py)
     int8_packed_gemm: bool      # Int8Linear: our packed VNNI product in place of _int_mm (int8_gemm.cpp)
-    int8_out_kernel: str | None  # "wide": the int8 output projection's own kernel; None: the layers' (int8_kernel)
     int8_gemv_rows: int         # int8 calls of at most this many rows run our gemv kernel (0: none)
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))
@@ -611,58 +498,48 @@ class Plan:
     write_kv: Callable          # (attn, y, kc, vc, t) -> q; k, v written at t
     cross_kv: Callable          # (k, v, mask, attend) -> a batch's cross K/V, kv(q (B, Q, d)) -> (B, Q, d)
     encoder_attend: Callable    # encoder self-attention (attn, y, heads, mask) -> (B, S, d)
-    argmax: Callable            # greedy: (rows, C) -> (rows,)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
-    project_topk: bool          # beam: the state takes the top n from the projection's tiles (DecoderState.step_topk)
+    project_topk: bool          # beam: the state takes the top n from the projection's tiles
     block: Callable             # n-gram blocking, in place
-    cuda_graphs: bool           # CUDA only: the static state's steps replayed from one graph
-    static_keep: int            # static states kept for reuse by batch shape (0: none; decoder/cache.py)
-    graph_steps: bool           # static state: whole search steps in graphs (decoder/static_steps.py)
-    capture_ahead: bool         # graph_steps, greedy: the block's graph captured before the first read
-    refill_rows: bool           # graph_steps, greedy: a chunk's sentences through one state, rows refilled
-    refill_on_device: bool      # refill_rows: the rows refilled on the device each step (decoder/refill_device.py)
-    narrow_tail: bool           # refill_rows, the host's: busy rows move to a narrower state once none wait
-    narrow_beam: bool           # graph_steps, beam: unfinished sentences move to a narrower state
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
-    static_attend: bool         # static state: its attention through `attend` (a bool mask) in place of SDPA
-    one_row: bool               # batches of one sentence, greedy: the one-row loop and state
     attend_one: Callable        # the one-row state's attention (q, k, v)
     write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
-    kv_row_table: bool          # beam: reorders rewrite a row table, the K/V cache stays (RowTableCache)
-    kv_half: bool               # batch caches: an fp32 model's self-attention K/V cache in fp16
-    one_row_layer: bool         # one-row state: each decoder layer one C++ call (int8 gemv models)
-    one_row_step: bool          # one-row state, greedy: the whole step one C++ call, the argmax column back
-    # resolved from the device, the beam and the kernels loaded, not slots of a switch:
+    states: StateOptions        # which state a batch runs on, and its options
+    search: Callable            # (state, limits, Search, lims, vocab) -> Outputs: decoder/search.py's loop
     device: str = "cpu"         # "cpu" | "cuda"
-    loop: str = "greedy"        # "greedy" | "beam" (batches of one sentence: `one_row` above)
-    sync_every: int = 1         # the loop reads its finished rows to the host every this many steps
+    loop: str = "greedy"        # "greedy" | "beam"
+    every: int = 1              # the loop reads its finished rows to the host every this many steps
     kernels: bool = False       # the device's fused kernels are loaded (C++ on CPU; CUDA: built and self-checked)
     runs: frozenset = frozenset()  # the switches that resolved on
     ops: fused.Ops = fused.REFERENCE  # the fused ops bound for the device and precision (Model.project_argmax)
     bound: tuple = ()           # (slot, whether its fused ops run kernels) for each such slot this loop calls
 
-    def state_for(self, sentences: int) -> str:
-        """The decoder cache of a batch (decoder/cache.py CACHES): `state`, or the
-        one-row latency state for one sentence, greedy."""
-        return "one_row" if self.one_row and sentences == 1 else self.state
+    def searcher(self, start_id: int, eos_id: int, pad_id: int, beam: int = 1, length_penalty: float = 1.0,
+                 shrink_ratio: float = 0.25, no_repeat_ngram: int = 0) -> search.Search:
+        """The loop's settings with the plan's functions bound in (decoder/search.py `Search`)."""
+        pick = search.pick_in_step if self.argmax_in_step else \
+            search.pick_argmax(self.normalise, self.block, no_repeat_ngram)
+        return search.Search(start_id, eos_id, pad_id, beam, length_penalty, shrink_ratio, no_repeat_ngram,
+                             every=self.every, shrink=self.early_stop, pick=pick, block=self.block,
+                             topk=self.topk, project_topk=self.project_topk)
 
     def summary(self, precision: str = "fp32") -> str:
-        """The plan in one clause of the settings line: loop, state, graphs, host
-        reads, the switches of this device and loop that differ from their defaults,
-        and which of the fused ops it calls run kernels (`ops_summary`)."""
+        """The plan in one clause of the settings line: loop, state, graphs, host reads, the
+        switches of this device and loop that differ from their defaults, and which of the
+        fused ops it calls run kernels (`ops_summary`)."""
         relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
                     "int8" if precision == "int8" else "", self.device}
         diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
                 if o.bench in relevant and (o.name in self.runs) != o.default and o.name != "cuda_graphs"]
-        reads = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
-        return (f"{self.loop} loop, {self.state} state" + (", one-row state at 1 sentence" if self.one_row else "")
-                + f", CUDA graphs {'on' if self.cuda_graphs else 'off'}"
-                + (f", whole {self.loop} steps {self.sync_every if self.loop == 'greedy' else 1} a graph"
-                   if self.graph_steps else "") + (", rows refilled" if self.refill_rows else "")
-                + f", host reads {reads}"
+        st = self.states
+        reads = "every step" if self.every == 1 else f"every {self.every} steps"
+        static = "" if not st.static else (f", fixed-shape state up to {st.graph_rows} rows" if st.graph_rows < MAX_ROWS
+                                          else ", fixed-shape state")
+        return (f"{self.loop} loop, {st.eager} state" + (", one-row state at 1 sentence" if st.one_row else "")
+                + static + f", CUDA graphs {'on' if st.graphs else 'off'}, host reads {reads}"
                 + (f"; {' '.join(diff)}" if diff else "") + self.ops_summary())
 
     def ops_summary(self) -> str:
@@ -690,21 +567,25 @@ def loaded_kernels(device: str) -> Kernels:
 
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "kv_half",
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "kv_half",
                       "one_row_layer", "one_row_step", "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
-SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "cross_bf16", "one_row_layer",
+SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
-CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes",
-                       "warp_attention"})
+CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes"})
 # switches whose off path beats their ops' PyTorch reference: on only where the device's kernels are loaded
 WITH_KERNELS = frozenset({"kv_row_table"})
 # switches whose CUDA kernel is one of its own, which its self-check may refuse alone (fused.OWN_FALLBACK)
-OWN_KERNEL = {"warp_attention": "decode_attention_warp", "kv_row_table": "decode_attention_rows"}
+OWN_KERNEL = {"kv_row_table": "decode_attention_rows"}
 # host reads of the finished rows: every step on CPU (a read is a memory access there, and the
 # per-step loops are the measured fastest); on CUDA a read stops the host until the GPU catches up
 SYNC_EVERY = {"cpu": 1, "cuda": 8}
+# greedy batches of at most this many rows decode on the fixed-shape state with graphs: batch 1
+# needs them (the H200: 0.59x without), 8,192 rows ran 1.18x faster eagerly (docs/bench/gpu.md);
+# where between the two they stop paying is not measured yet. Beam batches always take them.
+GRAPH_ROWS = 256
+MAX_ROWS = 1 << 30
 
 
 def _allowed(name: str, device: str, k: Kernels) -> bool:
@@ -722,62 +603,71 @@ def _allowed(name: str, device: str, k: Kernels) -> bool:
 
 def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: int = 0,
             kernels: Kernels | None = None, static_shapes: bool = False, sync_every: int | None = None,
-            precision: str = "fp32") -> Plan:
-    """The Plan for `switches` (a Switches) on `device` ("cpu" | "cuda"), with
-    `kernels` loaded (None: what this process has), at `beam` and `precision`: what
-    the step calls (the fused ops bound to their kernels or references) and which
-    loop and state run, decided once. `no_repeat_ngram` decides, with the other
-    switches, each entry's `needs`.
-    `static_shapes`: the fixed-shape state without graphs on any device;
+            precision: str = "fp32", has_shortlist: bool = True) -> Plan:
+    """The Plan for `switches` (a Switches) on `device` ("cpu" | "cuda"), with `kernels`
+    loaded (None: what this process has), at `beam` and `precision`: what the step calls
+    (the fused ops bound to their kernels or references), which loop runs, on which
+    state, how often the host reads, and whether graphs replay the steps: decided here
+    and nowhere else. `no_repeat_ngram` and `has_shortlist` (the model dir has one)
+    decide, with the other switches, each entry's `needs`.
+    `static_shapes`: the fixed-shape state for every batch, without graphs, on any device;
     `sync_every`: host reads every this many steps (None: the device's)."""
     device = "cuda" if device.startswith("cuda") else "cpu"
     k = loaded_kernels(device) if kernels is None else kernels
     view = SimpleNamespace(**dataclasses.asdict(switches), no_repeat_ngram=no_repeat_ngram)
+    if not has_shortlist:
+        view.shortlist = False
     slots: dict = {}
     runs = set()
     for o in OPTIMISATIONS:
         slots.setdefault(o.slot, o.off)
-        if getattr(switches, o.name) and o.needs(view) and _allowed(o.name, device, k):
+        if getattr(view, o.name) and o.needs(view) and _allowed(o.name, device, k):
             slots[o.slot] = o.on
             runs.add(o.name)
     loop = "beam" if beam > 1 else "greedy"
-    if slots["state"] == "incremental":
-        if slots["cuda_graphs"] or static_shapes:
-            slots["state"] = "static"
-        elif loop == "beam" and slots["kv_row_table"] and device == "cpu":
-            slots["state"] = "row_table"
-    slots["one_row"] = slots["one_row"] and slots["state"] == "incremental" and loop == "greedy"
-    if slots["state"] != "static":
-        slots["static_keep"], slots["static_attend"] = 0, False
-        runs -= {"graph_reuse", "graph_attention"}
-    if device == "cuda" and not k.cuda:  # its reference reads the whole cache as SDPA does, in more kernels
-        slots["static_attend"] = False
-        runs.discard("graph_attention")
-    # the row table: the CPU's row_table state, or the fixed-shape state through the attention kernel
-    # (SDPA reads no table); on CUDA only the graphs' state (the eager one moves just the live K/V)
-    sdpa = slots["state"] == "static" and not slots["static_attend"]
-    if sdpa or (device == "cuda" and slots["state"] != "static"):
-        slots["kv_row_table"] = False
-        runs.discard("kv_row_table")
-    if slots["state"] != "static" or (loop == "beam" and slots["project_topk"]):
-        # the fixed-address beam step takes its top-k from the logits
-        slots["graph_steps"] = slots["capture_ahead"] = False
-        runs -= {"graph_steps", "capture_ahead"}
-    if not slots["graph_steps"] or loop != "greedy":
-        slots["refill_rows"] = False
-        runs.discard("refill_rows")
-    if not slots["graph_steps"] or loop != "beam":
-        slots["narrow_beam"] = False
-        runs.discard("narrow_beam")
-    if not slots["refill_rows"]:
-        slots["early_start"] = slots["refill_on_device"] = slots["narrow_tail"] = False
-        runs -= {"early_start", "refill_on_device", "narrow_tail"}
+    every = sync_every or SYNC_EVERY[device]
+    slots["states"] = st = state_options(slots, runs, loop, device, k, static_shapes, every)
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)
-    bound = bind(slots, ops, step_slots(slots, loop, no_repeat_ngram))
-    return Plan(**slots, device=device, loop=loop, sync_every=sync_every or SYNC_EVERY[device],
-                kernels=loaded, runs=frozenset(runs), ops=ops, bound=bound)
+    bound = bind(slots, ops, step_slots(slots, st, loop, no_repeat_ngram))
+    for name in ("state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "kv_half", "one_row",
+                 "one_row_layer", "one_row_step"):
+        del slots[name]  # in `states` now
+    run = search.beam if loop == "beam" else (greedy_or_one if st.one_row else search.greedy)
+    return Plan(**slots, search=run, device=device, loop=loop, every=every, kernels=loaded, runs=frozenset(runs),
+                ops=ops, bound=bound)
+
+
+def state_options(slots: dict, runs: set, loop: str, device: str, k: Kernels, static_shapes: bool,
+                  every: int) -> StateOptions:
+    """Which state each batch runs on and its options, from the resolved slots; `runs` loses
+    the switches that do not apply."""
+    cache = slots["state"] == "incremental"
+    graphs = cache and slots["cuda_graphs"]
+    static = cache and (graphs or static_shapes)
+    masked = static and slots["static_attend"] and (device == "cpu" or k.cuda)
+    # the row table: the CPU's eager beam state, or the fixed-shape one through the attention kernel
+    # (SDPA reads no table); CUDA's eager state moves just the live K/V
+    table = slots["kv_row_table"] and loop == "beam"
+    eager = "row_table" if table and device == "cpu" and cache else slots["state"]
+    one_row = slots["one_row"] and cache and not static and loop == "greedy"
+    drop = {"graph_reuse": not static, "graph_attention": not masked, "cuda_graphs": not graphs,
+            "kv_row_table": not (eager == "row_table" or (table and masked)), "one_row": not one_row}
+    runs -= {name for name, off in drop.items() if off}
+    return StateOptions(
+        eager=eager, one_row=one_row, static=static, graph_rows=MAX_ROWS if static_shapes or loop == "beam"
+        else GRAPH_ROWS, graphs=graphs and device == "cuda", keep_states=slots["static_keep"] if static else 0,
+        every=every, half_kv=slots["kv_half"], row_table=table and masked, masked_attend=masked,
+        one_row_layer=one_row and slots["one_row_layer"], one_row_step=one_row and slots["one_row_step"])
+
+
+def greedy_or_one(state, limits, s, lims: list[int], vocab=None):
+    """Greedy where a batch of one sentence runs on the one-row state (StateOptions.kind):
+    the latency step, else the batch loop."""
+    if state.one_row:
+        return search.Outputs.of([search.greedy_one(state, lims[0], s, vocab)])
+    return search.greedy(state, limits, s, lims, vocab)
 
 
 def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
@@ -799,20 +689,20 @@ def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
     return tuple(bound)
 
 
-def step_slots(slots: dict, loop: str, no_repeat_ngram: int) -> set:
+def step_slots(slots: dict, st: StateOptions, loop: str, no_repeat_ngram: int) -> set:
     """The slots that a decode with these resolved `slots` calls: the static state
-    attends with SDPA itself (unless static_attend), the recompute state through the whole prefix."""
+    attends with SDPA itself (unless masked_attend), the recompute state through the whole prefix."""
     calls = {"add_norm", "hidden", "encoder_attend"}
-    if slots["state"] in ("incremental", "row_table"):
+    if st.eager in ("incremental", "row_table"):
         calls |= {"attend", "write_kv", "cross_kv"}
-    if slots["static_attend"]:
+    if st.masked_attend:
         calls.add("attend")
-    if slots["one_row"]:
+    if st.one_row:
         calls |= {"attend_one", "write_kv_one"}
     if loop == "beam":
         calls.add("topk")
     else:
-        calls.add("argmax_in_step" if slots["argmax_in_step"] else "argmax")
+        calls |= {"argmax_in_step"} if slots["argmax_in_step"] else set()
     return calls | ({"block"} if no_repeat_ngram else set()) | ({"shortlist"} if slots["shortlist"] else set())
 
 

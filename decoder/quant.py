@@ -9,11 +9,7 @@ AVX-512/VNNI, so int8 pays on every x86 CPU) and our own `_int_mm` path
 up to 1.35x fbgemm's speed at the layer linears and 1.25x at the output
 projection's >= 64 rows, without VNNI 13-30x slower than fp32).
 decoder/optimisations.py picks per machine: `fbgemm_int8` (on) takes fbgemm,
-`int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI
-(`int_mm_vnni`), and `int8_wide_gemm` (off: 0.93x fbgemm decoding) takes
-`Int8Linear` where it does not, with our exact AVX2 product on weights
-widened to int16 (`wide=True`): the same integers as `_int_mm`, so an AVX2
-CPU decodes the VNNI path's tokens.
+`int8_vnni_int_mm` (on) takes `_int_mm` back where it runs VNNI (`int_mm_vnni`).
 Either way calls of at most 4 rows run our gemv kernel
 (`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
 dominate. The measurements behind the choices are in docs/bench/decoder.md
@@ -78,13 +74,11 @@ class Int8Linear:
     dense = False  # bias and relu go into the int8 op's own epilogue
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fused: bool = True, gemv_rows: int = 0,
-                 packed: bool = False, wide: bool = False):
+                 packed: bool = False):
         """gemv_rows > 0: calls of at most that many rows run `GemvLinear` (int8_gemv).
         packed: the C++ op's product runs our VNNI kernel (decoder/csrc/int8_gemm.cpp) on
         weights packed here (int8_packed_gemm) at calls of at most `packed_rows` rows, `_int_mm`
-        above: the same integers, without oneDNN's weight reorder on every call.
-        wide (where there is no VNNI): every call's product runs our AVX2 kernel on the weights
-        widened to int16 here (int8_wide_gemm): the same integers again."""
+        above: the same integers, without oneDNN's weight reorder on every call."""
         # fused: one C++ call (decoder/csrc/int8_linear.cpp) instead of ~8 tensor ops
         self.fused = fused and ops.available()
         w = w.float()
@@ -99,9 +93,6 @@ class Int8Linear:
         self.packed, self.packed_rows = None, self.PACKED_ROWS
         if packed and self.fused and ops.int8_gemm_available():
             self.packed = ops.int8_gemm_pack(wq)  # (bytes,) int8, decoder/csrc/int8_gemm.cpp
-        elif wide and self.fused and ops.int8_gemm_wide_available():
-            # (out padded, in padded) int16; at every row count: without VNNI _int_mm is a plain loop
-            self.packed, self.packed_rows = ops.int8_gemm_widen(wq), sys.maxsize
 
     # Calls of at most this many rows take the packed product (int8_packed_gemm): it saves
     # `_int_mm`'s per-call weight reorder, 1.1-1.9x at 8-40 rows, 1.02-1.03x at 160 (every
@@ -383,11 +374,6 @@ def fbgemm_vnni() -> bool:
     return _cpu_has_vnni()
 
 
-def wide_gemm_available() -> bool:
-    """Whether our int8 product on int16 weights runs its AVX2 kernel here (`int8_wide_gemm`)."""
-    return ops.int8_gemm_wide_available()
-
-
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow its AVX-512 VNNI int8 kernels
 ONEDNN_VNNI_CAPS = ("ALL", "DEFAULT", "AVX512_CORE_", "AVX10")
 
@@ -417,8 +403,7 @@ _fbgemm: dict = {}
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=None):
     """The linear layer of `precision`; int8 runs the kernels the plan chose
-    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm, our `_int_mm` op or, "wide", our
-    AVX2 product on int16 weights,
+    (`plan.int8_kernel`, decoder/optimisations.py: fbgemm or our `_int_mm` op,
     `plan.int8_gemv_rows`: our gemv kernel at that many rows or fewer, and
     `plan.int8_packed_gemm`: our packed VNNI product in place of `_int_mm`)."""
     if precision != "int8":
@@ -427,8 +412,7 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, precision: str, plan=No
     if plan is not None and plan.int8_kernel == "fbgemm" and fbgemm_available():
         return FbgemmLinear(w, b, gemv_rows=gemv_rows)
     return Int8Linear(w, b, fused=plan is None or plan.int8_fused, gemv_rows=gemv_rows,
-                      packed=plan is not None and plan.int8_packed_gemm,
-                      wide=plan is not None and plan.int8_kernel == "wide")
+                      packed=plan is not None and plan.int8_packed_gemm)
 
 
 def describe_int8(kernel: str) -> str:
@@ -437,7 +421,7 @@ def describe_int8(kernel: str) -> str:
     8-bit kernels flip near ties (docs/bench/decoder.md "7-bit activations")."""
     if kernel == "fbgemm" and fbgemm_available():
         return "fbgemm, 8-bit activations" if fbgemm_vnni() else "fbgemm, 7-bit activations (no VNNI)"
-    return "int16-widened weights, 8-bit activations" if kernel == "wide" else "_int_mm, 8-bit activations"
+    return "_int_mm, 8-bit activations"
 
 
 def int8_available() -> bool:
@@ -456,7 +440,7 @@ class Probe:
     mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
     (1, 256, 256) half of it (docs/bench/decoder.md "int8 on every x86 CPU")."""
     rows: int = 64
-    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "wide" | "gemv": the kernel the plan runs at these rows
+    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv": the kernel the plan runs at these rows
     d: int = 256
     vocab: int = 8000
 
@@ -518,9 +502,8 @@ def _time_int8(p: Probe) -> float:
     x, ws = torch.randn(p.rows, p.d), _weights(p)
     if p.kernel == "fbgemm" and fbgemm_available():
         lins = [FbgemmLinear(w, None) for w in ws]
-    else:  # "gemv": the gemv kernel at these rows, whichever linear holds it; "int_mm", "wide": our C++ op
-        lins = [Int8Linear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0, wide=p.kernel == "wide")
-                for w in ws]
+    else:  # "gemv": the gemv kernel at these rows, whichever linear holds it; "int_mm": our C++ op
+        lins = [Int8Linear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0) for w in ws]
     return _best_of(lambda: [lin(x) for lin in lins])
 
 

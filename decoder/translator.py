@@ -7,25 +7,23 @@ import contextlib
 import dataclasses
 import math
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Iterable, Iterator
 
 import torch
 
-from . import hostsync, modeldir, ops, refill, refill_device
+from . import hostsync, modeldir, ops
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
-from .cache import new_state
-from .loops import loop_of
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
-from .pipeline import RAMP_FIRST, NormalisePool, Text, normalise_processes, run, shares
-from .quant import Probe, int8_pays, probe as time_probe
+from .pipeline import NormalisePool, Text, normalise_processes, run, shares
+from .quant import Probe, fbgemm_available, int8_pays, int_mm_vnni, probe as time_probe
 from .runtime import retain_freed_memory
-from .search import Outputs, Search
+from .search import Outputs
 from .shortlist import Shortlist
+from .state import new_state
 from .workers import WorkerPool
 
 
@@ -81,10 +79,14 @@ class Options:
         return {**d, **asdict(self.switches)}
 
 
-# The precision where none is asked for. CPU: fp32, the model's own output, the same on every
-# CPU (`auto`'s int8 is faster where it pays and differs on a few lines). CUDA: fp16, tensor-core
-# products; fp32 there is TF32 anyway, and on the H100 it went 72k words/s against fp16's 107k.
-DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "fp16"}
+def default_precision(device: str) -> str:
+    """The precision where none is asked for: what the container runs. CPU: int8 where the CPU
+    has an int8 kernel (fbgemm, or `_int_mm` with VNNI; 4.0x fp32 with the shortlist and 2 workers
+    on an AVX2-only CPU), else fp32. CUDA: fp16, tensor-core products (on the H100 107k words/s
+    against fp32's 72k)."""
+    if device.startswith("cuda"):
+        return "fp16"
+    return "int8" if fbgemm_available() or int_mm_vnni() else "fp32"
 
 
 NO_CUDA = "warning: CUDA is not available; running on CPU"
@@ -109,7 +111,7 @@ def resolve_device_precision(device: str, precision: str | None, probe: Probe | 
         if precision == "fp16":
             precision = "auto"
     if precision is None:
-        precision = DEFAULT_PRECISION["cuda" if device.startswith("cuda") else "cpu"]
+        precision = default_precision(device)
     if precision == "auto":
         if device.startswith("cuda"):
             precision = "fp16"
@@ -143,10 +145,14 @@ class Translator:
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         cfg, weights, spm_path = modeldir.load(model_dir)
+        if options.get("shortlist") and cfg.shortlist is None:  # asked for by name: the dir must have one
+            modeldir.read_shortlist(model_dir, cfg)
         self.probe = self.probe_for(cfg) if precision == "auto" else None
         self.device, self.precision = resolve_device_precision(device, precision, self.probe)
+        self.asked_precision = precision
         self.plan = resolve(o.switches, device=self.device, beam=o.beam, no_repeat_ngram=o.no_repeat_ngram,
-                            static_shapes=o.static_shapes, sync_every=o.sync_every, precision=self.precision)
+                            static_shapes=o.static_shapes, sync_every=o.sync_every, precision=self.precision,
+                            has_shortlist=cfg.shortlist is not None)
         if self.plan.retain_memory:
             retain_freed_memory()
         self.cfg = cfg
@@ -154,11 +160,10 @@ class Translator:
         n = normalise_processes() if self.plan.normalise_processes else 0
         if n and self.text.normalise is not None:
             self.text.pool = NormalisePool.shared(cfg, n)  # started now (once a process), while the model loads
-        self.search = Search(self.plan, cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
-                             length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
-                             no_repeat_ngram=o.no_repeat_ngram)
-        self.loop = loop_of(self.plan)  # which search loop runs a batch, decided once
-        self.shortlist = self.model = self.pool = self._stager = None
+        self.search = self.plan.searcher(cfg.decoder_start_id, cfg.eos_id, cfg.pad_id, beam=o.beam,
+                                         length_penalty=o.length_penalty, shrink_ratio=o.shrink_ratio,
+                                         no_repeat_ngram=o.no_repeat_ngram)
+        self.shortlist = self.model = self.pool = None
         if o.workers > 1:
             if self.device != "cpu":
                 raise ValueError("workers are CPU processes; use one process on CUDA")
@@ -192,8 +197,8 @@ class Translator:
         return self.probe.describe(*time_probe(self.probe))
 
     def state_kind(self, sentences: int = 2) -> str:
-        """The decoder cache a batch of `sentences` runs through (decoder/cache.py): the plan's."""
-        return self.plan.state_for(sentences)
+        """The decoder state a batch of `sentences` runs on (decoder/state.py): the plan's."""
+        return self.plan.states.kind(sentences, self.opts.beam)
 
     # -- token level ---------------------------------------------------------------
     def limits(self, lengths: list[int]) -> torch.Tensor:
@@ -233,7 +238,7 @@ class Translator:
     def search_batch(self, e: "Encoded") -> Outputs:
         """An encoded batch searched (decoder/search.py); its outputs as `start_ids` gives them."""
         state = new_state(self.model, e.enc, e.mask, self.opts.beam, max(e.lims), e.out, self.phase)
-        return self.loop(self.search, state, e.limits, e.lims, e.vocab)
+        return Outputs.of(self.plan.search(state, e.limits, self.search, e.lims, e.vocab))
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it
@@ -266,64 +271,13 @@ class Translator:
         self.text.seen(len(lines), cut)
         return out
 
-    def _stage(self, lines: list[str]):
-        """switch early_start, the run's first chunk: its longest lines (by characters), a
-        refilled state's rows of them, encoded now and the rest in a thread of their own, so
-        that decoding starts on the first before the chunk is encoded (`Staged`); a chunk of
-        fewer than two states' worth of lines is encoded whole (`_encode`)."""
-        o = self.opts
-        n = min(o.max_sentences, o.max_tokens // refill.ROW_TOKENS)
-        if (self.pool is not None or len(lines) < 2 * n
-                or not refill.applies(len(lines), o.max_tokens, o.max_sentences)):
-            return self._encode(lines)
-        order = sorted(range(len(lines)), key=lambda i: -len(lines[i]))  # longest first
-        head, rest = order[:n], order[n:]
-        first = self.text.reserve(len(lines))  # its truncation warning names lines of this chunk
-        ids, cut = self.text.ids([lines[i] for i in head])
-
-        def rest_ids() -> list:
-            more, more_cut = self.text.ids([lines[i] for i in rest])
-            # the chunk's warning, in input order, before the job ends: a later chunk waits for it
-            self.text.report(first, sorted([(head[i], t) for i, t in cut] + [(rest[i], t) for i, t in more_cut]))
-            return more
-        if self._stager is None:
-            self._stager = ThreadPoolExecutor(1, thread_name_prefix="stage")
-        return Staged(len(lines), head, ids, rest, self._stager.submit(rest_ids))
-
-    def _compute_staged(self, st: "Staged", submit):
-        """_compute for a Staged chunk: the head's batches refilled, the rest joining as encoded."""
-        o = self.opts
-        srcs, caps = [None] * st.n, [0] * st.n
-
-        def batches_of(positions: list[int], ids: list) -> list[list[int]]:
-            for i, x in zip(positions, ids):
-                srcs[i] = x
-            live = [i for i in positions if srcs[i] is not None]  # empty lines stay out
-            for i, c in zip(live, self.limits([len(srcs[i]) for i in live]).tolist()):
-                caps[i] = c
-            return [[live[j] for j in b] for b in make_batches([len(srcs[i]) for i in live], o.max_tokens,
-                                                                 o.max_sentences, self.plan.sort)]
-
-        def take() -> list[list[int]]:
-            return batches_of(st.rest, st.job.result())
-        batches, more = batches_of(st.head, st.ids), refill.More(st.job.done, take)
-        if not batches:  # the longest lines all blank
-            batches, more = take(), None
-        groups, futs = self.refilled(srcs, batches, caps, submit, more)
-        return lambda: [x or "" for x in restore(groups, [f.result() for f in futs], st.n)]
-
     def _compute(self, srcs: list, submit):
-        if isinstance(srcs, Staged):
-            return self._compute_staged(srcs, submit)
         o = self.opts
         idx = [i for i, s in enumerate(srcs) if s is not None]
         batches = make_batches([len(srcs[i]) for i in idx], o.max_tokens, o.max_sentences, self.plan.sort)
         if self.pool is not None:
             # every batch of the chunk is queued first, so the workers never wait on the parent
             futs = [self.pool.submit([srcs[idx[j]] for j in b], "translate_text") for b in batches]
-        elif self.plan.refill_rows and refill.applies(len(idx), o.max_tokens, o.max_sentences):
-            live = [srcs[i] for i in idx]
-            batches, futs = self.refilled(live, batches, self.limits([len(x) for x in live]).tolist(), submit)
         else:
             futs = [submit(self.detokenise, out) for out in self.each_batch([[srcs[idx[j]] for j in b]
                                                                                 for b in batches])]
@@ -335,21 +289,6 @@ class Translator:
                 out[i] = s
             return out
         return finish
-
-    @torch.inference_mode()
-    def refilled(self, srcs: list, batches: list[list[int]], caps: list[int], submit,
-                 more: "refill.More | None" = None) -> tuple[list[list[int]], list]:
-        """The sentences `srcs` (index lists `batches`, caps `caps`) through one state whose finished
-        rows take the next sentences (decoder/refill.py): (the indices finished in each block, the
-        futures of their detokenised outputs, each submitted while the next block runs)."""
-        o = self.opts
-        groups, futs = [], []
-        segment = refill_device.device_segment if self.plan.refill_on_device else refill.host_segment
-        for ids, out in refill.refilled(self.model, self.search, self.encode_batch, batches, srcs, caps,
-                                        o.max_tokens, o.max_sentences, self.phase, more, segment):
-            groups.append(ids)
-            futs.append(submit(self.detokenise, out))
-        return groups, futs
 
     def each_batch(self, batches: list[list[list[int]]]) -> Iterator[Outputs]:
         """Each batch's outputs, in order. With plan.encode_ahead the next batch is encoded
@@ -365,17 +304,7 @@ class Translator:
 
     def translate_stream(self, lines: Iterable[str]) -> Iterator[str]:
         """One output per input line, in order, produced chunk by chunk."""
-        staged: list = []  # the first chunk's Staged (switch early_start)
-
-        def pre(chunk: list[str]):
-            if self.plan.early_start and not staged:
-                staged.append(self._stage(chunk))
-                return staged[0]
-            if staged and isinstance(staged[0], Staged):
-                staged[0].job.result()  # its warning before any later chunk's
-            return self._encode(chunk)
-        return run(lines, self.opts.chunk_lines, pre, self._compute,
-                   overlap=self.plan.pipeline, first=RAMP_FIRST if self.plan.ramp_chunks else None,
+        return run(lines, self.opts.chunk_lines, self._encode, self._compute, overlap=self.plan.pipeline,
                    switch_interval=self.plan.switch_interval, decode_ahead=self.plan.decode_ahead)
 
     def translate(self, lines: Iterable[str]) -> list[str]:
@@ -386,27 +315,12 @@ class Translator:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        if self._stager is not None:
-            self._stager.shutdown()
-            self._stager = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-@dataclass
-class Staged:
-    """A chunk whose longest lines are encoded and the rest being encoded (Translator._stage):
-    `head`, `rest` positions in the chunk; `ids` the head's; `job` -> the rest's ids, the chunk's
-    truncation warning given."""
-    n: int
-    head: list[int]
-    ids: list
-    rest: list[int]
-    job: Future
 
 
 @dataclass

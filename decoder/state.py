@@ -20,6 +20,7 @@ the layers attend through:
   CUDA graph then replays every step of a batch; on CPU it runs eagerly, which
   is how the tests check it against the incremental cache. In beam search its
   reorder moves a row table too (switch `kv_row_table`), not the K/V buffer.
+  Its searches' whole steps are captured with it (`DecoderState.blocks`).
 - `OneRowCache`: the incremental cache for one sentence, greedy (the latency
   mode): Python-int tokens, no padding mask, its own one-query attention.
 - `RecomputeCache`: the naive reference: the whole prefix again every step,
@@ -62,10 +63,10 @@ class IncrementalCache:
             [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
         self.cross_kv = None
         dtype = model.dtype
-        if self.half_kv and self.plan.kv_half and dtype == torch.float32:
+        if self.half_kv and model.plan.states.half_kv and dtype == torch.float32:
             dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
         self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, dtype, mask.device)
-        self.t = 0
+        self.t, self.max_len = 0, max_len
 
     @staticmethod
     def new_kv(L: int, N: int, h: int, T: int, hd: int, dtype, device):
@@ -197,24 +198,24 @@ class StaticCache(IncrementalCache):
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)      # (1,) static input
         self.positions = torch.arange(max_len, device=dev)           # (T,)
         self.use_graph = graphs and dev.type == "cuda"
-        self.step_graph = self.bias = None  # graphs.Captured of `_run`, made by the first step
+        self.bias = None
         # switch graph_attention: the plan's decode-step attention, masked by bools (True = attend);
         # else SDPA, masked by a float bias (the cross mask, bools, serves both)
-        self.attend, self.position_mask = ((self.plan.attend, _attend_mask) if self.plan.static_attend
+        self.attend, self.position_mask = ((self.plan.attend, _attend_mask) if model.plan.states.masked_attend
                                            else (_sdpa, _bias_mask))
         # switch kv_row_table, beam: a reorder moves the rows of `table` (rows, T), where row r's key and
         # value at position j live in cache row table[r, j]; without it a reorder copies the whole K/V
         # buffer (every position, written or not: fixed shapes) a step. `own` (rows, 1): each row's own
         self.table = self.own = None
-        if beam > 1 and self.plan.kv_row_table:
+        if beam > 1 and model.plan.states.row_table:
             self.table = identity_table(N, max_len, dev)
             self.own = self.table[:, :1].clone()
-        self.loops: dict = {}  # decoder/static_steps.py: the searches' fixed-address loops on it, where kept
+        self.loops: dict = {}  # the searches' bookkeeping on it (decoder/search.py `kept`), where kept
         self.kept = False  # kept for later batches of its shape (graph_reuse, `static_cache`)
 
     def _run(self):
         m = self.m
-        # clamped: a block of whole steps (StaticGreedy) may run past the last position, its outputs unused
+        # clamped: a block of whole steps may run past the last position, its outputs unused
         p = (self.pos + (m.cfg.pad_id + 1)).clamp_(max=m.pos.shape[0] - 1)
         x = (m.emb[self.tokens] + m.pos.index_select(0, p))[:, None]  # (N, 1, d)
         self.bias = self.position_mask(self.positions, self.pos, x)
@@ -222,25 +223,17 @@ class StaticCache(IncrementalCache):
             self.table.index_copy_(1, self.pos, self.own)
         return m.decode(x, self)[:, 0]
 
-    def run(self, tokens, t: int):
+    def run(self, tokens, t):
+        """tokens (rows,) at position t: an int, or `pos` itself (a captured block advances it)."""
         self.tokens.copy_(tokens)
-        self.pos.fill_(t)
-        self.t = t + 1
-        if not self.use_graph:
-            return self._run()
-        if self.step_graph is None:
-            self.step_graph = graphs.Captured(self._run, self.m)
-        return self.step_graph().clone()  # a replay overwrites its output next step
+        if isinstance(t, int):
+            self.pos.fill_(t)
+            self.t = t + 1
+        return self._run()
 
     def reorder(self, rows):
-        if self.table is None:
-            super().reorder(rows)
-        else:
-            self.reorder_all(rows)
-
-    def reorder_all(self, rows):
-        """`reorder` over the whole buffer: fixed shapes for a captured step (the positions
-        past t hold nothing read); with the row table, the table's rows move, not the K/V."""
+        """Over the whole buffer: fixed shapes for a captured step (the positions past t
+        hold nothing read); with the row table, the table's rows move, not the K/V."""
         if self.table is None:
             self.kv.copy_(self.kv.index_select(2, rows))
         else:
@@ -282,23 +275,6 @@ class StaticCache(IncrementalCache):
     def keep(self, sents, rows):
         raise RuntimeError("StaticCache has fixed rows; searches must not shrink it")
 
-    def narrowed(self, sents, rows, written: int) -> "StaticCache":
-        """A state of this one's sentences `sents` (n,) alone, whose rows are `rows` (n * beam,), the
-        beams of each sentence in order (switch narrow_beam): their cross K/V and key masks, tokens,
-        position, and the K/V of their first `written` positions; the row table (whose entries name
-        rows of the entry's own sentence) renumbered onto the new rows."""
-        n, K = sents.shape[0], self.beam
-        cross = [(k.index_select(0, sents), v.index_select(0, sents)) for k, v in self.cross]
-        new = StaticCache(self.m, None, self.mask.index_select(0, sents), K, self.positions.shape[0],
-                          self.use_graph, cross)
-        new.kv[:, :, :, :, :written] = self.kv[:, :, :, :, :written].index_select(2, rows)
-        if self.table is not None:
-            first = torch.arange(n, device=rows.device)[:, None] * K  # (n, 1) each sentence's first new row
-            new.table.copy_(self.table.index_select(0, rows) % K + first.repeat_interleave(K, 0))
-        new.tokens.copy_(self.tokens.index_select(0, rows))
-        new.pos.copy_(self.pos)
-        return new
-
 
 class OneRowCache(IncrementalCache):
     """One sentence, greedy: the latency mode (decoder/search.py `greedy_one`).
@@ -313,7 +289,7 @@ class OneRowCache(IncrementalCache):
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         super().__init__(model, enc, mask, beam, max_len)
         # one_row_layer: each decoder layer one C++ call with these arguments (None: `layer`'s ops)
-        args = model.one_row_layers() if self.plan.one_row_layer else None
+        args = model.one_row_layers() if model.plan.states.one_row_layer else None
         self.layers = None if args is None else [
             (w, self.kv[i, 0], self.kv[i, 1], *self.cross[i], eps, epilogue_bias, isa)
             for i, (w, eps, epilogue_bias, isa) in enumerate(args)]
@@ -325,7 +301,7 @@ class OneRowCache(IncrementalCache):
         m = self.m
         lin = m.out_proj if out is None else out
         lin = lin if isinstance(lin, GemvLinear) else getattr(lin, "gemv", None)
-        if not self.plan.one_row_step or self.layers is None or lin is None:
+        if not self.m.plan.states.one_row_step or self.layers is None or lin is None:
             return None
         w = [t for layer in self.layers for t in layer[0]]
         caches = [t for layer in self.layers for t in layer[1:5]]
@@ -374,7 +350,7 @@ class RecomputeCache:
     can_shrink = True
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
-        self.m = model
+        self.m, self.max_len = model, max_len
         self.enc = enc.repeat_interleave(beam, 0)  # (B*beam, S, d)
         self.mask = mask.repeat_interleave(beam, 0)  # (B*beam, 1, 1, S)
         self.prefix = None  # (rows, t) tokens fed so far
@@ -415,12 +391,18 @@ class DecoderState:
         self.m, self.cache, self.out, self.phase = model, cache, out, phase
         # the one-row state's steps take and give Python ints (search.greedy_one)
         self.step_argmax = cache.step_argmax(out) if isinstance(cache, OneRowCache) else None
+        self.one_row = isinstance(cache, OneRowCache)  # the latency state: search.greedy_one drives it
+        self.static = isinstance(cache, StaticCache)  # fixed shapes: its searches' steps at fixed addresses
+        self.graphs = self.static and cache.use_graph  # ... and replayed from CUDA graphs
+        self.kept = self.static and cache.kept  # kept for later batches of its shape, with its searches
+        self.can_shrink = cache.can_shrink
 
     @property
-    def can_shrink(self) -> bool:
-        return self.cache.can_shrink
+    def positions(self) -> int:
+        """T: the most positions a batch's rows decode (the cache's length)."""
+        return self.cache.max_len
 
-    def step(self, tokens, t: int, best: bool = False):
+    def step(self, tokens, t, best: bool = False):
         """tokens (rows,) (an int for OneRowCache) at position t -> logits (rows, V), or (rows, C) through a
         shortlist's `out`; with `best` each row's argmax column (rows,) instead,
         the logits never written (Model.project_argmax)."""
@@ -454,23 +436,21 @@ class DecoderState:
             self.cache.keep(sents, rows)
 
 
-CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "static": StaticCache,
-          "one_row": OneRowCache, "row_table": RowTableCache}
+CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "one_row": OneRowCache,
+          "row_table": RowTableCache}
 
 
 def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,
               phase=lambda name: _UNTIMED) -> DecoderState:
-    """The state for one batch, the one its plan resolved (`Plan.state_for`: the
-    latency mode's OneRowCache for one sentence where the plan has it). A static
-    state's cache holds whole blocks of `sync_every` greedy steps (graph_steps runs them,
-    decoder/static_steps.py)."""
-    kind = model.plan.state_for(enc.shape[0])
-    if kind == "static" and model.plan.graph_steps and model.plan.loop == "greedy":
-        every = model.plan.sync_every
-        max_len = -(-max_len // every) * every
-    cache = static_cache(model, enc, mask, beam, max_len) if kind == "static" else \
-        CACHES[kind](model, enc, mask, beam, max_len)
-    return DecoderState(model, cache, out, phase)
+    """The state for one batch: the kind `resolve` fixed for its rows (StateOptions.kind). A
+    fixed-shape state holds whole blocks of `every` greedy steps."""
+    opts = model.plan.states
+    kind = opts.kind(enc.shape[0], beam)
+    if kind != "static":
+        return DecoderState(model, CACHES[kind](model, enc, mask, beam, max_len), out, phase)
+    if beam == 1:
+        max_len = -(-max_len // opts.every) * opts.every
+    return DecoderState(model, static_cache(model, enc, mask, beam, max_len), out, phase)
 
 
 # batches of at most this many rows keep their static state: a bigger batch spreads its
@@ -480,22 +460,21 @@ STATIC_KEEP_ROWS = 16
 
 def static_cache(model: Model, enc, mask, beam: int, max_len: int) -> StaticCache:
     """The batch's StaticCache: one kept from an earlier batch of the same shape, reloaded
-    in place so that its captured graph replays (switch graph_reuse: `plan.static_keep`
-    states kept, the least recently used dropped), else a new one. Built anew per batch,
-    every batch paid a capture, two eager warm-up steps and fresh graph memory: at one
-    sentence a batch, most of its time. One batch at a time per model, as the Translator
-    decodes."""
-    plan, kept = model.plan, model.static_states
+    in place so that its captured graphs replay (switch graph_reuse: `keep_states` states
+    kept, the least recently used dropped), else a new one. Built anew per batch, every
+    batch paid a capture, an eager warm-up and fresh graph memory: at one sentence a batch,
+    most of its time. One batch at a time per model, as the Translator decodes."""
+    opts, kept = model.plan.states, model.static_states
     key = (enc.shape[0], enc.shape[1], beam, max_len)  # rows, source length, beam, cache length
     cache = kept.pop(key, None)
     if cache is None:
-        cache = StaticCache(model, enc, mask, beam, max_len, graphs=plan.cuda_graphs)
+        cache = StaticCache(model, enc, mask, beam, max_len, graphs=opts.graphs)
     else:
         cache.reload(enc, mask)
-    if enc.shape[0] * beam <= STATIC_KEEP_ROWS and plan.static_keep:
+    if enc.shape[0] * beam <= STATIC_KEEP_ROWS and opts.keep_states:
         kept[key] = cache
         cache.kept = True
-        while len(kept) > plan.static_keep:
+        while len(kept) > opts.keep_states:
             _, old = kept.popitem(last=False)
-            old.loops.clear()  # its loops refer to it: freed now, not at the collector's next full pass
+            old.loops.clear()  # its searches refer to it: freed now, not at the collector's next full pass
     return cache
