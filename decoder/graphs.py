@@ -14,10 +14,8 @@ into the graph.
 
 A capture must not be the first run of its work on its stream (cuBLAS makes its
 handle and workspace then): the states run a batch's first step (or block of
-steps) eagerly through `warm`, on the same stream, and capture at the second
-(greedy's block graph right after the first, `Captured.ahead`, while the GPU
-still runs it). So no step is run twice, and a batch whose cap allows one block
-only captures nothing.
+steps) eagerly through `warm`, on the same stream, and capture at the second.
+So no step is run twice, and a batch whose cap allows one block only captures nothing.
 """
 from __future__ import annotations
 
@@ -111,8 +109,7 @@ def capture(fn: Callable[[], torch.Tensor], model) -> tuple["torch.cuda.CUDAGrap
 class Tally:
     """A model's graph captures so far and the host's seconds in them: a capture records the
     step's launches and instantiates the graph while the GPU may wait, once per state (a batch's
-    shape, a narrowed state). The GPU bench reports them a pass, so that a switch that makes more
-    states (narrow_tail, narrow_beam) shows what its captures cost beside what its rows save."""
+    shape). The GPU bench reports them a pass."""
     count: int = 0
     seconds: float = 0.0
 
@@ -147,22 +144,19 @@ class Captured:
             if not self.warmed:
                 self.warmed = True
                 return warm(self.fn, self.model)
-            if not self.ahead():  # nothing ran while capturing: the step runs now, eagerly
+            if not self.capture():  # nothing ran while capturing: the step runs now, eagerly
                 return self.fn()
         self.graph.replay()
         return self.out
 
-    def ahead(self) -> bool:
-        """Captures fn now if it has been warmed up and not captured yet, so that the host
-        captures while the GPU still runs the warm-up (switch capture_ahead) rather than after
-        the host has waited for it; whether a graph is ready to replay."""
-        if self.graph is None and self.warmed and not self.model.graphs_failed:
-            t = time.perf_counter()
-            try:
-                self.graph, self.out = capture(self.fn, self.model)
-                self.model.captures.add(time.perf_counter() - t)
-            except RuntimeError as e:
-                self.model.graphs_failed = True
-                print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",
-                      file=sys.stderr, flush=True)
+    def capture(self) -> bool:
+        """Captures fn (warmed up already); whether a graph is ready to replay."""
+        t = time.perf_counter()
+        try:
+            self.graph, self.out = capture(self.fn, self.model)
+            self.model.captures.add(time.perf_counter() - t)
+        except RuntimeError as e:
+            self.model.graphs_failed = True
+            print(f"warning: CUDA graph capture failed ({first_line(e)}); decoding without graphs",
+                  file=sys.stderr, flush=True)
         return self.graph is not None

@@ -30,10 +30,6 @@ _LINE_BREAKS = re.compile("[\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 # SentencePiece encodes ENCODE_CHARS characters at a time before truncation.
 CHUNK_CHARS = 1 << 24
 ENCODE_CHARS = 1 << 20
-# switch ramp_chunks: the first chunk's lines. Nothing is decoded until the first chunk is
-# encoded (H200, 10,000 lines in one chunk: about 0.1 s of a 0.72 s pass, estimated); 2,048
-# lines are about one GPU batch at 64k tokens of Bible sentences.
-RAMP_FIRST = 2048
 # switch normalise_processes: groups of at least this many lines go to the pool, in a share for each
 # process (fewer are normalised here: a round trip to a process costs ~0.1-0.2 ms, decoder/workers.py)
 POOL_LINES = 256
@@ -155,15 +151,7 @@ class Text:
     def seen(self, n: int, cut: list[tuple[int, int]]) -> None:
         """Counts n more input lines, `cut` (from `ids`) among them: the first line
         truncated in the whole input is named once, by its line number there."""
-        self.report(self.reserve(n), cut)
-
-    def reserve(self, n: int) -> int:
-        """Counts n more input lines whose cuts `report` gives later; -> the first one's index."""
         first, self.lines_seen = self.lines_seen, self.lines_seen + n
-        return first
-
-    def report(self, first: int, cut: list[tuple[int, int]]) -> None:
-        """`seen`'s warning for lines counted by `reserve` from `first` on (cut in their order)."""
         if cut and not self.warned:
             i, tokens = cut[0]
             print(f"warning: input line {first + i + 1} has {tokens} tokens; "
@@ -187,42 +175,37 @@ def _groups(items: list, sizes: list[int], budget: int) -> Iterator[list]:
         yield group
 
 
-def chunks(lines: Iterable[str], n: int, max_chars: int = CHUNK_CHARS, first: int | None = None) -> Iterator[list[str]]:
+def chunks(lines: Iterable[str], n: int, max_chars: int = CHUNK_CHARS) -> Iterator[list[str]]:
     """Runs of n lines, shorter where their characters reach max_chars. A run is
-    yielded as soon as it is full: a pipe reader gets its answer before the next line.
-    `first`: the first run holds that many lines and each next one twice the last, up to n."""
-    want = min(first or n, n)
+    yielded as soon as it is full: a pipe reader gets its answer before the next line."""
     c, size = [], 0
     for line in lines:
         c.append(line)
         size += len(line)
-        if len(c) == want or size >= max_chars:
+        if len(c) == n or size >= max_chars:
             yield c
             c, size = [], 0
-            want = min(2 * want, n)
     if c:
         yield c
 
 
 def run(lines: Iterable[str], n: int, pre: Callable, compute: Callable, overlap: bool = True,
-        first: int | None = None, switch_interval: float | None = None,
-        decode_ahead: bool = False) -> Iterator[str]:
+        switch_interval: float | None = None, decode_ahead: bool = False) -> Iterator[str]:
     """Chunked pipeline; yields one output per input line, in input order.
 
     pre(list[str]) -> state; compute(state, post_submit) -> finalize() -> list[str];
     compute hands each finished batch to `post_submit(fn, *args)` (a worker
     thread when overlapping) and returns a callable that assembles the chunk.
-    `first`: the chunks ramp up from that many lines (`chunks`).
     `switch_interval`: Python's thread switch interval while the threads run
     (switch short_gil_interval), restored after; process-wide, as Python has one.
     `decode_ahead`: compute runs in a thread of its own, and the next chunk, where
     it is already read, is computed while this one's outputs are handed out.
     """
     if not overlap:
-        for c in chunks(lines, n, first=first):
+        for c in chunks(lines, n):
             yield from compute(pre(c), lambda fn, *a: _Done(fn(*a)))()
         return
-    it = chunks(lines, n, first=first)
+    it = chunks(lines, n)
     read_pre = lambda: (lambda c: None if c is None else pre(c))(next(it, None))  # noqa: E731
     with switch_interval_of(switch_interval), ThreadPoolExecutor(1, thread_name_prefix="pre") as pre_pool, \
             ThreadPoolExecutor(1, thread_name_prefix="post") as post_pool:
