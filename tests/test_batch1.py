@@ -1,5 +1,5 @@
 """The latency mode (one sentence per call, greedy): the one-row loop and state
-(decoder/search.py `greedy_one`, decoder/cache.py OneRowCache) give the batch
+(decoder/search.py `greedy_one`, decoder/state.py OneRowCache) give the batch
 path's tokens, and each of their switches alone leaves the tokens unchanged."""
 import os
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoder import Translator, modeldir
-from decoder.cache import OneRowCache
+from decoder.state import OneRowCache
 from fixture_model import make_model_dir, synthetic_corpus
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")

@@ -1,12 +1,12 @@
-"""Beam search's row-table caches (switch kv_row_table): decoder/cache.py RowTableCache's
+"""Beam search's row-table caches (switch kv_row_table): decoder/state.py RowTableCache's
 storage and shrink, and the fixed-shape StaticCache (the CUDA graphs' beam state) moving its table
 in place of its K/V buffer; that state's unfinished sentences moved to a narrower one (switch
 narrow_beam)."""
 import pytest
 import torch
 
-from decoder import Translator, hostsync, static_steps
-from decoder.cache import RowTableCache, StaticCache
+from decoder import Translator, hostsync
+from decoder.state import RowTableCache, StaticCache
 from fixture_model import make_model_dir, synthetic_corpus
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decoder import Translator, fused, ops
-from decoder.cache import IncrementalCache
+from decoder.state import IncrementalCache
 from decoder.optimisations import CrossPlain, Kernels, Switches, cross_fused, resolve
 # the trained fixture and its 150 lines as tests/test_decoder_trained.py reads them (data: its fixture)
 from test_decoder_trained import MODEL, SRC, bleu, data, exact, read  # noqa: F401

@@ -112,7 +112,7 @@ def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data, beam4):
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_beam_through_a_row_table_equals_beam_moving_the_cache_on_trained_model(data, precision, monkeypatch):
-    from decoder.cache import RowTableCache
+    from decoder.state import RowTableCache
     moved = Translator(MODEL, precision=precision, beam=4, kv_row_table=False).translate(data[0])
     calls = {"reorder": 0, "keep": 0}
     for name in calls:

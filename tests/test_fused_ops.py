@@ -325,7 +325,7 @@ def test_decode_attention_rows_passes_opcheck():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_through_a_row_table_and_a_mask_reads_only_the_named_unmasked_keys(dtype):
-    # the fixed-shape beam state (decoder/cache.py StaticCache): a table over the whole buffer, the
+    # the fixed-shape beam state (decoder/state.py StaticCache): a table over the whole buffer, the
     # positions past the step masked; what is masked is never read, so NaN there changes nothing
     g = torch.Generator().manual_seed(21)
     B, H, T, D = 8, 4, 20, 64

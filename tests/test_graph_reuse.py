@@ -1,4 +1,4 @@
-"""Static states kept per batch shape (switch graph_reuse, decoder/cache.py `static_cache`).
+"""Static states kept per batch shape (switch graph_reuse, decoder/state.py `static_cache`).
 
 On CUDA every batch built its fixed-shape state and captured a graph for it: at one
 sentence a batch that was most of the time (H200, 2026-11-26: batch 1 at 0.14x

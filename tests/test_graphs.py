@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoder import Translator, cache, graphs, hostsync, static_steps
+from decoder import Translator, graphs, hostsync, state as cache
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
