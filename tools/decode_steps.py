@@ -143,6 +143,7 @@ def to_markdown(rows: list[dict], machine: str, settings: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cliargs.ArgumentParser(prog="python -m tools.decode_steps", description=__doc__.split("\n\n")[0])
+    cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir")
     p.add_argument("--src", required=True, help="source lines")
     p.add_argument("--lines", type=cliargs.positive_int, default=10000, help="first N lines")
