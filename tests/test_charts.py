@@ -86,11 +86,11 @@ def test_no_dev_evaluation_draws_no_curve(tmp_path):
 
 def test_dev_bleu_command_redraws_a_distill_reports_curves(tmp_path):
     out = tmp_path / "c.png"
-    r = subprocess.run([sys.executable, "-m", "student.chart", os.path.join(ROOT, "docs", "distill-default-report.json"),
+    r = subprocess.run([sys.executable, "-m", "student.chart", os.path.join(ROOT, "tests", "fixtures", "distill-default-report.json"),
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr  # no runpy warning: the module is not pre-imported
     assert out.read_bytes().startswith(PNG)
-    assert set(chart.curves_in(os.path.join(ROOT, "docs", "distill-default-report.json"))) == {"teacher", "student"}
+    assert set(chart.curves_in(os.path.join(ROOT, "tests", "fixtures", "distill-default-report.json"))) == {"teacher", "student"}
     (tmp_path / "x.json").write_text("[1, 2]")
     r = subprocess.run([sys.executable, "-m", "student.chart", str(tmp_path / "x.json"), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True)

@@ -6,8 +6,8 @@ summary.json name (tools/bench_groups.py: the head-to-head pair where there is o
 tools.bench draws it beside every run (PREFIX.png next to PREFIX.md/.json). This
 command redraws it from the JSON a run wrote, without rerunning anything:
 
-    python -m tools.bench_chart docs/bench/kd-student-2026-11-28-avx512.json \\
-        docs/bench/kd-student-2026-11-28-avx2.json --out docs/bench/kd-student-2026-11-28.png
+    python -m tools.bench_chart docs/bench/cpu/kd-student-2026-11-28-avx512.json \\
+        docs/bench/cpu/kd-student-2026-11-28-avx2.json --out docs/bench/cpu/kd-student-2026-11-28.png
 """
 from __future__ import annotations
 
