@@ -7,7 +7,7 @@ student.train draws its one run's curve into its run dir; student.distill draws 
 teacher's (when it is one of ours) and the students' into the run dir, beside report.md.
 Redraw from what a run recorded (a distill report.json, or metrics.json files):
 
-    python -m student.chart docs/distill-default-report.json --out docs/distill-default-dev-bleu.png
+    python -m student.chart runs/default/report.json --out dev-bleu.png
 """
 from __future__ import annotations
 

@@ -69,6 +69,30 @@ def test_committed_bench_chart_data_is_the_committed_summary():
         assert result["model"] == s["model"] and result["model_facts"]["shape"] == s["model_shape"]
 
 
+def test_gpu_bench_json_charts_its_summarys_ratios(tmp_path):
+    """docs/bench/gpu.md's chart: a tools.bench_gpu JSON gives the bars its own summary's ratios name,
+    the ablation rows no engine's, and the command draws it."""
+    gpu = os.path.join(BENCH, "gpu")
+    summary = json.load(open(os.path.join(gpu, "summary-gpu.json")))[-1]
+    page = open(os.path.join(BENCH, "gpu.md")).read()
+    chart = re.search(r"!\[[^]]*\]\(([^)]+)\.png\)", page).group(1)
+    result = json.load(open(os.path.join(BENCH, chart + ".json")))
+    assert result["summary"] == summary
+    got = {b["group"]: b["ratio"] for b in bench_chart.bars(bench_chart.from_gpu_bench(result))}
+    assert got == {"throughput": summary["throughput_vs_ct2_best"], "batch1": summary["batch1_vs_ct2"],
+                   "beam4": summary["beam4_vs_ct2"]}
+    fake = {"machine": {"date": "2026-01-01"}, "summary": {"device": "cuda", "gpu": "Test GPU", "model": "m"},
+            "rows": [row("ours fp16", "throughput", 500.0), row("ct2 float16", "throughput", 100.0),
+                     row("ablation: ours fp16 without x", "throughput", 900.0)]}
+    assert bench_chart.bars(bench_chart.from_gpu_bench(fake)) == [
+        {"group": "throughput", "ours": 500.0, "ct2": 100.0, "ratio": 5.0, "h2h": False}]
+    (tmp_path / "g.json").write_text(json.dumps(fake))
+    r = subprocess.run([sys.executable, "-m", "tools.bench_chart", str(tmp_path / "g.json"), "--out",
+                        str(tmp_path / "g.png")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "g.png").read_bytes().startswith(PNG)
+
+
 def test_dev_bleu_curves_are_a_png_from_recorded_metrics(tmp_path):
     metrics = json.load(open(os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "train-metrics.json")))
     steps, bleu = chart.curves_of(metrics)
@@ -86,11 +110,11 @@ def test_no_dev_evaluation_draws_no_curve(tmp_path):
 
 def test_dev_bleu_command_redraws_a_distill_reports_curves(tmp_path):
     out = tmp_path / "c.png"
-    r = subprocess.run([sys.executable, "-m", "student.chart", os.path.join(ROOT, "docs", "distill-default-report.json"),
+    r = subprocess.run([sys.executable, "-m", "student.chart", os.path.join(ROOT, "tests", "fixtures", "distill-default-report.json"),
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr  # no runpy warning: the module is not pre-imported
     assert out.read_bytes().startswith(PNG)
-    assert set(chart.curves_in(os.path.join(ROOT, "docs", "distill-default-report.json"))) == {"teacher", "student"}
+    assert set(chart.curves_in(os.path.join(ROOT, "tests", "fixtures", "distill-default-report.json"))) == {"teacher", "student"}
     (tmp_path / "x.json").write_text("[1, 2]")
     r = subprocess.run([sys.executable, "-m", "student.chart", str(tmp_path / "x.json"), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True)

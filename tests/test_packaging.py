@@ -145,11 +145,37 @@ print(json.dumps(out))
     assert (v.returncode, v.stdout) == (0, f"wmt-efficiency-kit {VERSION}\n")
 
 
-def test_every_python_m_command_says_its_version():
-    modules = ["decoder", "tools.convert", "student.distill", "student.train", "submission.evaluate", "tools.bench",
-               "submission.image", "student.export", "student.data", "student.shortlist", "tools.cuda_check",
-               "tools.bench_fused", "tools.bench_workers", "tools.bench_gpu", "tools.ablation_gpu", "tools.bench_chart", "student.chart",
-               "student.shape_model"]
+def python_m_modules() -> list[str]:
+    """Every `python -m` command of the kit: each package's __main__.py and each module that runs
+    as a program (`if __name__ == "__main__"`), found in the tree so that a new one is counted."""
+    out = set()
+    for top in ("decoder", "student", "submission", "tools"):
+        for d, dirs, names in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [x for x in dirs if x not in ("__pycache__", "build", "csrc")]
+            for n in names:
+                path = os.path.join(d, n)
+                if not n.endswith(".py"):
+                    continue
+                with open(path, encoding="utf-8") as fh:
+                    runs = n == "__main__.py" or 'if __name__ == "__main__"' in fh.read()
+                if runs:
+                    out.add(os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__main__"))
+    return sorted(out)
+
+
+def test_the_command_finder_finds_packages_and_runnable_modules():
+    modules = python_m_modules()
+    assert {"decoder", "student.train", "tools.convert", "tools.synth_corpus", "student.data.bench",
+            "submission.container.serve"} <= set(modules)
+    assert not any(m.endswith(("__init__", "__main__")) for m in modules)
+
+
+def test_every_python_m_command_and_console_script_says_its_version():
+    modules = python_m_modules()
+    # each console script of pyproject.toml is one of these commands (its function is that module's)
+    declared = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["scripts"]
+    scripts = {v.split(":")[0].removesuffix(".__main__") for v in declared.values()}
+    assert scripts <= set(modules), scripts - set(modules)
     out = python_m_each([[m, "--version"] for m in modules], env=clean_env(PYTHONPATH=ROOT))
     assert {m: o[:2] for m, o in zip(modules, out)} == {m: [0, f"wmt-efficiency-kit {VERSION}\n"] for m in modules}
 

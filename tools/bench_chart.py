@@ -4,10 +4,11 @@ each pair; one panel per ISA pass. The rows are the ones the table's ratios and
 summary.json name (tools/bench_groups.py: the head-to-head pair where there is one).
 
 tools.bench draws it beside every run (PREFIX.png next to PREFIX.md/.json). This
-command redraws it from the JSON a run wrote, without rerunning anything:
+command redraws it from the JSON a run wrote, without rerunning anything; a tools.bench_gpu
+JSON draws the same chart of the GPU run, one panel:
 
-    python -m tools.bench_chart docs/bench/kd-student-2026-11-28-avx512.json \\
-        docs/bench/kd-student-2026-11-28-avx2.json --out docs/bench/kd-student-2026-11-28.png
+    python -m tools.bench_chart docs/bench/cpu/kd-student-2026-11-28-avx512.json \\
+        docs/bench/cpu/kd-student-2026-11-28-avx2.json --out docs/bench/cpu/kd-student-2026-11-28.png
 """
 from __future__ import annotations
 
@@ -37,8 +38,22 @@ def bars(result: dict) -> list[dict]:
     return out
 
 
+def from_gpu_bench(result: dict) -> dict:
+    """A tools.bench_gpu JSON in tools.bench's shape: its engines ("ours fp16", "ct2 float16")
+    by engine, so that a group's fastest row of each is the one its summary's ratios name (the
+    ablation rows are no engine's); the machine line says the GPU and the versions that ran."""
+    s = result["summary"]
+    v = s.get("versions") or {}
+    rows = [dict(r, engine=r["engine"].split()[0]) for r in result["rows"] if "error" not in r]
+    machine = {**result["machine"], "cpu": f"{s['gpu']} (driver {v.get('driver', '-')}, CUDA {v.get('cuda', '-')})",
+               "torch": v.get("torch", "-"), "ctranslate2": v.get("ctranslate2", "-")}
+    return {"rows": rows, "machine": machine, "model": s.get("model", "model"), "panel": f"{s['gpu']}, fp16"}
+
+
 def machine_line(result: dict) -> str:
     m = result["machine"]
+    if result.get("panel"):  # a GPU run: the GPU, not the host's cores
+        return f"{m['cpu']}; torch {m['torch']}, CTranslate2 {m['ctranslate2']}; {m['date'][:10]}"
     return (f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
             f"CTranslate2 {m.get('ctranslate2', '-')}; {m['date'][:10]}")
 
@@ -54,7 +69,7 @@ def plot(results: list[dict], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.6), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(max(5.2 * len(results), 7.2), 4.6), dpi=110, squeeze=False)
     for ax, result in zip(axes[0], results):
         groups = bars(result)
         engines = [e for e in ENGINES if any(e[0] in b for b in groups)]
@@ -72,7 +87,7 @@ def plot(results: list[dict], path: str) -> str:
         ax.set_xticks(range(len(groups)), [LABELS[b["group"]] for b in groups], fontsize=8)
         ax.set_ylim(0, top * 1.15)
         ax.set_ylabel("source words / second")
-        ax.set_title(f"ISA pass {result['machine']['isa']}", fontsize=9)
+        ax.set_title(result.get("panel") or f"ISA pass {result['machine']['isa']}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     h2h = " (head to head)" if any(b["h2h"] for r in results for b in bars(r)) else ""
@@ -97,6 +112,8 @@ def main(argv=None) -> int:
         try:
             with open(f, encoding="utf-8") as fh:
                 r = json.load(fh)
+            if isinstance(r, dict) and (r.get("summary") or {}).get("device") == "cuda" and "rows" in r:
+                r = from_gpu_bench(r)
             if not isinstance(r, dict) or not {"rows", "machine", "model"} <= set(r):
                 raise ValueError("no rows, machine and model: not a tools.bench JSON")
         except OSError as e:

@@ -112,6 +112,7 @@ def to_markdown(rows: list[dict], machine: str) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cliargs.ArgumentParser(prog="python -m tools.bench_gil", description=__doc__.split("\n\n")[0])
+    cliargs.add_version(p)
     p.add_argument("--model", required=True, help="model dir (its normaliser and SentencePiece model)")
     p.add_argument("--src", required=True, help="source lines to encode")
     p.add_argument("--lines", type=cliargs.positive_int, default=2000, help="lines a round of encoding")

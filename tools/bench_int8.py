@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder import ops
-from decoder.cliargs import ArgumentParser, positive_int
+from decoder.cliargs import ArgumentParser, add_version, positive_int
 from decoder.quant import FbgemmLinear, Int8Linear, fbgemm_available, fbgemm_vnni, gemv_isa_cap
 
 CAP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
@@ -103,6 +103,7 @@ def table(repeat: int) -> str:
 
 def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m tools.bench_int8", description=__doc__.split("\n\n")[0])
+    add_version(p)
     p.add_argument("--repeat", type=positive_int, default=7, help="interleaved passes; each cell is their min")
     p.add_argument("--capped", action="store_true", help="also the table with every ISA knob at AVX2")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from decoder.cliargs import ArgumentParser, nonneg_int, out_dir_error, positive_int, refuse, run
+from decoder.cliargs import ArgumentParser, add_version, nonneg_int, out_dir_error, positive_int, refuse, run
 
 BLOCK = 50_000
 VOCAB = 30_000
@@ -85,6 +85,7 @@ def generate(pairs: int, out: str, src_lang: str = "en", tgt_lang: str = "de", s
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m tools.synth_corpus", description=__doc__.split("\n\n")[0])
+    add_version(ap)
     ap.add_argument("--pairs", type=positive_int, required=True, help="pairs to write")
     ap.add_argument("--out", required=True, help="directory for train.SRC and train.TGT")
     ap.add_argument("--src-lang", default="en", help="source language code: the source file's suffix")

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from decoder.cliargs import ArgumentParser, positive_int
+from decoder.cliargs import ArgumentParser, add_version, positive_int
 from student.data import indexed
 
 
@@ -117,6 +117,7 @@ def first_step(a) -> None:
 
 def parse_args(argv=None):
     ap = ArgumentParser(prog="python -m student.data.bench", description=__doc__.split("\n\n")[0])
+    add_version(ap)
     ap.add_argument("--src", required=True, help="source side of the corpus, one sentence a line")
     ap.add_argument("--tgt", required=True, help="target side, line-aligned with --src")
     ap.add_argument("--work", help="data dir and run dirs go here (required)")

@@ -2,7 +2,7 @@
 
     python -m student.train.speed [--preset teacher-tiny] [--steps 24] [--threads 2]
                                 [--configs fp32,bf16] [--batches 3072,auto] [--device cpu|cuda]
-                                [--out docs/training-speed.json]
+                                [--out docs/bench/training/training-speed.json]
 
 Each configuration trains the same model from the same seed on the same batches
 (the prepared default corpus, or the corpus `student.train` would use) for

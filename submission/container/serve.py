@@ -64,8 +64,9 @@ def hardware_settings(hardware: str, model_dir: str) -> dict:
 def main(argv=None) -> int:
     from decoder import lifecycle
     closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
-    from decoder.cliargs import ArgumentParser
+    from decoder.cliargs import ArgumentParser, add_version
     ap = ArgumentParser(prog="python -m submission.container.serve", description=__doc__.splitlines()[0])
+    add_version(ap)
     ap.add_argument("--hardware", default="auto", choices=["auto", "GPU", "CPU-1", "CPU-ALL"])
     ap.add_argument("--task", default="throughput", choices=["latency", "throughput"])
     ap.add_argument("--model", default=os.environ.get("MODEL_DIR", "/model"))

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from decoder.cliargs import GPU_MAX_TOKENS, MAX_TOKENS
+from decoder.cliargs import GPU_MAX_TOKENS, MAX_TOKENS, version
 from decoder.pipeline import normalise_processes
 from decoder.textio import read_file
 
@@ -123,6 +123,9 @@ def measure(spec: dict) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:  # every `python -m` command says it, this internal one too
+        print(version())
+        return 0
     if len(argv) != 2:
         print("usage: python -m submission.evaluate.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
