@@ -199,6 +199,7 @@ class Optimisation:
     row: dict = field(default_factory=dict)  # other settings its ladder row changes with it
     needs: Callable[[Any], bool] = lambda opts: True  # other settings it only works with
     detail: str = ""          # more for decoder/README.md
+    worth: str = ""           # what it measured: device, date, ratio (python -m decoder --list-switches)
 
 
 OPTIMISATIONS: tuple[Optimisation, ...] = (
