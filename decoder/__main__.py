@@ -107,7 +107,8 @@ class ListSwitches(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(0, switch_table() + "\n")
+        print(switch_table())  # stdout, as --help: a listing to read or grep, not an error
+        parser.exit(0)
 
 
 def shortlist_help() -> str:
