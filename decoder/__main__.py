@@ -123,6 +123,20 @@ def parser() -> argparse.ArgumentParser:
                                formatter_class=cliargs.HelpFormatter)
     # a switch or setting not given is the library's default (the options below that set one say theirs)
     p.set_defaults(**dict.fromkeys(SETTABLE))
+    add_user_options(p)
+    # the old option of a setting that --set now takes: users' scripts have it
+    p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES, help=argparse.SUPPRESS)
+    g = p.add_argument_group("switches and settings", "the decoder's optimisations (decoder/optimisations.py), "
+                             "each at its measured best by default, and the settings that tune them")
+    g.add_argument("--set", action=SetAction, type=setting, metavar="NAME=on|off",
+                   help="a switch on or off, or a setting NAME=VALUE (" + ", ".join(KNOBS) + "); repeatable")
+    g.add_argument("--list-switches", action=ListSwitches,
+                   help="print each switch's default and measured worth, and the settings, and exit")
+    return p
+
+
+def add_user_options(p) -> None:
+    """The options a user chooses, in the order --help lists them: what to translate, where, how."""
     p.add_argument("--model", required=True, metavar="DIR", help="model dir (config.json, model.safetensors, "
                                                                  "spm.model)")
     p.add_argument("-i", "--input", default="-", metavar="FILE", help="source text, plain or gzipped; - = stdin")
@@ -157,15 +171,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no stderr line saying what runs")
     cliargs.add_version(p)
     p.add_argument("-h", "--help", action="help", help="show this help and exit")
-    # the old option of a setting that --set now takes: users' scripts have it
-    p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES, help=argparse.SUPPRESS)
-    g = p.add_argument_group("switches and settings", "the decoder's optimisations (decoder/optimisations.py), "
-                             "each at its measured best by default, and the settings that tune them")
-    g.add_argument("--set", action=SetAction, type=setting, metavar="NAME=on|off",
-                   help="a switch on or off, or a setting NAME=VALUE (" + ", ".join(KNOBS) + "); repeatable")
-    g.add_argument("--list-switches", action=ListSwitches,
-                   help="print each switch's default and measured worth, and the settings, and exit")
-    return p
 
 
 def parse_args(argv=None):
