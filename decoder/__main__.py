@@ -1,78 +1,176 @@
-"""python -m decoder --model DIR [-i IN] [-o OUT] [--beam-size N] [--precision ...] < in > out
+"""Translate text with a model dir: one output line per input line, in input order.
+
+python -m decoder --model DIR [-i IN] [-o OUT] [--beam-size N] [--precision ...] < in > out
 
 Reads its input (stdin or -i) incrementally as bytes (invalid UTF-8 is replaced,
 CRLF accepted) and writes one line per input line, in order: to stdout, flushed
 after every chunk, or with -o to a file that appears whole when the run ends.
 On a terminal, each line is translated as soon as it is typed.
+
+The decoder's optimisations (decoder/optimisations.py) are switches, each on or
+off with `--set NAME=on|off` and listed with their measured worth by
+`--list-switches`; the settings that tune them (chunk_lines, ...) take
+`--set NAME=VALUE`. Their defaults are the measured best: --help shows the
+options a user chooses.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import os
 import sys
 
-from . import cliargs, lifecycle, refill
+from . import cliargs, lifecycle
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
-from .optimisations import OPTIMISATIONS
+from .optimisations import BY_NAME, OPTIMISATIONS
 from .runtime import describe
-from .translator import Translator
+from .translator import Options, Translator
 
 MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
+# the Options the command line sets with options of their own; the others (KNOBS) take --set
+OWN = ("beam", "max_tokens", "max_sentences", "workers", "length_penalty", "max_len_a", "max_len_b",
+       "no_repeat_ngram")
+
+
+def on_off(text: str) -> bool:
+    if text.lower() not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text.lower() == "on"
+
+
+def knob_type(name: str):
+    """The parser of the setting `name` (an Options field), within its bounds (Options.RANGES), or
+    None where the command line cannot say its value."""
+    bounds = {n: (kind, lo, hi) for n, kind, lo, hi in Options.RANGES}
+    if name in bounds:
+        kind, lo, hi = bounds[name]
+        # the type's own cap (MAX_INT) is no bound to name: "must be >= 1"
+        return (int_range if kind is int else float_range)(lo, None if hi == cliargs.MAX_INT else hi)
+    default = next(f.default for f in dataclasses.fields(Options) if f.name == name)
+    return on_off if isinstance(default, bool) else None
+
+
+# the settings that are not switches but tune them (the benchmarks' and the tests' knobs): --set NAME=VALUE
+KNOBS = {f.name: t for f in dataclasses.fields(Options)
+         if f.name not in (*OWN, "switches") and (t := knob_type(f.name)) is not None}
+SETTABLE = {**{o.name: on_off for o in OPTIMISATIONS}, **KNOBS}
+
+
+def setting(text: str) -> tuple:
+    """`--set NAME=VALUE` -> (NAME, value): a switch on or off, or a setting's value; a name
+    that is neither is refused with the close ones."""
+    name, eq, value = (x.strip() for x in text.partition("="))
+    name = name.replace("-", "_")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected NAME=on|off or NAME=VALUE, got {text!r}")
+    if name not in SETTABLE:
+        close = difflib.get_close_matches(name, SETTABLE, n=3)
+        raise argparse.ArgumentTypeError(f"unknown switch or setting {name!r}; "
+                                         + (f"did you mean {', '.join(close)}?" if close
+                                            else "python -m decoder --list-switches lists them"))
+    try:
+        return name, SETTABLE[name](value)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{name}={value}: {e}") from None
+
+
+class SetAction(argparse.Action):
+    """--set NAME=VALUE: the namespace's NAME, as its own option would set it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, *value)
+
+
+def switch_table() -> str:
+    """--list-switches: each switch's name, default, what it does and its measured worth; then the settings."""
+    width = max(map(len, SETTABLE))
+    rows = [f"{'switch':{width}}  default  what it does; measured worth (device, date, ratio)"]
+    rows += [f"{o.name:{width}}  {'on' if o.default else 'off':7}  {o.label}; worth: {o.worth or 'not stated'}"
+             for o in OPTIMISATIONS]
+    rows += ["", f"{'setting':{width}}  default (--set NAME=VALUE)"]
+    rows += [f"{name:{width}}  {_said(getattr(Options, name))}" for name in KNOBS]
+    return "\n".join(rows)
+
+
+def _said(default) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "the device's" if default is None else str(default)
+
+
+class ListSwitches(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(switch_table())  # stdout, as --help: a listing to read or grep, not an error
+        parser.exit(0)
+
+
+def shortlist_help() -> str:
+    if BY_NAME["shortlist"].default:
+        return "the model dir's lexical shortlist (default: the model dir's shortlist when it has one)"
+    return "the model dir's lexical shortlist (default: off)"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = cliargs.ArgumentParser(prog="python -m decoder", description=__doc__.split("\n\n")[0],
+    p = cliargs.ArgumentParser(prog="python -m decoder", usage="%(prog)s --model DIR [options] < in > out",
+                               description=__doc__.split("\n\n")[0], add_help=False,
                                formatter_class=cliargs.HelpFormatter)
-    cliargs.add_version(p)
-    p.add_argument("--model", required=True, help="model dir (config.json, model.safetensors, spm.model)")
-    p.add_argument("-i", "--input", default="-", help="source text, plain or gzipped; - = stdin")
-    p.add_argument("-o", "--output", default="-",
-                   help="translations; - = stdout. A file is written next to its name and renamed over it "
-                        "when complete: it is never seen half-written (a symlink's target is; a device or "
-                        "FIFO is written in place)")
+    # a switch or setting not given is the library's default (the options below that set one say theirs)
+    p.set_defaults(**dict.fromkeys(SETTABLE))
+    add_user_options(p)
+    # the old option of a setting that --set now takes: users' scripts have it
+    p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES, help=argparse.SUPPRESS)
+    g = p.add_argument_group("switches and settings", "the decoder's optimisations (decoder/optimisations.py), "
+                             "each at its measured best by default, and the settings that tune them")
+    g.add_argument("--set", action=SetAction, type=setting, metavar="NAME=on|off",
+                   help="a switch on or off, or a setting NAME=VALUE (" + ", ".join(KNOBS) + "); repeatable")
+    g.add_argument("--list-switches", action=ListSwitches,
+                   help="print each switch's default and measured worth, and the settings, and exit")
+    return p
+
+
+def add_user_options(p) -> None:
+    """The options a user chooses, in the order --help lists them: what to translate, where, how."""
+    p.add_argument("--model", required=True, metavar="DIR", help="model dir (config.json, model.safetensors, "
+                                                                 "spm.model)")
+    p.add_argument("-i", "--input", default="-", metavar="FILE", help="source text, plain or gzipped; - = stdin")
+    p.add_argument("-o", "--output", default="-", metavar="FILE",
+                   help="translations; - = stdout. A file appears whole when the run ends, never half-written")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16", "int8", "fp16"],
+                   help="default: the device's fast default, int8 on a CPU with an int8 kernel else fp32, fp16 on "
+                        "CUDA; auto: int8 on a CPU only where it beats fp32 here (measured at start)")
     cliargs.alias(p, "--beam", p.add_argument(
         "--beam-size", dest="beam", metavar="N", type=int_range(1, MAX_BEAM), default=1,
-        help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy (old name: --beam)"))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    # the library's default (translator.default_precision): the same output as Translator(model)
-    p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16", "int8", "fp16"],
-                   help="default: the fast path, int8 on a CPU with an int8 kernel (else fp32), fp16 on CUDA; "
-                        "auto: on CPU int8 where it beats fp32 here (measured at start), else fp32")
-    p.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch intra-op threads")
-    p.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0,
-                   help="CPU: N processes, each pinned to a core with one thread, fed whole batches "
-                        "(same output as one process with --threads 1; often faster than N threads)")
+        help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy"))
     cliargs.alias(p, "--max-tokens", p.add_argument(
         "--max-batch-tokens", dest="max_tokens", metavar="N", type=positive_int, default=None,
         help=f"padded source tokens per batch (default: CPU {MAX_TOKENS} greedy, {BEAM_MAX_TOKENS} with a beam; "
-             f"CUDA {GPU_MAX_TOKENS} / beam size; old name: --max-tokens); CUDA greedy decodes a chunk through "
-             f"one state of N/{refill.ROW_TOKENS} rows (switch refill_rows)"))
+             f"CUDA {GPU_MAX_TOKENS} / beam size)"))
     cliargs.alias(p, "--max-sentences", p.add_argument(
         "--batch-size", dest="max_sentences", metavar="N", type=positive_int, default=None,
-        help=f"sentences per batch, at most (default: CPU {MAX_SENTENCES}; CUDA {GPU_MAX_SENTENCES} / beam size; "
-             "old name: --max-sentences)"))
-    p.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES,
-                   help="lines read, sorted and batched together before output; "
-                        "1 when the input is a terminal (line by line)")
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no stderr line saying the precision, threads and ISA that run")
-    p.add_argument("--length-penalty", type=float_range(0.0, MAX_LENGTH_PENALTY), default=1.0,
-                   help="beam: a hypothesis' score is divided by its length ** this")
-    p.add_argument("--max-len-a", type=float_range(0.0, MAX_LEN), default=1.5,
-                   help="output at most a * source tokens + b tokens (and the model's positions); "
-                        "a cap below one token gives empty lines, one per input line")
-    p.add_argument("--max-len-b", type=int_range(0, MAX_LEN), default=10)
-    p.add_argument("--no-repeat-ngram", type=int_range(0, MAX_LEN), default=0,
-                   help="no n-gram of this size twice in one output (0 = off)")
-    g = p.add_argument_group("optimisations", "each on or off (decoder/optimisations.py; the defaults are the "
-                             "measured best, docs/bench)")
-    for o in OPTIMISATIONS:
-        g.add_argument("--" + o.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=o.default,
-                       help=f"{o.label}; off: {o.replaces}")
-    return p
+        help=f"sentences per batch, at most (default: CPU {MAX_SENTENCES}; CUDA {GPU_MAX_SENTENCES} / beam size)"))
+    p.add_argument("--threads", metavar="N", type=int_range(1, MAX_THREADS), default=None,
+                   help="torch intra-op threads")
+    p.add_argument("--workers", metavar="N", type=int_range(0, MAX_WORKERS), default=0,
+                   help="CPU: N processes of one thread, each pinned to a core (the output of --threads 1)")
+    p.add_argument("--max-len-a", metavar="A", type=float_range(0.0, MAX_LEN), default=1.5,
+                   help="output at most A * source tokens + B tokens")
+    p.add_argument("--max-len-b", metavar="B", type=int_range(0, MAX_LEN), default=10)
+    p.add_argument("--length-penalty", metavar="P", type=float_range(0.0, MAX_LENGTH_PENALTY), default=1.0,
+                   help="beam: a hypothesis' score is divided by its length ** P")
+    p.add_argument("--no-repeat-ngram", metavar="N", type=int_range(0, MAX_LEN), default=0,
+                   help="no n-gram of N tokens twice in one output (0 = off)")
+    p.add_argument("--shortlist", action=argparse.BooleanOptionalAction, default=None, help=shortlist_help())
+    p.add_argument("-q", "--quiet", action="store_true", help="no stderr line saying what runs")
+    cliargs.add_version(p)
+    p.add_argument("-h", "--help", action="help", help="show this help and exit")
 
 
 def parse_args(argv=None):
@@ -150,9 +248,9 @@ def _start(a, closed):
         src = open_input(a.input)
     except OSError as e:
         raise _Refused(f"error: {cliargs.path_error('--input', a.input, e)}") from None
-    options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=a.workers,
-                   length_penalty=a.length_penalty, max_len_a=a.max_len_a, max_len_b=a.max_len_b,
-                   no_repeat_ngram=a.no_repeat_ngram, **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
+    options = {name: getattr(a, name) for name in OWN}
+    # the switches and settings the command line set; the others are the library's defaults
+    options.update({name: v for name in SETTABLE if (v := getattr(a, name)) is not None})
     options.update(reading_mode(a, sys.stdin))
     try:
         return src, Translator(a.model, device=a.device, precision=a.precision, threads=a.threads, **options)

@@ -282,7 +282,8 @@ PARSERS = parser_modules()
 USAGE_ERRORS = {**{m: [m, "--no-such-option"] for m in PARSERS if m != "decoder.cliargs"},
                 "student.data prepare": ["student.data", "prepare", "--no-such-option"],
                 "student.train average": ["student.train", "average", "--no-such-option"],
-                "decoder --max-batch-tokens 0": ["decoder", "--model", "m", "--max-batch-tokens", "0"]}
+                "decoder --max-batch-tokens 0": ["decoder", "--model", "m", "--max-batch-tokens", "0"],
+                "decoder --set fused_nrom=on": ["decoder", "--model", "m", "--set", "fused_nrom=on"]}
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
 TOOLS = ("tools.bench", "tools.bench_fused", "tools.bench_workers", "tools.decode_steps", "tools.bench_gil")
 
@@ -325,6 +326,9 @@ def test_a_usage_error_is_one_line_naming_the_command_and_its_help(usage_errors,
     assert err.startswith(prog) and ": error: " in err and err.endswith(" --help)\n"), err
     if case.startswith("decoder --max"):
         assert err == f"{prog}: error: argument --max-batch-tokens: must be >= 1, got 0 (see {prog} --help)\n"
+    if case.startswith("decoder --set"):  # a misspelt switch: the close names, before any model is loaded
+        assert err.startswith(f"{prog}: error: argument --set: unknown switch or setting 'fused_nrom'; "
+                              "did you mean fused_norm"), err
 
 
 def test_a_tools_model_dir_or_input_that_is_not_there_is_one_error_line(tmp_path):

@@ -58,7 +58,7 @@ ENTRY_POINTS = {"decoder": _decoder, "student.data": _data, "student.train": _tr
 
 BAD = [
     ("decoder", "--beam", "0"), ("decoder", "--beam", "-1"), ("decoder", "--beam", "100000"),
-    ("decoder", "--beam", "two"), ("decoder", "--chunk-lines", "0"), ("decoder", "--chunk-lines", "-5"),
+    ("decoder", "--beam", "two"), ("decoder", "--set", "chunk_lines=0"), ("decoder", "--chunk-lines", "-5"),
     ("decoder", "--threads", "0"), ("decoder", "--threads", "-1"), ("decoder", "--workers", "-1"),
     ("decoder", "--workers", "100000"), ("decoder", "--max-len-a", "-1"), ("decoder", "--max-len-a", "nan"),
     ("decoder", "--max-len-b", "-1"), ("decoder", "--max-tokens", "0"), ("decoder", "--max-sentences", "0"),
@@ -99,7 +99,7 @@ def test_out_of_range_option_is_one_argparse_error_exit_2(capsys, entry, option,
 
 def test_boundary_values_are_accepted():
     from decoder.__main__ import parse_args
-    a = parse_args(["--model", "m", "--beam", "64", "--chunk-lines", "1", "--threads", "1", "--workers", "0",
+    a = parse_args(["--model", "m", "--beam", "64", "--set", "chunk_lines=1", "--threads", "1", "--workers", "0",
                     "--max-len-a", "0", "--max-len-b", "0", "--no-repeat-ngram", "0", "--max-tokens", "1"])
     assert (a.beam, a.chunk_lines, a.workers, a.max_len_a, a.max_len_b) == (64, 1, 0, 0.0, 0)
     from submission.evaluate.__main__ import parse_args as eval_args

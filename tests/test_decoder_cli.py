@@ -1,4 +1,6 @@
-"""`python -m decoder`: one output line per input line, whatever the bytes; bad model dirs."""
+"""`python -m decoder`: one output line per input line, whatever the bytes; bad model dirs;
+a --help of the user's options, the switches behind --set and --list-switches."""
+import dataclasses
 import json
 import os
 import shutil
@@ -50,7 +52,7 @@ def test_cli_greedy_matches_library(model_dir):
     from decoder import Translator
     lines = ["the man sees a dog", "Él was old.", "a"]
     r = run_cli(model_dir, "\n".join(lines).encode() + b"\n", "--precision", "fp32")
-    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
+    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir, precision="fp32").translate(lines)
 
 
 def test_cli_beam_matches_library_beam_not_greedy(model_dir):
@@ -58,10 +60,10 @@ def test_cli_beam_matches_library_beam_not_greedy(model_dir):
     lines = ["the dog", "", "the cat sees", "the man sees a dog"]
     r = run_cli(model_dir, "\n".join(lines).encode() + b"\n", "--beam", "3", "--precision", "fp32")
     assert r.returncode == 0, r.stderr.decode()
-    beam = Translator(model_dir, beam=3).translate(lines)
+    beam = Translator(model_dir, beam=3, precision="fp32").translate(lines)
     assert r.stdout.decode().split("\n")[:-1] == beam
     # on this model the beam finds other outputs than greedy: a CLI that fell back to greedy fails here
-    assert beam != Translator(model_dir).translate(lines)
+    assert beam != Translator(model_dir, precision="fp32").translate(lines)
 
 
 def broken(model_dir, tmp_path, how):
@@ -96,3 +98,115 @@ def test_bad_model_dir_is_one_error_line_naming_the_file(model_dir, tmp_path, ho
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 2 and r.stdout == b""
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+# -- --help: the user's options; the switches behind --set and --list-switches ------------------
+
+USER_OPTIONS = ["--model", "--input", "--output", "--device", "--precision", "--beam-size", "--max-batch-tokens",
+                "--batch-size", "--threads", "--workers", "--max-len-a", "--max-len-b", "--shortlist", "--quiet",
+                "--version"]
+
+
+def test_help_fits_in_60_lines_with_the_users_options_before_the_switches():
+    """Before: 322 lines, 106 of them --x/--no-x pairs of ablation switches before --beam-size."""
+    from decoder.optimisations import OPTIMISATIONS
+    r = subprocess.run([sys.executable, "-m", "decoder", "--help"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="80"), cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) <= 60, r.stdout
+    at = [r.stdout.index(f"{o} " if o != "--shortlist" else o) for o in [*USER_OPTIONS, "--set", "--list-switches"]]
+    assert at[:-2] and max(at[:-2]) < at[-2] < at[-1], at
+    # no option of its own for a switch: each is --set NAME=on|off (shortlist, a user's choice, has both)
+    flags = {w.strip("[],") for w in r.stdout.split() if w.startswith(("--", "[--"))}
+    assert not {"--" + o.name.replace("_", "-") for o in OPTIMISATIONS if o.name != "shortlist"} & flags
+    text = " ".join(r.stdout.split())
+    assert "default: the device's fast default, int8 on a CPU with an int8 kernel else fp32, fp16 on CUDA" in text
+    assert "--shortlist, --no-shortlist the model dir's lexical shortlist (default: " in text
+
+
+class Made(Exception):
+    """Raised by the recording Translator: the keywords the CLI handed the library are all the test needs."""
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """What `main(argv)` hands decoder.Translator as keywords, without loading a model."""
+    import decoder.__main__ as cli
+    seen = {}
+
+    def record(model_dir, **kw):
+        seen.update(kw)
+        raise Made
+
+    monkeypatch.setattr(cli, "Translator", record)
+
+    def run(*argv):
+        seen.clear()
+        with pytest.raises(Made):
+            cli.main(["--model", "m", "-q", "-i", os.devnull, *argv])
+        return dict(seen)
+    return run
+
+
+def test_set_turns_switches_on_and_off_and_leaves_the_others_to_the_library(handed):
+    kw = handed("--set", "fused_norm=off", "--set", "kv_half=on", "--set", "shortlist=on", "--set", "chunk_lines=7")
+    assert (kw["fused_norm"], kw["kv_half"], kw["shortlist"], kw["chunk_lines"]) == (False, True, True, 7)
+    assert "cache" not in handed()  # not given: the library's default, whatever it is
+    assert handed("--set", "kv_half=on", "--set", "kv_half=off")["kv_half"] is False  # the last one counts
+    # --shortlist is the user's own option for the same switch; --chunk-lines the old name of the setting
+    assert handed("--no-shortlist")["shortlist"] is False and "shortlist" not in handed()
+    assert handed("--chunk-lines", "9")["chunk_lines"] == 9 == handed("--set", "chunk-lines=9")["chunk_lines"]
+
+
+def test_every_switch_can_be_set_on_and_off():
+    from decoder.__main__ import parse_args
+    from decoder.optimisations import OPTIMISATIONS
+    for o in OPTIMISATIONS:
+        for word, value in (("on", True), ("OFF", False)):
+            assert getattr(parse_args(["--model", "m", "--set", f"{o.name}={word}"]), o.name) is value, o.name
+
+
+@pytest.mark.parametrize("setting,says", [
+    ("fused_nrom=on", "unknown switch or setting 'fused_nrom'; did you mean fused_norm"),
+    ("no_such_thing=on", "unknown switch or setting 'no_such_thing'; python -m decoder --list-switches lists them"),
+    ("fused_norm=maybe", "fused_norm=maybe: expected on or off, got 'maybe'"),
+    ("fused_norm", "expected NAME=on|off or NAME=VALUE, got 'fused_norm'"),
+    ("chunk_lines=0", "chunk_lines=0: must be >= 1, got 0"),
+    ("chunk_lines=on", "chunk_lines=on: expected an integer, got 'on'"),
+])
+def test_an_unknown_switch_or_value_is_one_error_line_exit_2(capsys, setting, says):
+    from decoder.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--set", setting])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"python -m decoder: error: argument --set: {says}"), err
+    assert err.endswith(" (see python -m decoder --help)\n"), err
+
+
+def test_list_switches_prints_each_switchs_name_default_label_and_worth(monkeypatch, capsys):
+    import decoder.__main__ as cli
+    measured = tuple(dataclasses.replace(o, worth=f"{i}.5x, test CPU, 2026-11-29")
+                     for i, o in enumerate(cli.OPTIMISATIONS))
+    monkeypatch.setattr(cli, "OPTIMISATIONS", measured)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--list-switches"])  # without --model: it only lists
+    out = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0
+    for i, o in enumerate(measured):
+        line = next(x for x in out if x.split()[0] == o.name)
+        assert line.split()[1] == ("on" if o.default else "off") and o.label in line, line
+        assert line.endswith(f"worth: {i}.5x, test CPU, 2026-11-29"), line
+    settings = out[out.index("") + 1:]
+    assert [x.split()[0] for x in settings[1:]] == list(cli.KNOBS) and "chunk_lines" in cli.KNOBS
+    assert ["chunk_lines", str(cli.CHUNK_LINES)] in [x.split() for x in settings]
+
+
+def test_set_switches_reach_the_decode(model_dir):
+    """The whole command with switches and a setting: the library takes them and the lines come out."""
+    lines = ["the dog", "", "the man sees a dog"]
+    r = run_cli(model_dir, "\n".join(lines).encode() + b"\n", "--precision", "fp32", "--set", "fused_norm=off",
+                "--set", "kv_half=on", "--set", "chunk_lines=2")
+    assert r.returncode == 0, r.stderr.decode()
+    from decoder import Translator
+    want = Translator(model_dir, precision="fp32", fused_norm=False, kv_half=True, chunk_lines=2).translate(lines)
+    assert r.stdout.decode().split("\n")[:-1] == want

@@ -3,8 +3,6 @@ resolved once into the Plan the decode step calls; everything that lists the
 switches (CLI, README, benchmarks) is generated from it."""
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -94,16 +92,6 @@ def test_decoder_readme_switch_table_is_the_registrys():
     readme = open(os.path.join(ROOT, "decoder", "README.md")).read()
     table = readme.split("<!-- switches:begin -->\n")[1].split("\n<!-- switches:end -->")[0]
     assert table == opt.table_markdown()
-
-
-def test_cli_has_one_flag_per_switch_and_passes_it_on():
-    r = subprocess.run([sys.executable, "-m", "decoder", "--help"], capture_output=True, text=True, cwd=ROOT)
-    for o in opt.OPTIMISATIONS:
-        flag = "--" + o.name.replace("_", "-")
-        assert f"{flag}, --no-{flag[2:]}" in r.stdout, flag
-    from decoder.__main__ import parse_args
-    a = parse_args(["--model", "m", "--no-cache", "--fused-norm"])
-    assert a.cache is False and a.fused_norm is True and a.sort is True
 
 
 def test_benchmark_rows_cover_every_measurable_switch():

@@ -77,11 +77,17 @@ def decoder_parser():
     return parser()
 
 
-DECODER_OPTIONS = numeric_options(decoder_parser())
+def numeric_settings() -> list[str]:
+    """The decoder's numeric settings as options: `--set=NAME`, drawn as `--set=NAME=VALUE`."""
+    from decoder.__main__ import KNOBS
+    return [f"--set={name}" for name, kind in KNOBS.items() if kind.__name__ in ("int_range", "float_range")]
+
+
+DECODER_OPTIONS = numeric_options(decoder_parser()) + numeric_settings()
 
 
 def test_the_decoder_numeric_options_are_all_drawn():
-    assert {"--beam-size", "--threads", "--workers", "--max-batch-tokens", "--batch-size", "--chunk-lines",
+    assert {"--beam-size", "--threads", "--workers", "--max-batch-tokens", "--batch-size", "--set=chunk_lines",
             "--length-penalty", "--max-len-a", "--max-len-b", "--no-repeat-ngram"} <= set(DECODER_OPTIONS)
 
 

@@ -90,7 +90,7 @@ def cli(model_dir, data: bytes, *args) -> bytes:
 @given(st.lists(stdins, min_size=1, max_size=6).map(b"".join))
 def test_cli_threads_workers_and_in_process_give_the_same_lines(model_dir, translator, data):
     want = "".join(x + "\n" for x in translator.translate(reader_lines(data, textio.line_cap(64))))
-    one = cli(model_dir, data, "--threads", "1", "--chunk-lines", "7")
+    one = cli(model_dir, data, "--threads", "1", "--set", "chunk_lines=7")
     assert one.count(b"\n") == n_lines(data)
     assert one.decode("utf-8") == want
-    assert cli(model_dir, data, "--workers", "2", "--chunk-lines", "5") == one
+    assert cli(model_dir, data, "--workers", "2", "--set", "chunk_lines=5") == one

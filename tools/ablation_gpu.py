@@ -46,16 +46,13 @@ def configurations(cuda: bool) -> list[tuple[str, dict]]:
     half = "fp16" if cuda else "fp32"
     eager = dict(PLAIN, precision=half, cuda_graphs=False)
     graphs = dict(PLAIN, precision=half, cuda_graphs=True)
-    # fused_argmax is left out of "all": fused_project_argmax replaces it wherever it applies
-    every = {o.name: True for o in group("step") + group("greedy") if o.name != "fused_argmax"}
-    in_graph = {o.name: True for o in group("step") if o.name in ("fused_norm", "fused_relu")}  # the static step
+    every = {o.name: True for o in group("step") + group("greedy")}
+    in_graph = {o.name: True for o in group("step") if o.name == "fused_norm"}  # the static step
     rows = [("fp32, eager (first row)", dict(PLAIN, precision="fp32", cuda_graphs=False)),
             (f"{half}, eager", eager), (f"{half} + CUDA graphs", graphs),
             (f"{half} + CUDA graphs, one step a graph (no graph_steps)", {**graphs, "graph_steps": False}),
             (f"{half} + CUDA graphs, attention through the decode-step kernel",
-             {**graphs, "fused_attention": True, "graph_attention": True}),
-            (f"{half} + CUDA graphs, attention through the decode-step kernel, a block per row (no warp_attention)",
-             {**graphs, "fused_attention": True, "graph_attention": True, "warp_attention": False})]
+             {**graphs, "fused_attention": True, "graph_attention": True})]
     rows += [(f"{half}, eager + {o.label}", {**eager, o.name: True}) for o in group("step") + group("greedy")]
     rows += [(f"{half}, eager + all fused kernels", {**eager, **every}),
              (f"{half} + CUDA graphs + {', '.join(in_graph)}", {**graphs, **in_graph}),

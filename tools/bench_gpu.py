@@ -49,7 +49,8 @@ from collections import Counter
 
 import torch
 
-from decoder import Options, cliargs, machine, modeldir
+from decoder import cliargs, machine, modeldir
+from decoder.__main__ import knob_type
 from decoder.optimisations import BY_NAME
 from decoder.pipeline import normalise_processes, shares
 
@@ -479,12 +480,6 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
 SETTINGS = ("sync_every",)
 
 
-def _parse_setting(name: str, value: str):
-    """value as the decoder's option `name` takes it, within its bounds (Options.RANGES)."""
-    kind, lo, hi = next((k, lo, hi) for n, k, lo, hi in Options.RANGES if n == name)
-    return (cliargs.int_range if kind is int else cliargs.float_range)(lo, hi)(value)
-
-
 def ablation(entry: str) -> tuple[str, dict]:
     """An --ablate entry as (its rows' label, ours' keyword arguments): a switch flipped from its
     default (on switches off, off ones on), or NAME=VALUE of SETTINGS, or several of those joined
@@ -502,11 +497,11 @@ def _one_change(entry: str) -> tuple[str, dict]:
         if name not in SETTINGS:
             raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(SETTINGS)}")
         try:
-            return f"{name}={value}", {name: _parse_setting(name, value)}
+            return f"{name}={value}", {name: knob_type(name)(value)}  # as `python -m decoder --set` takes it
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"{name}={value}: {e}") from None
     if name not in BY_NAME:
-        raise ValueError(f"unknown switch {name!r}; the switches are in python -m decoder --help")
+        raise ValueError(f"unknown switch {name!r}; python -m decoder --list-switches lists them")
     flip = not BY_NAME[name].default
     return f"{'with' if flip else 'without'} {name}", {name: flip}
 
@@ -774,7 +769,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CTranslate2's compute types, a sweep each (float16 alone: the targets' baseline, and "
                         "on the H200 int8_float16 was slower in every group)")
     p.add_argument("--ablate", default="", metavar="SWITCHES",
-                   help="comma list of decoder switches (python -m decoder --help) and settings NAME=VALUE "
+                   help="comma list of decoder switches (python -m decoder --list-switches) and settings NAME=VALUE "
                         f"({', '.join(SETTINGS)}), several joined by '+' changed together: for each, ours with the "
                         "switch flipped from its default or the setting so, at our best throughput and batch-1 "
                         "sizes, a row each (a beam search switch, as kv_row_table: at our best beam-4 size)")
