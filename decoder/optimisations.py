@@ -655,7 +655,9 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     device = "cuda" if device.startswith("cuda") else "cpu"
     k = loaded_kernels(device) if kernels is None else kernels
     view = SimpleNamespace(**dataclasses.asdict(switches), no_repeat_ngram=no_repeat_ngram)
-    if not has_shortlist:
+    # a graph replays fixed addresses, a batch's candidates are not: on CUDA the graphs take precedence
+    graphs = device == "cuda" and view.cuda_graphs and view.cache and not no_repeat_ngram
+    if not has_shortlist or graphs:
         view.shortlist = False
     slots: dict = {}
     runs = set()

@@ -136,16 +136,15 @@ class Greedy:
                     self.step(i)
             return run
         if self.replay is None:
-            self.replay = graphs.Captured(self.block, self.state.m, every) if self.state.graphs else \
-                partial(self.block, every)
+            self.replay = replayed(self.state, graphs.Captured(self.block, self.state.m, every)) \
+                if self.state.graphs else partial(self.block, every)
         return lambda t, T: self.replay()
 
     def block(self, every: int):
         pos = self.state.cache.pos
-        with self.state.phase("decode steps"):
-            for _ in range(every):
-                self.step(pos)
-                pos.add_(1)
+        for _ in range(every):
+            self.step(pos)
+            pos.add_(1)
         return self.done
 
     def step(self, t) -> None:
@@ -275,16 +274,15 @@ class Beam:
         if not self.state.static:
             return self.step
         if self.replay is None:
-            make = (lambda f: graphs.Captured(self.block, self.state.m, f)) if self.state.graphs else \
-                (lambda f: partial(self.block, f))
+            make = (lambda f: replayed(self.state, graphs.Captured(self.block, self.state.m, f))) \
+                if self.state.graphs else (lambda f: partial(self.block, f))
             self.replay = {f: make(f) for f in (False, True)}
         return lambda t, forced, reorder: self.replay[forced]()
 
     def block(self, forced: bool):
         pos = self.state.cache.pos
-        with self.state.phase("decode steps"):
-            self.step(pos, forced, True)
-            pos.add_(1)
+        self.step(pos, forced, True)
+        pos.add_(1)
         return self.scores
 
     def step(self, t, forced: bool, reorder: bool):
@@ -320,6 +318,15 @@ class Beam:
         self.tokens, self.hist = self.tokens[krows], self.hist[krows]
         self.lims = [self.lims[b] for b in keep]
         self.finals.keep(keep)
+
+
+def replayed(state, graph) -> Callable:
+    """A captured block's replay, timed as a decode step (Translator.phase): a replay calls
+    no state's `step`, which an eager block's steps time themselves."""
+    def replay():
+        with state.phase("decode steps"):
+            return graph()
+    return replay
 
 
 def put_column(x, t, values) -> None:

@@ -357,7 +357,8 @@ class RecomputeCache:
         self.causal = None
 
     def run(self, tokens, t: int):
-        ys = tokens[:, None] if self.prefix is None else torch.cat([self.prefix, tokens[:, None]], 1)
+        # a copy: the searches rewrite their token buffer in place
+        ys = tokens[:, None].clone() if self.prefix is None else torch.cat([self.prefix, tokens[:, None]], 1)
         self.prefix = ys  # (N, t+1)
         T = ys.shape[1]
         self.causal = torch.ones(T, T, dtype=torch.bool, device=ys.device).tril()

@@ -171,6 +171,7 @@ class Translator:
                 modeldir.read_shortlist(model_dir, cfg)  # a bad file fails here, once, not in each worker
             # the model lives in the workers only; they get the precision already resolved
             kw = {k: v for k, v in o.flat().items() if k not in ("workers", "pipeline")}
+            kw["shortlist"] = self.plan.shortlist  # resolved: the dir's, where it has one
             self.pool = WorkerPool(partial(Translator, model_dir, device="cpu", precision=self.precision,
                                            threads=1, **kw), o.workers)
             return

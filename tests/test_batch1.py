@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srcs(model_dir):
-    return Translator(model_dir).text.encode(synthetic_corpus(30, seed=5))
+    return Translator(model_dir, precision="fp32").text.encode(synthetic_corpus(30, seed=5))
 
 
 def one_by_one(tr, srcs):
@@ -71,6 +71,7 @@ def shortlisted(model_dir, tmp_path_factory):
                                       dict(shortlist=True, no_repeat_ngram=2, precision="int8")],
                          ids=["ngram", "shortlist", "shortlist+ngram+int8"])
 def test_one_row_greedy_with_ngram_blocking_or_shortlist_gives_the_batch_tokens(shortlisted, srcs, settings):
+    settings = {"precision": "fp32", **settings}
     ref = one_by_one(Translator(shortlisted, **settings, **BATCH_PATH), srcs)
     assert one_by_one(Translator(shortlisted, **settings), srcs) == ref
 
@@ -79,12 +80,12 @@ def test_one_row_state_runs_only_for_one_greedy_sentence(model_dir, srcs, monkey
     seen = []
     run = OneRowCache.run
     monkeypatch.setattr(OneRowCache, "run", lambda self, tok, t: (seen.append(type(tok)), run(self, tok, t))[1])
-    Translator(model_dir).translate_ids(srcs[:1])
+    Translator(model_dir, precision="fp32").translate_ids(srcs[:1])
     assert seen and set(seen) == {int}
     seen.clear()
-    Translator(model_dir).translate_ids(srcs[:2])
-    Translator(model_dir, beam=2).translate_ids(srcs[:1])
-    Translator(model_dir, one_row=False).translate_ids(srcs[:1])
+    Translator(model_dir, precision="fp32").translate_ids(srcs[:2])
+    Translator(model_dir, precision="fp32", beam=2).translate_ids(srcs[:1])
+    Translator(model_dir, precision="fp32", one_row=False).translate_ids(srcs[:1])
     assert seen == []
 
 

@@ -1,7 +1,6 @@
 """Beam search's row-table caches (switch kv_row_table): decoder/state.py RowTableCache's
 storage and shrink, and the fixed-shape StaticCache (the CUDA graphs' beam state) moving its table
-in place of its K/V buffer; that state's unfinished sentences moved to a narrower one (switch
-narrow_beam)."""
+in place of its K/V buffer."""
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srcs(model_dir):
-    return Translator(model_dir).text.encode(synthetic_corpus(24, seed=7))
+    return Translator(model_dir, precision="fp32").text.encode(synthetic_corpus(24, seed=7))
 
 
 def test_row_table_cache_stores_each_step_as_one_contiguous_block(model_dir, srcs, monkeypatch):
@@ -29,7 +28,7 @@ def test_row_table_cache_stores_each_step_as_one_contiguous_block(model_dir, src
         seen.append(kc[:, :, self.t - 1].is_contiguous())
         return _f(self, *a)
     monkeypatch.setattr(RowTableCache, "reorder", spy)
-    Translator(model_dir, beam=3).translate_ids(srcs[:6])
+    Translator(model_dir, precision="fp32", beam=3).translate_ids(srcs[:6])
     assert seen and all(seen)
 
 
@@ -48,24 +47,24 @@ def test_row_table_shrink_keeps_each_kept_rows_history(model_dir, srcs, monkeypa
         assert torch.equal(self.table, torch.arange(rows.numel())[:, None].expand_as(self.table))
         checked.append(rows.numel())
     monkeypatch.setattr(RowTableCache, "keep", spy)
-    Translator(model_dir, beam=3).translate_ids(srcs)
+    Translator(model_dir, precision="fp32", beam=3).translate_ids(srcs)
     assert checked  # the fixture's batch shrank at least once
 
 
 def test_beam_through_the_position_major_cache_equals_beam_moving_the_cache(model_dir, srcs):
-    table = Translator(model_dir, beam=4, kv_row_table=True).translate_ids(srcs)
-    assert table == Translator(model_dir, beam=4, kv_row_table=False).translate_ids(srcs)
+    table = Translator(model_dir, precision="fp32", beam=4, kv_row_table=True).translate_ids(srcs)
+    assert table == Translator(model_dir, precision="fp32", beam=4, kv_row_table=False).translate_ids(srcs)
 
 
 STATIC_BEAM = dict(beam=4, static_shapes=True, fused_project_topk=False)  # the graphs' beam loop, eagerly
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(graph_steps=False), dict(sync_every=3, max_sentences=5)])
+@pytest.mark.parametrize("kw", [dict(), dict(sync_every=3, max_sentences=5)])
 def test_fixed_shape_beam_through_the_row_table_gives_the_tokens_of_the_moved_cache(model_dir, srcs, kw):
-    table = Translator(model_dir, kv_row_table=True, **STATIC_BEAM, **kw)
-    moved = Translator(model_dir, kv_row_table=False, **STATIC_BEAM, **kw)
-    assert table.plan.state == moved.plan.state == "static" and table.plan.kv_row_table and not moved.plan.kv_row_table
-    assert table.plan.graph_steps == kw.get("graph_steps", True)
+    table = Translator(model_dir, precision="fp32", kv_row_table=True, **STATIC_BEAM, **kw)
+    moved = Translator(model_dir, precision="fp32", kv_row_table=False, **STATIC_BEAM, **kw)
+    assert table.state_kind(5) == moved.state_kind(5) == "static"
+    assert table.plan.states.row_table and not moved.plan.states.row_table
     assert table.translate_ids(srcs) == moved.translate_ids(srcs)
     # one sentence a batch, twice: the second of a shape reloads the state kept for it (graph_reuse)
     one = [srcs[0], srcs[1], srcs[0]]
@@ -75,46 +74,16 @@ def test_fixed_shape_beam_through_the_row_table_gives_the_tokens_of_the_moved_ca
 def test_fixed_shape_beam_reorder_moves_the_row_table_and_leaves_the_cache(model_dir, srcs, monkeypatch):
     seen = []
 
-    def spy(self, rows, _f=StaticCache.reorder_all):
+    def spy(self, rows, _f=StaticCache.reorder):
         kv, table = self.kv.clone(), None if self.table is None else self.table.clone()
         _f(self, rows)
         seen.append((torch.equal(kv, self.kv), table is not None and not torch.equal(table, self.table)))
-    monkeypatch.setattr(StaticCache, "reorder_all", spy)
-    Translator(model_dir, **STATIC_BEAM).translate_ids(srcs[:8])
+    monkeypatch.setattr(StaticCache, "reorder", spy)
+    Translator(model_dir, precision="fp32", **STATIC_BEAM).translate_ids(srcs[:8])
     assert seen and all(same for same, _ in seen) and any(moved for _, moved in seen)
     seen.clear()
-    Translator(model_dir, kv_row_table=False, **STATIC_BEAM).translate_ids(srcs[:8])
+    Translator(model_dir, precision="fp32", kv_row_table=False, **STATIC_BEAM).translate_ids(srcs[:8])
     assert seen and not any(moved for _, moved in seen) and not all(same for same, _ in seen)
-
-
-def narrowed_states(monkeypatch) -> list:
-    """The fixture's 96-row states narrow (static_steps.NARROW_MIN 4); each narrowing's
-    (rows before, rows after), in a list."""
-    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)
-    seen, narrowed = [], StaticCache.narrowed
-
-    def spy(self, sents, rows, written):
-        new = narrowed(self, sents, rows, written)
-        seen.append((self.kv.shape[2], new.kv.shape[2]))
-        return new
-    monkeypatch.setattr(StaticCache, "narrowed", spy)
-    return seen
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(kv_row_table=False), dict(sync_every=3), dict(graph_steps=False)])
-def test_narrowed_fixed_shape_beam_gives_the_tokens_of_the_whole_state(model_dir, srcs, kw, monkeypatch):
-    seen = narrowed_states(monkeypatch)
-    narrow = Translator(model_dir, **STATIC_BEAM, **kw)
-    whole = Translator(model_dir, **STATIC_BEAM, **kw, narrow_beam=False)
-    assert narrow.plan.narrow_beam == kw.get("graph_steps", True) and not whole.plan.narrow_beam
-    hostsync.reset()
-    got = narrow.translate_ids(srcs)
-    reads = hostsync.counts["finished?"]
-    assert (len(seen) > 0) == narrow.plan.narrow_beam  # it narrowed where it resolved
-    assert all(after <= before // 2 and after % 4 == 0 for before, after in seen)
-    hostsync.reset()
-    assert got == whole.translate_ids(srcs)
-    assert reads <= hostsync.counts["finished?"]  # a narrower state reads no more often
 
 
 def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis(model_dir, srcs, monkeypatch):
@@ -124,9 +93,9 @@ def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis
         dtypes.add(self.kv.dtype)
         return _f(self, *a)
     monkeypatch.setattr(RowTableCache, "reorder", spy)
-    ref = Translator(model_dir, beam=4, kv_half=False).translate_ids(srcs)
+    ref = Translator(model_dir, precision="fp32", beam=4, kv_half=False).translate_ids(srcs)
     assert dtypes == {torch.float32}
-    half = Translator(model_dir, beam=4, kv_half=True).translate_ids(srcs)
+    half = Translator(model_dir, precision="fp32", beam=4, kv_half=True).translate_ids(srcs)
     assert dtypes == {torch.float32, torch.float16}
     # a numeric switch: fp16 rounding of K/V may flip near ties (KD student: 94 of 1,003 lines, BLEU +0.02)
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
@@ -134,7 +103,7 @@ def test_kv_half_stores_the_beam_cache_in_fp16_and_keeps_nearly_every_hypothesis
 
 def cache_dtypes(monkeypatch) -> dict:
     """{cache class name: dtypes of its self-attention K/V} of the states a translation builds."""
-    from decoder import cache as caches
+    from decoder import state as caches
     seen: dict = {}
     for cls in (caches.IncrementalCache, caches.RowTableCache, caches.OneRowCache, caches.StaticCache):
         def spy(self, *a, _f=cls.__init__, _c=cls, **kw):
@@ -147,10 +116,10 @@ def cache_dtypes(monkeypatch) -> dict:
 
 def test_kv_half_stores_the_greedy_batch_cache_in_fp16_but_not_the_one_row_cache(model_dir, srcs, monkeypatch):
     seen = cache_dtypes(monkeypatch)
-    ref = Translator(model_dir, kv_half=False).translate_ids(srcs)
-    half = Translator(model_dir, kv_half=True).translate_ids(srcs)
+    ref = Translator(model_dir, precision="fp32", kv_half=False).translate_ids(srcs)
+    half = Translator(model_dir, precision="fp32", kv_half=True).translate_ids(srcs)
     assert seen["IncrementalCache"] == {torch.float32, torch.float16}
-    one = Translator(model_dir, kv_half=True).translate_ids(srcs[:1])  # one sentence: the one-row state
+    one = Translator(model_dir, precision="fp32", kv_half=True).translate_ids(srcs[:1])  # one sentence: the one-row state
     assert seen["OneRowCache"] == {torch.float32}  # one_row_layer reads an fp32 cache
     assert one == ref[:1]
     # a numeric switch: fp16 rounding of K/V may flip near ties
@@ -159,35 +128,12 @@ def test_kv_half_stores_the_greedy_batch_cache_in_fp16_but_not_the_one_row_cache
 
 def test_kv_half_leaves_the_static_cache_in_the_models_dtype(model_dir, srcs, monkeypatch):
     seen = cache_dtypes(monkeypatch)
-    Translator(model_dir, kv_half=True, static_shapes=True).translate_ids(srcs[:4])
+    Translator(model_dir, precision="fp32", kv_half=True, static_shapes=True).translate_ids(srcs[:4])
     assert seen == {"StaticCache": {torch.float32}}
 
 
 def test_kv_half_with_the_cache_moved_on_reorder_keeps_nearly_every_beam_hypothesis(model_dir, srcs):
     # without kv_row_table the fp16 cache is reordered by index_select, read by decode_attention
-    ref = Translator(model_dir, beam=4, kv_row_table=False).translate_ids(srcs)
-    half = Translator(model_dir, beam=4, kv_row_table=False, kv_half=True).translate_ids(srcs)
+    ref = Translator(model_dir, precision="fp32", beam=4, kv_row_table=False).translate_ids(srcs)
+    half = Translator(model_dir, precision="fp32", beam=4, kv_row_table=False, kv_half=True).translate_ids(srcs)
     assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 8
-
-
-def test_the_steps_tool_counts_what_each_beam_reorder_moves_and_the_narrowed_rows_steps(model_dir, tmp_path,
-                                                                                         monkeypatch):
-    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the tool's small states narrow
-    import json
-    from tools import decode_steps
-    src = tmp_path / "src.txt"
-    src.write_text("\n".join(synthetic_corpus(40, seed=3)) + "\n")
-    assert decode_steps.main(["--model", str(model_dir), "--src", str(src), "--beam", "4", "--max-tokens", "256",
-                              "--out", str(tmp_path / "b")]) == 0
-    record = json.loads((tmp_path / "b.json").read_text())
-    moved, table, narrow = record["rows"]
-    assert record["settings"]["beam"] == 4 and record["settings"]["max_sentences"] == 2048  # the GPU's / 4
-    assert not moved["kv_row_table"] and table["kv_row_table"] and table["same_outputs"] == "40 of 40"
-    assert moved["steps"] == table["steps"] > 0 and moved["rows"] == table["rows"]
-    assert not table["narrow_beam"] and narrow["narrow_beam"] and narrow["same_outputs"] == "40 of 40"
-    assert narrow["steps"] == table["steps"] and narrow["row_steps"] < table["row_steps"]
-    # a step moves the whole K/V buffer (rows x heads x positions x features, K and V, each layer, fp16,
-    # read and written twice) or the row table (rows x positions, int64): the same ratio every step
-    arch = Translator(model_dir).model.cfg.arch
-    assert moved["reorder_bytes"] * 8 == table["reorder_bytes"] * arch.decoder_layers * 2 * arch.d_model * 2
-    assert "| beam, a row table moved at each reorder (kv_row_table) |" in (tmp_path / "b.md").read_text()

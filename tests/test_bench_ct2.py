@@ -84,8 +84,8 @@ def test_vmap_file_lists_each_source_tokens_shortlist_and_the_always_allowed_ids
 
 
 def test_ct2_with_the_vmap_translates_as_our_shortlist_does(shortlisted, ct2_dir, lines):
-    ours = [Translator(shortlisted, threads=1, shortlist=True).translate([x])[0] for x in lines]
-    full = Translator(shortlisted, threads=1).translate(lines)
+    ours = [Translator(shortlisted, precision="fp32", threads=1, shortlist=True).translate([x])[0] for x in lines]
+    full = Translator(shortlisted, precision="fp32", threads=1).translate(lines)
     assert ours != full  # the shortlist changes the output, so the comparison below means something
     go = ct2_translator(ct2_dir, shortlisted, CT2Run("float32", batch1=True, use_vmap=True))
     assert os.path.isfile(os.path.join(ct2_dir, VMAP))
@@ -95,7 +95,7 @@ def test_ct2_with_the_vmap_translates_as_our_shortlist_does(shortlisted, ct2_dir
 # -- length caps -----------------------------------------------------------------------------------
 
 def test_ct2_caps_each_sentence_as_our_decoder_caps_it(lines):
-    tr = Translator(MODEL, threads=1)
+    tr = Translator(MODEL, precision="fp32", threads=1)
     srcs = tr.text.encode(lines)  # ids with </s>
     groups = cap_groups([s[:-1] for s in srcs], tr.cfg.arch.max_positions)
     cap_of = {i: cap for cap, idx in groups.items() for i in idx}
@@ -107,7 +107,7 @@ def test_ct2_caps_each_sentence_as_our_decoder_caps_it(lines):
 def test_ct2_in_token_batches_on_parallel_workers_gives_our_greedy_output(tmp_path):
     lines = bench.read(os.path.join(DATA, "test.en"))[:70]
     ct2 = to_ctranslate2(MODEL, str(tmp_path / "ct2"))
-    tr = Translator(MODEL, threads=1)
+    tr = Translator(MODEL, precision="fp32", threads=1)
     ours, srcs = tr.translate(lines), tr.text.encode(lines)
     caps = [max_decoding_length(len(s) - 1, tr.cfg.arch.max_positions) for s in srcs]
     # sentences that run into their cap: one cap for all (the longest line's) would let CT2 run on

@@ -176,7 +176,7 @@ def test_cli_default_output_is_the_library_default_output_and_says_what_ran(mode
     r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
                        input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
                        timeout=300)
-    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir).translate(lines)
+    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir, precision="fp32").translate(lines)
     isa = torch.backends.cpu.get_cpu_capability()
     err = r.stderr.decode().splitlines()
     assert len(err) == 1 and err[0].startswith(f"decoder: precision fp32, 1 thread, cpu ISA {isa}; {fused.describe()}; "), err

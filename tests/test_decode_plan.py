@@ -1,8 +1,8 @@
 """One resolution of the decode configuration (decoder/optimisations.py `resolve`):
 after the device, the beam and the loaded kernels are known, into the loop, the
 state and the kernels the step calls; the batch sizes of each device
-(decoder/cliargs.py); and the device-style loops (decoder/search.py
-`greedy_device`, `beam_device`) whose host reads decoder/hostsync.py counts; the
+(decoder/cliargs.py); and the loops' host reads every few steps (decoder/search.py
+`greedy`, `beam`), which decoder/hostsync.py counts; the
 fused ops the plan binds once, kernels or references, so the step never asks."""
 import contextlib
 import math
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoder import fused, hostsync, ops
+from decoder import fused, hostsync, ops, search
 from decoder import optimisations as opt
 from decoder.cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_SENTENCES, MAX_TOKENS,
                              max_sentences_for, max_tokens_for)
@@ -30,65 +30,74 @@ trained = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL, "config.json
 
 def test_cpu_plan_runs_the_per_step_loops_and_the_cpu_kernels():
     g = resolve(Switches(), device="cpu", beam=1, kernels=BOTH)
-    assert (g.device, g.loop, g.state, g.one_row, g.cuda_graphs, g.sync_every, g.kernels) == \
-        ("cpu", "greedy", "incremental", True, False, 1, True)
-    assert g.state_for(1) == "one_row" and g.state_for(5) == "incremental"
+    st = g.states
+    assert (g.device, g.loop, st.eager, st.one_row, st.static, st.graphs, g.every, g.kernels) == \
+        ("cpu", "greedy", "incremental", True, False, False, 1, True)
+    assert st.kind(1, 1) == "one_row" and st.kind(5, 1) == "incremental" and g.search is opt.greedy_or_one
     assert g.encoder_attend.func is opt.encoder_attend_fused and g.cross_kv is not CrossPlain
     b = resolve(Switches(), device="cpu", beam=4, kernels=BOTH)
-    assert (b.loop, b.state, b.one_row, b.kv_row_table) == ("beam", "row_table", False, True)
-    assert b.state_for(1) == "row_table"  # one sentence in a beam is not the one-row state
-    assert resolve(Switches(cache=False), beam=4, kernels=BOTH).state == "recompute"
-    assert resolve(Switches(), kernels=BOTH, static_shapes=True).state == "static"
+    assert (b.loop, b.states.eager, b.states.one_row, b.search) == ("beam", "row_table", False, search.beam)
+    assert "kv_row_table" in b.runs and b.states.kind(1, 4) == "row_table"  # one sentence in a beam: no one-row
+    assert resolve(Switches(cache=False), beam=4, kernels=BOTH).states.eager == "recompute"
+    fixed = resolve(Switches(), kernels=BOTH, static_shapes=True).states
+    assert fixed.kind(1, 1) == fixed.kind(10_000, 1) == "static" and not fixed.graphs
+    assert resolve(Switches(one_row=False), kernels=BOTH).search is search.greedy
 
 
 def test_cpu_plan_without_the_cpp_ops_holds_the_same_math_without_them():
     p = resolve(Switches(), device="cpu", beam=1, kernels=Kernels(cpu=False, cuda=False))
     assert not p.kernels and p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
-    assert not p.one_row_layer and not p.one_row_step and {"one_row_layer", "one_row_step"}.isdisjoint(p.runs)
+    st = p.states
+    assert not st.one_row_layer and not st.one_row_step and {"one_row_layer", "one_row_step"}.isdisjoint(p.runs)
 
 
-def test_cuda_plan_holds_no_cpu_only_kernel_and_reads_every_few_steps():
+def test_cuda_plan_replays_graphs_for_small_greedy_batches_and_every_beam_and_reads_every_few_steps():
     for beam in (1, 4):
         p = resolve(Switches(), device="cuda", beam=beam, kernels=BOTH)
-        assert (p.device, p.state, p.cuda_graphs, p.one_row, p.kernels) == ("cuda", "static", True, False, True)
-        assert p.loop == ("beam" if beam > 1 else "greedy") and p.sync_every == opt.SYNC_EVERY["cuda"] > 1
-        assert p.runs.isdisjoint(opt.CPU_ONLY) and not p.kv_half
+        st = p.states
+        assert (p.device, st.static, st.graphs, st.one_row, p.kernels) == ("cuda", True, True, False, True)
+        assert p.loop == ("beam" if beam > 1 else "greedy") and p.every == opt.SYNC_EVERY["cuda"] > 1
+        assert p.runs.isdisjoint(opt.CPU_ONLY) and not st.half_kv and "cuda_graphs" in p.runs
         assert p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
+    greedy = resolve(Switches(), device="cuda", kernels=BOTH).states
+    # thousands of greedy rows decode eagerly: 1.18x there without graphs (docs/bench/gpu.md)
+    assert greedy.kind(opt.GRAPH_ROWS, 1) == "static" and greedy.kind(opt.GRAPH_ROWS + 1, 1) == "incremental"
+    assert resolve(Switches(), device="cuda", beam=4, kernels=BOTH).states.kind(10_000, 4) == "static"
     assert resolve(Switches(), device="cuda:0", kernels=BOTH).device == "cuda"
     # graphs off: the incremental state, also for a beam (the row_table state is the CPU's)
-    eager = resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH)
-    assert eager.state == "incremental" and eager.state_for(1) == "incremental"
-    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).state_for(1) == "one_row"
+    eager = resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH).states
+    assert eager.kind(1, 4) == "incremental" and not eager.static
+    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).states.kind(1, 1) == "one_row"
     assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).kernels
 
 
-def test_narrow_beam_resolves_on_for_the_graphs_beam_loop_only():
-    on = resolve(Switches(), device="cuda", beam=4, kernels=BOTH)
-    assert on.graph_steps and on.narrow_beam and "narrow_beam" in on.runs
-    for p in (resolve(Switches(), device="cuda", kernels=BOTH),  # greedy: refill_rows and narrow_tail instead
-              resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH),  # the eager state shrinks
-              resolve(Switches(graph_steps=False), device="cuda", beam=4, kernels=BOTH),  # the per-step loop
-              resolve(Switches(), device="cpu", beam=4),  # the CPU's row_table state shrinks
-              resolve(Switches(narrow_beam=False), device="cuda", beam=4, kernels=BOTH)):
-        assert not p.narrow_beam and "narrow_beam" not in p.runs
-    assert resolve(Switches(fused_project_topk=False), device="cpu", beam=4, static_shapes=True).narrow_beam
+def test_cuda_graphs_replay_no_shortlist_and_no_ngram_blocking():
+    """A graph replays fixed addresses: a batch's candidates or n-gram histories are not."""
+    with_graphs = resolve(Switches(), device="cuda", kernels=BOTH, has_shortlist=True)
+    assert with_graphs.states.graphs and not with_graphs.shortlist
+    listed = resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH, has_shortlist=True)
+    assert listed.shortlist and not listed.states.static
+    assert not resolve(Switches(), device="cuda", kernels=BOTH, no_repeat_ngram=2).states.graphs
+
+
+def test_the_shortlist_runs_by_default_where_the_model_dir_has_one():
+    assert resolve(Switches(), kernels=BOTH, has_shortlist=True).shortlist
+    assert not resolve(Switches(), kernels=BOTH, has_shortlist=False).shortlist
+    assert not resolve(Switches(shortlist=False), kernels=BOTH, has_shortlist=True).shortlist
 
 
 def test_the_row_table_resolves_on_cuda_for_the_graphs_beam_state_through_its_kernel_only():
     on = resolve(Switches(), device="cuda", beam=4, kernels=BOTH)
-    assert (on.state, on.static_attend, on.kv_row_table) == ("static", True, True) and "kv_row_table" in on.runs
+    assert (on.states.static, on.states.masked_attend, on.states.row_table) == (True, True, True)
+    assert "kv_row_table" in on.runs
     refused = Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_rows"}))
     for p in (resolve(Switches(), device="cuda", beam=4, kernels=refused),  # its kernel refused alone
               resolve(Switches(graph_attention=False), device="cuda", beam=4, kernels=BOTH),  # SDPA reads no table
               resolve(Switches(), device="cuda", beam=4, kernels=Kernels(cpu=True, cuda=False)),  # no CUDA kernels
               resolve(Switches(cuda_graphs=False), device="cuda", beam=4, kernels=BOTH),  # the eager state
               resolve(Switches(kv_row_table=False), device="cuda", beam=4, kernels=BOTH)):
-        assert not p.kv_row_table and "kv_row_table" not in p.runs and p.state != "row_table"
+        assert not p.states.row_table and "kv_row_table" not in p.runs and p.states.eager != "row_table"
     assert "no kv_row_table" in resolve(Switches(), device="cuda", beam=4, kernels=refused).summary()
-    # the warp kernel refused alone: the table through the block kernel
-    no_warp = Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_warp"}))
-    p = resolve(Switches(), device="cuda", beam=4, kernels=no_warp)
-    assert p.kv_row_table and p.attend is fused.decode_attention_cuda
 
 
 def test_the_gpu_feeding_switches_resolve_on_cuda_only():
@@ -103,23 +112,24 @@ def test_the_gpu_feeding_switches_resolve_on_cuda_only():
 
 
 def test_sync_interval_is_a_plan_setting_on_any_device():
-    assert resolve(Switches(), device="cpu", kernels=BOTH, sync_every=8).sync_every == 8
-    assert resolve(Switches(), device="cuda", kernels=BOTH, sync_every=1).sync_every == 1
+    assert resolve(Switches(), device="cpu", kernels=BOTH, sync_every=8).every == 8
+    assert resolve(Switches(), device="cuda", kernels=BOTH, sync_every=1).every == 1
 
 
 def test_plan_summary_says_the_loop_state_graphs_reads_and_what_differs():
     cpu = resolve(Switches(), device="cpu", beam=4, kernels=BOTH).summary()
     assert cpu.startswith("beam loop, row_table state") and "CUDA graphs off" in cpu and "every step" in cpu
-    cuda = resolve(Switches(fused_relu=True), device="cuda", beam=1, kernels=BOTH).summary("fp16")
-    assert "greedy loop, static state" in cuda and "CUDA graphs on" in cuda and "every 8 steps" in cuda
-    assert "fused_relu" in cuda.split(";")[1] and "no fused_encoder_attention" in cuda
+    cuda = resolve(Switches(graph_attention=False), device="cuda", beam=1, kernels=BOTH).summary("fp16")
+    assert f"fixed-shape state up to {opt.GRAPH_ROWS} rows" in cuda and "CUDA graphs on" in cuda
+    assert "every 8 steps" in cuda and "no graph_attention" in cuda.split(";")[1]
+    assert "no fused_encoder_attention" in cuda
     assert "\n" not in cuda and "kv_row_table" not in cuda  # a beam switch, not greedy's
 
 
 # -- the fused ops, bound once for the device, the precision and the kernels loaded ---------------
 
 NONE = Kernels(cpu=False, cuda=False)
-FUSED_ARGMAX = dict(fused_argmax=True, fused_project_argmax=False)  # the argmax slot, not the step's
+FUSED_ARGMAX = dict(fused_project_argmax=False)  # the argmax on written logits, not the step's
 
 
 def bound_ops(p) -> set:
@@ -132,25 +142,10 @@ def test_plan_binds_the_references_where_the_kernels_are_absent():
         p = resolve(Switches(**FUSED_ARGMAX), device=device, beam=1, kernels=kernels)
         assert p.ops is fused.REFERENCE and bound_ops(p) == {fused.REFERENCE}
         assert p.attend is p.attend_one is fused.decode_attention_reference
-        assert p.argmax is fused.argmax_rows_reference and p.ops.linear_argmax is fused.linear_argmax_reference
+        assert p.ops.argmax_rows is fused.argmax_rows_reference and p.ops.linear_argmax is fused.linear_argmax_reference
         # the references keep the kernels' argument checks where the public wrappers had them
         with pytest.raises(ops.OpArgumentError, match="same rows"):
             p.block(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.long), 2)
-
-
-def test_warp_attention_binds_the_warp_kernel_unless_off_or_refused_alone():
-    on = resolve(Switches(), device="cuda", kernels=BOTH, precision="fp16")
-    assert "warp_attention" in on.runs and on.attend is fused.decode_attention_warp_cuda
-    off = resolve(Switches(warp_attention=False), device="cuda", kernels=BOTH, precision="fp16")
-    refused = resolve(Switches(), device="cuda", precision="fp16",
-                      kernels=Kernels(cpu=True, cuda=True, cuda_refused=frozenset({"decode_attention_warp"})))
-    for p in (off, refused):  # the block kernel, every other CUDA kernel as before
-        assert "warp_attention" not in p.runs
-        assert p.ops is fused.CUDA_KERNELS and p.attend is fused.decode_attention_cuda
-        assert {slot for slot, kernel in p.bound if kernel} == {slot for slot, kernel in on.bound if kernel}
-    for p in (resolve(Switches(), device="cpu", kernels=BOTH),  # no such kernel on CPU, none without CUDA's
-              resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False))):
-        assert "warp_attention" not in p.runs and p.attend is p.ops.decode_attention
 
 
 def test_a_self_check_that_stops_refuses_every_cuda_kernel_with_one_warning(monkeypatch, capsys):
@@ -167,13 +162,11 @@ def test_a_self_check_that_stops_refuses_every_cuda_kernel_with_one_warning(monk
     assert capsys.readouterr().err.count("\n") == 1
 
 
-OWN = {"decode_attention_warp": "the block kernel",
-       "decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
+OWN = {"decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
 
 
-@pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_warp"], True), (["decode_attention_rows"], True),
-                                          (["decode_attention_warp", "decode_attention_rows"], True),
-                                          (["decode_attention_warp", "argmax_rows"], False)])
+@pytest.mark.parametrize("bad, cuda_on", [(["decode_attention_rows"], True),
+                                          (["decode_attention_rows", "argmax_rows"], False)])
 def test_a_self_check_refuses_a_kernel_with_its_own_fallback_alone_or_every_cuda_kernel(bad, cuda_on, monkeypatch,
                                                                                         capsys):
     monkeypatch.setattr(fused, "_cuda", {})
@@ -200,11 +193,11 @@ def test_plan_binds_the_references_where_the_cpp_ops_are_switched_off(monkeypatc
 def test_plan_binds_the_kernels_of_its_device_where_they_are_loaded():
     cpu = resolve(Switches(**FUSED_ARGMAX), device="cpu", beam=4, kernels=BOTH)
     assert cpu.ops is fused.CPU_KERNELS and bound_ops(cpu) == {fused.CPU_KERNELS}
-    assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.argmax is fused.argmax_rows_kernel
+    assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.ops.argmax_rows is fused.argmax_rows_kernel
     assert cpu.block is fused.ngram_block_kernel and cpu.encoder_attend.args[0] is fused.CPU_KERNELS
     cuda = resolve(Switches(**FUSED_ARGMAX), device="cuda", beam=4, kernels=BOTH, precision="fp16")
     assert cuda.ops is fused.CUDA_KERNELS and bound_ops(cuda) == {fused.CUDA_KERNELS}
-    assert cuda.attend is fused.decode_attention_warp_cuda and cuda.argmax is fused.argmax_rows_kernel
+    assert cuda.attend is fused.decode_attention_cuda and cuda.ops.argmax_rows is fused.argmax_rows_kernel
     # csrc/fused_cuda.cu has no encoder attention nor cross-attention store
     assert not cuda.ops.is_kernel("encoder_attention") and not cuda.ops.is_kernel("cross_store")
     assert cuda.ops.is_kernel("log_softmax_topk") and cuda.ops.log_softmax_topk is fused.log_softmax_topk_cuda
@@ -223,8 +216,7 @@ def test_argmax_kernels_are_bound_only_for_the_dtypes_they_compare_in():
 @pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4), dict(beam=1, max_sentences=1),
                                 dict(beam=2, no_repeat_ngram=2), dict(beam=1, no_repeat_ngram=2, **FUSED_ARGMAX),
                                 dict(beam=1, precision="int8"), dict(beam=1, max_sentences=1, precision="int8"),
-                                dict(beam=1, cross_bf16=True, kv_half=True),
-                                dict(beam=4, cross_bf16=True, kv_half=True)],
+                                dict(beam=1, kv_half=True), dict(beam=4, kv_half=True)],
                          ids=["greedy", "beam", "one-row", "beam-ngram", "greedy-ngram-argmax", "int8", "int8-one-row",
                               "greedy-16bit-kv", "beam-16bit-kv"])
 def test_the_step_never_asks_whether_a_kernel_is_loaded(lines, monkeypatch, kw):
@@ -339,7 +331,7 @@ def test_device_loop_reads_once_per_few_steps_and_gives_the_same_tokens(lines, k
 
 @trained
 def test_device_loop_shrinks_the_batch_at_its_reads(lines, monkeypatch):
-    from decoder import cache
+    from decoder import state as cache
     kept = []
     keep = cache.DecoderState.keep
     monkeypatch.setattr(cache.DecoderState, "keep", lambda self, s, r: (kept.append(s.numel()), keep(self, s, r)))
@@ -365,13 +357,14 @@ class FakeState:
     """A decoder state whose logits (rows, V) depend only on each row's sentence, its last
     token and the step (a fixed random table), so the picks cannot depend on which
     other sentences share the batch: the two loops must agree exactly."""
-    can_shrink = True
+    can_shrink, static, graphs, kept, one_row = True, False, False, False, False
 
-    def __init__(self, B: int, K: int, C: int = 11, eos: int = 2, seed: int = 0):
+    def __init__(self, B: int, K: int, C: int = 11, eos: int = 2, seed: int = 0, T: int = 17):
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(B, 11, C, generator=g)  # (sentence, last token id, column)
         self.end = torch.randint(1, 14, (B,), generator=g).float()  # when </s> starts to win
         self.sent, self.eos_col = torch.arange(B).repeat_interleave(K), eos if C == 11 else 1
+        self.columns, self.positions = C, T
 
     def step(self, tokens, t, best=False):
         logits = self.table[self.sent, tokens].clone()  # (rows, V)
@@ -389,8 +382,6 @@ class FakeState:
                                                   (4, 2, False), (2, 0, True)])
 @pytest.mark.parametrize("every", [2, 8])
 def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(beam, ngram, shortlist, every):
-    from decoder.loops import loop_of
-    from decoder.search import Search
     B, V = 13, 11
     vocab = torch.tensor([0, 2, 3, 5, 6, 7, 8, 10]) if shortlist else None  # </s> (2) among the candidates
     lims = [1 + (3 * b) % 17 for b in range(B)]  # a limit of 1 forces </s> at the first step
@@ -398,13 +389,13 @@ def test_device_loops_agree_with_the_per_step_loops_and_read_every_few_steps(bea
     for sync in (1, every):
         plan = resolve(Switches(), beam=beam, kernels=Kernels(cpu=False, cuda=False), sync_every=sync,
                        no_repeat_ngram=ngram)
-        search = Search(plan, start_id=0, eos_id=2, pad_id=1, beam=beam, no_repeat_ngram=ngram)
+        s = plan.searcher(start_id=0, eos_id=2, pad_id=1, beam=beam, no_repeat_ngram=ngram)
         state = FakeState(B, beam, V if vocab is None else len(vocab))
         steps = [0]
         step = state.step
         state.step = lambda *a, **k: (steps.__setitem__(0, steps[0] + 1), step(*a, **k))[1]
         hostsync.reset()
-        got = loop_of(plan)(search, state, torch.tensor(lims), lims, vocab).result()
+        got = search.Outputs.of(plan.search(state, torch.tensor(lims), s, lims, vocab)).result()
         runs[sync] = got, steps[0], hostsync.total()
     (want, steps1, reads1), (got, steps, reads) = runs[1], runs[every]
     assert got == want and all(isinstance(x, int) for row in got for x in row)
@@ -419,13 +410,13 @@ def test_device_loop_hands_its_outputs_over_unread(lines, beam):
     """The outputs' copy is queued at the end of the loop and read where they are used
     (the text pipeline's thread), so the host can go on to the next batch."""
     from decoder import Translator
-    tr = Translator(MODEL, sync_every=8, beam=beam)
+    tr = Translator(MODEL, precision="fp32", sync_every=8, beam=beam)
     srcs = [s for s in tr.text.encode(lines[:12]) if s is not None]
     hostsync.reset()
     outputs = tr.start_ids(srcs)
     assert outputs.finish is not None  # nothing made of them yet
     assert hostsync.counts["outputs"] == (1 if beam == 1 else 2)  # queued: counted once, when queued
-    assert outputs.result() == Translator(MODEL, beam=beam).translate_ids(srcs)
+    assert outputs.result() == Translator(MODEL, precision="fp32", beam=beam).translate_ids(srcs)
     assert outputs.result() is outputs.result()
 
 

@@ -29,7 +29,7 @@ def lines():
 
 @pytest.fixture(scope="module")
 def fast(model_dir):
-    return Translator(model_dir)
+    return Translator(model_dir, precision="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_fixture_outputs_are_not_degenerate(fast, srcs):
 
 
 def test_optimised_greedy_equals_naive_reference(model_dir, fast, srcs, lines):
-    naive = Translator(model_dir, **NAIVE)
+    naive = Translator(model_dir, precision="fp32", **NAIVE)
     assert fast.translate_ids(srcs) == naive.translate_ids(srcs)
     assert fast.translate(lines) == naive.translate(lines)
 
@@ -62,7 +62,7 @@ def test_greedy_equals_training_model_greedy(model_dir, fast, srcs):
 def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
     from student.modeldir import load_model_dir
     d = make_model_dir(tmp_path / "tied", tie_embeddings=True, seed=3, enc=1, dec=1)
-    tr = Translator(d)
+    tr = Translator(d, precision="fp32")
     srcs = tr.text.encode(synthetic_corpus(10, seed=2))
     ref, cfg = load_model_dir(d)
     S = max(map(len, srcs))
@@ -73,20 +73,19 @@ def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
 @pytest.mark.parametrize("switch", ["cache", "softmax_free", "early_stop", "fused_qkv", "sort", "pipeline",
                                     "fused_project_argmax"])
 def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines, switch):
-    assert Translator(model_dir, **{switch: False}).translate(lines) == fast.translate(lines)
+    assert Translator(model_dir, precision="fp32", **{switch: False}).translate(lines) == fast.translate(lines)
 
 
 # bf16 is left out: the kernels round once in fp32 where the plain path rounds
 # after every op, so a random model's near-ties may break the other way
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_fused_norm_and_relu_keep_greedy_tokens(model_dir, lines, precision):
+def test_fused_norm_attention_and_cache_keep_greedy_tokens(model_dir, lines, precision):
     # int8 on our `_int_mm` kernel: fbgemm's one activation scale per tensor turns
     # the fused LayerNorm's last-bit differences into whole quantisation steps,
     # and this random model's near-ties flip (11 of 40 lines with fused_norm)
     kw = dict(precision=precision, fbgemm_int8=False)
     plain = Translator(model_dir, **kw).translate(lines)
-    assert Translator(model_dir, **kw, fused_norm=True, fused_relu=True,
-                      fused_attention=True, fused_cache=True).translate(lines) == plain
+    assert Translator(model_dir, **kw, fused_norm=True, fused_attention=True, fused_cache=True).translate(lines) == plain
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -95,13 +94,6 @@ def test_fused_projection_argmax_keeps_greedy_tokens(model_dir, lines, precision
     kw = dict(precision=precision, max_sentences=16)
     plain = Translator(model_dir, fused_project_argmax=False, **kw).translate(lines)
     assert Translator(model_dir, fused_project_argmax=True, **kw).translate(lines) == plain
-
-
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_fused_argmax_over_full_logits_keeps_greedy_tokens(model_dir, lines, precision):
-    kw = dict(precision=precision, max_sentences=16, fused_project_argmax=False)
-    plain = Translator(model_dir, fused_argmax=False, **kw).translate(lines)
-    assert Translator(model_dir, fused_argmax=True, **kw).translate(lines) == plain
 
 
 @pytest.mark.parametrize("rows", [1, 8, 33])
@@ -118,17 +110,17 @@ def test_project_argmax_equals_the_argmax_of_the_logits(model_dir, rows, chunk):
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]
-    fused = Translator(model_dir, beam=beam, fused_topk=True, fused_attention=True, fused_cache=True)
+    fused = Translator(model_dir, precision="fp32", beam=beam, fused_topk=True, fused_attention=True, fused_cache=True)
     assert (fused.translate_ids(sub)
-            == Translator(model_dir, beam=beam, fused_topk=False).translate_ids(sub))
+            == Translator(model_dir, precision="fp32", beam=beam, fused_topk=False).translate_ids(sub))
 
 
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_log_softmax_changes_beam_hypotheses_at_most_at_near_ties(model_dir, srcs, beam):
     # its log-probs round differently from ATen's, so a near tie may go the other way
     sub = srcs[:16]
-    a = Translator(model_dir, beam=beam, fused_topk=True, fused_log_softmax=True).translate_ids(sub)
-    b = Translator(model_dir, beam=beam, fused_topk=False).translate_ids(sub)
+    a = Translator(model_dir, precision="fp32", beam=beam, fused_topk=True, fused_log_softmax=True).translate_ids(sub)
+    b = Translator(model_dir, precision="fp32", beam=beam, fused_topk=False).translate_ids(sub)
     assert sum(x != y for x, y in zip(a, b)) <= 2
 
 
@@ -140,36 +132,36 @@ def _has_repeated_ngram(ids, n):
 @pytest.mark.parametrize("beam", [1, 3])
 def test_no_repeat_ngram_leaves_no_ngram_twice_with_kernel_or_reference(model_dir, srcs, beam):
     sub = srcs[:16]
-    plain = Translator(model_dir, beam=beam).translate_ids(sub)
+    plain = Translator(model_dir, precision="fp32", beam=beam).translate_ids(sub)
     assert any(_has_repeated_ngram(h, 2) for h in plain)  # the random model repeats itself
-    blocked = Translator(model_dir, beam=beam, no_repeat_ngram=2).translate_ids(sub)
+    blocked = Translator(model_dir, precision="fp32", beam=beam, no_repeat_ngram=2).translate_ids(sub)
     assert not any(_has_repeated_ngram(h, 2) for h in blocked)
-    assert Translator(model_dir, beam=beam, no_repeat_ngram=2, fused_ngram=False).translate_ids(sub) == blocked
+    assert Translator(model_dir, precision="fp32", beam=beam, no_repeat_ngram=2, fused_ngram=False).translate_ids(sub) == blocked
 
 
 def test_greedy_with_and_without_softmax_identical(model_dir, fast, srcs):
-    assert Translator(model_dir, softmax_free=False).translate_ids(srcs) == fast.translate_ids(srcs)
+    assert Translator(model_dir, precision="fp32", softmax_free=False).translate_ids(srcs) == fast.translate_ids(srcs)
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_beam_with_cache_equals_beam_without_cache(model_dir, srcs, early_stop):
     sub = srcs[:12]
-    a = Translator(model_dir, beam=3, early_stop=early_stop).translate_ids(sub)
-    b = Translator(model_dir, beam=3, cache=False, early_stop=early_stop).translate_ids(sub)
+    a = Translator(model_dir, precision="fp32", beam=3, early_stop=early_stop).translate_ids(sub)
+    b = Translator(model_dir, precision="fp32", beam=3, cache=False, early_stop=early_stop).translate_ids(sub)
     assert a == b
 
 
 def test_beam_early_stop_does_not_change_hypotheses(model_dir, srcs):
     sub = srcs[:12]
-    assert (Translator(model_dir, beam=4).translate_ids(sub)
-            == Translator(model_dir, beam=4, early_stop=False).translate_ids(sub))
+    assert (Translator(model_dir, precision="fp32", beam=4).translate_ids(sub)
+            == Translator(model_dir, precision="fp32", beam=4, early_stop=False).translate_ids(sub))
 
 
 def test_beam_scores_at_least_as_well_as_greedy(model_dir, fast, srcs):
     """Beam 4 with no length penalty finds a sequence at least as probable as greedy."""
     from student.modeldir import load_model_dir
     ref, cfg = load_model_dir(model_dir)
-    beam = Translator(model_dir, beam=4, length_penalty=0.0).translate_ids(srcs[:8])
+    beam = Translator(model_dir, precision="fp32", beam=4, length_penalty=0.0).translate_ids(srcs[:8])
     greedy = fast.translate_ids(srcs[:8])
 
     def logprob(s, t):
@@ -191,27 +183,15 @@ def test_output_order_restored_for_shuffled_lengths(fast, lines):
 @pytest.mark.parametrize("max_tokens,max_sentences,chunk", [(1, 1, 20000), (60, 4, 7), (100000, 1000, 20000)])
 def test_results_independent_of_batch_size_and_token_budget(model_dir, fast, lines, max_tokens,
                                                             max_sentences, chunk):
-    tr = Translator(model_dir, max_tokens=max_tokens, max_sentences=max_sentences, chunk_lines=chunk)
+    tr = Translator(model_dir, precision="fp32", max_tokens=max_tokens, max_sentences=max_sentences, chunk_lines=chunk)
     assert tr.translate(lines) == fast.translate(lines)
 
 
-def test_chunks_ramp_up_from_the_first_size_and_keep_every_line_in_order():
+def test_chunks_keep_every_line_in_order_and_cut_at_the_characters():
     from decoder.pipeline import chunks
     lines = [str(i) for i in range(40)]
-    ramped = list(chunks(lines, 16, first=2))
-    assert [len(c) for c in ramped] == [2, 4, 8, 16, 10] and sum(ramped, []) == lines
-    assert [len(c) for c in chunks(lines, 16)] == [16, 16, 8]
-    assert [len(c) for c in chunks(["ab"] * 20, 16, max_chars=6, first=2)] == [2] + [3] * 6  # characters still cut
-
-
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_ramping_chunks_keeps_the_outputs(model_dir, fast, lines, pipeline, monkeypatch):
-    from decoder import translator
-    monkeypatch.setattr(translator, "RAMP_FIRST", 3)
-    tr = Translator(model_dir, ramp_chunks=True, chunk_lines=20, pipeline=pipeline)
-    sizes, encode = [], tr._encode
-    monkeypatch.setattr(tr, "_encode", lambda c: sizes.append(len(c)) or encode(c))
-    assert tr.translate(lines) == fast.translate(lines) and sizes == [3, 6, 12, 19]
+    assert [len(c) for c in chunks(lines, 16)] == [16, 16, 8] and sum(chunks(lines, 16), []) == lines
+    assert [len(c) for c in chunks(["ab"] * 20, 16, max_chars=6)] == [3] * 6 + [2]
 
 
 def test_the_pipeline_threads_run_at_the_given_switch_interval_and_it_is_restored():
@@ -314,8 +294,8 @@ def test_decode_ahead_raises_what_the_decoding_raised_and_stops_when_the_reader_
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_the_translator_decoding_ahead_gives_the_same_outputs(model_dir, lines, beam, monkeypatch):
-    want = Translator(model_dir, beam=beam).translate(lines)
-    tr = Translator(model_dir, beam=beam, chunk_lines=7)
+    want = Translator(model_dir, precision="fp32", beam=beam).translate(lines)
+    tr = Translator(model_dir, precision="fp32", beam=beam, chunk_lines=7)
     assert not tr.plan.decode_ahead  # a CPU plan (decode_ahead is CUDA's)
     monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, decode_ahead=True))
     names, compute = [], tr._compute
@@ -325,7 +305,7 @@ def test_the_translator_decoding_ahead_gives_the_same_outputs(model_dir, lines, 
 
 
 def test_the_translator_runs_its_pipeline_at_the_plans_switch_interval(model_dir, fast, lines, monkeypatch):
-    tr = Translator(model_dir)
+    tr = Translator(model_dir, precision="fp32")
     assert tr.plan.switch_interval is None  # a CPU plan (short_gil_interval is CUDA's)
     monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, switch_interval=0.0003))
     seen, encode = [], tr._encode
@@ -336,8 +316,8 @@ def test_the_translator_runs_its_pipeline_at_the_plans_switch_interval(model_dir
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_encode_ahead_encodes_the_next_batch_before_this_ones_search(model_dir, lines, beam, monkeypatch):
-    want = Translator(model_dir, beam=beam, max_sentences=4).translate(lines)
-    tr = Translator(model_dir, beam=beam, max_sentences=4)
+    want = Translator(model_dir, precision="fp32", beam=beam, max_sentences=4).translate(lines)
+    tr = Translator(model_dir, precision="fp32", beam=beam, max_sentences=4)
     assert not tr.plan.encode_ahead  # a CPU plan (encode_ahead is CUDA's)
     monkeypatch.setattr(tr, "plan", dataclasses.replace(tr.plan, encode_ahead=True))
     events, encode, search = [], tr.encode_batch, tr.search_batch
@@ -361,8 +341,8 @@ def test_the_device_beams_best_is_the_first_of_equal_normalised_scores_cut_at_it
 
 
 def test_beam_results_independent_of_batch_size(model_dir, srcs):
-    a = Translator(model_dir, beam=3, max_sentences=1).translate_ids(srcs[:10])
-    b = Translator(model_dir, beam=3).translate_ids(srcs[:10])
+    a = Translator(model_dir, precision="fp32", beam=3, max_sentences=1).translate_ids(srcs[:10])
+    b = Translator(model_dir, precision="fp32", beam=3).translate_ids(srcs[:10])
     assert a == b
 
 
@@ -396,8 +376,8 @@ def test_worker_processes_encode_a_share_of_each_big_chunk(model_dir, lines):
     contiguous share each, and batches come back as text; the output is still one
     process's, empty lines included."""
     mixed = (lines + ["", "  "] + lines)[:Translator.SPLIT_ENCODE_LINES + 2]
-    one = Translator(model_dir, threads=1, chunk_lines=len(mixed))
-    with Translator(model_dir, workers=2, chunk_lines=len(mixed)) as tr:
+    one = Translator(model_dir, precision="fp32", threads=1, chunk_lines=len(mixed))
+    with Translator(model_dir, precision="fp32", workers=2, chunk_lines=len(mixed)) as tr:
         calls, submit = [], tr.pool.submit
         tr.pool.submit = lambda arg, method="translate_ids": calls.append((method, arg)) or submit(arg, method)
         assert tr.translate(mixed) == one.translate(mixed)
@@ -422,7 +402,7 @@ def test_shares_are_contiguous_nonempty_and_about_equal_in_characters():
 
 
 def test_too_long_input_is_truncated_with_one_warning(model_dir, capsys):
-    tr = Translator(model_dir, max_len_a=0.0, max_len_b=5)  # short outputs keep this fast
+    tr = Translator(model_dir, precision="fp32", max_len_a=0.0, max_len_b=5)  # short outputs keep this fast
     out = tr.translate(["the big dog " * 2000, "the old " * 3000, "a cat"])
     assert len(out) == 3
     err = capsys.readouterr().err
@@ -480,19 +460,19 @@ def test_fixed_shape_state_for_cuda_graphs_gives_same_tokens(model_dir, srcs, be
     """The CUDA-graph step (whole-cache attention with a position mask) runs eagerly
     on CPU here; its tokens must equal the shrinking incremental decoder's."""
     sub = srcs[:12]
-    a = Translator(model_dir, beam=beam, static_shapes=True).translate_ids(sub)
-    b = Translator(model_dir, beam=beam).translate_ids(sub)
+    a = Translator(model_dir, precision="fp32", beam=beam, static_shapes=True).translate_ids(sub)
+    b = Translator(model_dir, precision="fp32", beam=beam).translate_ids(sub)
     assert a == b
 
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_fixed_shape_state_with_fused_kernels_gives_same_tokens(model_dir, srcs, beam):
-    """What a CUDA graph captures with fused_norm / fused_relu, run eagerly on CPU;
+    """What a CUDA graph captures with fused_norm, run eagerly on CPU;
     the fused argmax switches apply around the graphed step."""
     sub = srcs[:12]
-    a = Translator(model_dir, beam=beam, static_shapes=True, fused_norm=True, fused_relu=True, fused_argmax=True,
+    a = Translator(model_dir, precision="fp32", beam=beam, static_shapes=True, fused_norm=True,
                    fused_project_argmax=True, fused_topk=True).translate_ids(sub)
-    assert a == Translator(model_dir, beam=beam, fused_project_argmax=False, fused_topk=False).translate_ids(sub)
+    assert a == Translator(model_dir, precision="fp32", beam=beam, fused_project_argmax=False, fused_topk=False).translate_ids(sub)
 
 
 @pytest.mark.parametrize("int8_s,fp32_s,want", [(0.001, 0.003, "int8"), (0.015, 0.0005, "fp32")])
@@ -507,8 +487,8 @@ def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypat
 
 def test_beam_search_batches_half_the_source_tokens_unless_told(model_dir):
     from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS
-    assert Translator(model_dir).opts.max_tokens == MAX_TOKENS
-    assert Translator(model_dir, beam=4).opts.max_tokens == BEAM_MAX_TOKENS < MAX_TOKENS
-    assert Translator(model_dir, beam=4, max_tokens=999).opts.max_tokens == 999
+    assert Translator(model_dir, precision="fp32").opts.max_tokens == MAX_TOKENS
+    assert Translator(model_dir, precision="fp32", beam=4).opts.max_tokens == BEAM_MAX_TOKENS < MAX_TOKENS
+    assert Translator(model_dir, precision="fp32", beam=4, max_tokens=999).opts.max_tokens == 999
     # the workers get the resolved number, not a None to resolve again
-    assert Translator(model_dir, beam=2).opts.flat()["max_tokens"] == BEAM_MAX_TOKENS
+    assert Translator(model_dir, precision="fp32", beam=2).opts.flat()["max_tokens"] == BEAM_MAX_TOKENS

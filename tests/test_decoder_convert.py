@@ -13,7 +13,7 @@ from fixture_model import make_model_dir, synthetic_corpus
 def setup(request, tmp_path_factory):
     torch.set_num_threads(1)
     d = make_model_dir(tmp_path_factory.mktemp("conv") / "model", seed=4, tie_embeddings=request.param)
-    tr = Translator(d)
+    tr = Translator(d, precision="fp32")
     srcs = tr.text.encode(synthetic_corpus(16, seed=11))
     # the cap: we emit at most limit-1 tokens, then </s>
     caps = [c - 1 for c in tr.limits([len(s) for s in srcs]).tolist()]
@@ -24,7 +24,7 @@ def setup(request, tmp_path_factory):
 def test_ctranslate2_greedy_gives_our_tokens(setup, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     d, tr, srcs, ours, caps = setup
-    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
+    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), precision="fp32", device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     for s, o, cap in zip(srcs, ours, caps):
         hyp = ct.translate_batch([[piece(i) for i in s[:-1]]], beam_size=1, max_decoding_length=cap,
@@ -35,7 +35,7 @@ def test_ctranslate2_greedy_gives_our_tokens(setup, tmp_path):
 def test_ctranslate2_batch_with_padding_gives_our_tokens(setup, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     d, tr, srcs, ours, caps = setup
-    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
+    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), precision="fp32", device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     ended = [i for i, (o, c) in enumerate(zip(ours, caps)) if len(o) < c]  # not cut by our cap
     res = ct.translate_batch([[piece(t) for t in srcs[i][:-1]] for i in ended], beam_size=1, max_decoding_length=1024,

@@ -24,7 +24,7 @@ BOTH = Kernels(cpu=True, cuda=True)
 def srcs():
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:30]
-    return Translator(MODEL).text.encode(lines)
+    return Translator(MODEL, precision="fp32").text.encode(lines)
 
 
 def count_builds(monkeypatch) -> list:
@@ -52,21 +52,21 @@ def test_graph_reuse_resolves_only_where_the_state_is_static():
 @pytest.mark.parametrize("beam", [1, 4])
 def test_sentences_of_a_shape_seen_before_reuse_its_state_and_give_the_same_tokens(srcs, beam, monkeypatch):
     built = count_builds(monkeypatch)
-    tr = Translator(MODEL, beam=beam, static_shapes=True)
+    tr = Translator(MODEL, precision="fp32", beam=beam, static_shapes=True)
     first = [tr.translate_ids([s])[0] for s in srcs]
     shapes = {(len(s), int(tr.limits([len(s)])[0])) for s in srcs}
     assert len(built) == len(shapes) < len(srcs)  # one state per shape, not per sentence
     again = [tr.translate_ids([s])[0] for s in reversed(srcs)][::-1]
     assert len(built) == len(shapes)  # every shape kept: nothing built the second time
-    fresh = Translator(MODEL, beam=beam, static_shapes=True, graph_reuse=False)
+    fresh = Translator(MODEL, precision="fp32", beam=beam, static_shapes=True, graph_reuse=False)
     assert first == again == [fresh.translate_ids([s])[0] for s in srcs]
-    assert first[:8] == [Translator(MODEL, beam=beam).translate_ids([s])[0] for s in srcs[:8]]  # the plain state
+    assert first[:8] == [Translator(MODEL, precision="fp32", beam=beam).translate_ids([s])[0] for s in srcs[:8]]  # the plain state
 
 
 @trained
 def test_big_batches_are_not_kept_and_the_least_recently_used_shape_leaves_first(srcs, monkeypatch):
     built = count_builds(monkeypatch)
-    tr = Translator(MODEL, static_shapes=True)
+    tr = Translator(MODEL, precision="fp32", static_shapes=True)
     big = srcs[:cache.STATIC_KEEP_ROWS + 1]
     tr.translate_ids(big), tr.translate_ids(big)
     assert len(built) == 2 and not tr.model.static_states

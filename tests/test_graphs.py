@@ -186,7 +186,7 @@ def test_a_batch_ending_within_its_first_block_captures_nothing(kw, monkeypatch)
     with open(SRC, encoding="utf-8") as fh:
         srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
     caps = {k: v for k, v in kw.items() if k.startswith("max_len")}
-    assert tr.translate_ids(srcs) == Translator(MODEL, **caps).translate_ids(srcs)
+    assert tr.translate_ids(srcs) == Translator(MODEL, precision="fp32", **caps).translate_ids(srcs)
     assert seen == {"warm": [id(tr.model)], "capture": []}
 
 
@@ -197,11 +197,11 @@ def test_capture_ahead_captures_the_greedy_block_before_the_first_read(ahead, mo
     fake_capture, item = graphs.capture, hostsync.item
     monkeypatch.setattr(graphs, "capture", lambda fn, m: (events.append("capture"), fake_capture(fn, m))[1])
     monkeypatch.setattr(hostsync, "item", lambda t, kind: (events.append("read"), item(t, kind))[1])
-    tr = Translator(MODEL, static_shapes=True, sync_every=3, capture_ahead=ahead)
+    tr = Translator(MODEL, precision="fp32", static_shapes=True, sync_every=3, capture_ahead=ahead)
     assert tr.plan.capture_ahead == ahead
     with open(SRC, encoding="utf-8") as fh:
         srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
-    assert tr.translate_ids(srcs) == Translator(MODEL).translate_ids(srcs)
+    assert tr.translate_ids(srcs) == Translator(MODEL, precision="fp32").translate_ids(srcs)
     assert events.count("capture") == 1 and len(seen["warm"]) == 1
     assert ("capture" in events[:events.index("read")]) == ahead  # ahead: while the GPU runs the warm-up
 
@@ -229,10 +229,10 @@ def counting_run(monkeypatch) -> list:
 def test_whole_greedy_steps_in_blocks_give_the_per_step_tokens(every, monkeypatch):
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:24]
-    plain = Translator(MODEL)
+    plain = Translator(MODEL, precision="fp32")
     srcs = [s for s in plain.text.encode(lines) if s]
     want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:]]
-    tr = Translator(MODEL, static_shapes=True, sync_every=every)
+    tr = Translator(MODEL, precision="fp32", static_shapes=True, sync_every=every)
     assert tr.plan.graph_steps and f"whole greedy steps {every} a graph" in tr.plan.summary()
     runs = counting_run(monkeypatch)
     hostsync.reset()
@@ -277,7 +277,7 @@ def test_graph_steps_resolve_on_the_fixed_shape_state_only():
 
 @trained
 def test_the_static_cache_holds_whole_blocks_of_steps():
-    tr = Translator(MODEL, static_shapes=True, sync_every=8)
+    tr = Translator(MODEL, precision="fp32", static_shapes=True, sync_every=8)
     src = tr.text.encode(["In the beginning God created the heaven and the earth."])
     lims = tr.limits([len(src[0])])
     built = []
@@ -300,13 +300,13 @@ def test_whole_beam_steps_give_the_per_step_hypotheses(every, caps):
     """caps: limits short enough that sentences are cut, so </s> is forced at different steps."""
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:24]
-    plain = Translator(MODEL, beam=4, **caps)
+    plain = Translator(MODEL, precision="fp32", beam=4, **caps)
     srcs = [s for s in plain.text.encode(lines) if s]
     want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:20]]
     if caps:
         lims = plain.limits([len(s) for s in srcs[:16]])
         assert len(set(lims.tolist())) > 1 and sum(len(w) + 1 == lim for w, lim in zip(want, lims.tolist())) > 1
-    tr = Translator(MODEL, beam=4, static_shapes=True, sync_every=every, fused_project_topk=False, **caps)
+    tr = Translator(MODEL, precision="fp32", beam=4, static_shapes=True, sync_every=every, fused_project_topk=False, **caps)
     assert tr.plan.graph_steps and "whole beam steps 1 a graph" in tr.plan.summary()
     hostsync.reset()
     got = tr.translate_ids(srcs[:16])
@@ -419,7 +419,7 @@ def test_a_kept_state_pushed_out_by_newer_shapes_is_freed_without_the_collector(
     made, init = [], cache.StaticCache.__init__
     monkeypatch.setattr(cache.StaticCache, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
-    tr = Translator(fixture_dir, static_shapes=True)
+    tr = Translator(fixture_dir, precision="fp32", static_shapes=True)
     tr.model.plan = dataclasses.replace(tr.model.plan, static_keep=1)  # graph_reuse keeps one shape
     lines = sorted(synthetic_corpus(40, seed=5), key=len)
     gc.disable()

@@ -254,7 +254,7 @@ def test_container_turns_on_the_model_dirs_shortlist(model_dir, tmp_path, monkey
     modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
     s = serve.settings(hardware, d, task)
     assert s["shortlist"] is True and s["precision"] == "auto"
-    tr = Translator(d, **{**s, "workers": 0})
+    tr = Translator(d, precision="fp32", **{**s, "workers": 0})
     assert tr.shortlist is not None
     if task == "latency":
         assert (s["max_sentences"], s["workers"]) == (1, 0) and tr.probe.rows == 1

@@ -265,12 +265,12 @@ class InWorkers:
             if self.fail == "thread":  # what a worker meets under `docker run --pids-limit`
                 raise RuntimeError("can't start new thread")
             os._exit(1)  # dies while starting, without a word
-        return Translator(self.model_dir, threads=1)
+        return Translator(self.model_dir, precision="fp32", threads=1)
 
 
 def batches_and_reference(model_dir):
     from decoder import Translator
-    one = Translator(model_dir, threads=1)
+    one = Translator(model_dir, precision="fp32", threads=1)
     batches = [one.text.encode(LINES[i:i + 4]) for i in range(0, len(LINES), 4)]
     return batches, [one.translate_ids(b) for b in batches]
 
@@ -327,7 +327,7 @@ else:  # the executor's manager thread dies, whatever the cause
     def die(self):
         raise RuntimeError("can't start new thread")
     cfp._ExecutorManagerThread.run = die
-one = Translator(model, threads=1)
+one = Translator(model, precision="fp32", threads=1)
 batch = one.text.encode(["the man sees the dog", "a cat"])
 pool = WorkerPool(partial(Translator, model, threads=1), 2)
 assert pool.submit(batch).result() == one.translate_ids(batch)

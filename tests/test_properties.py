@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def translator(model_dir):
     from decoder import Translator
-    with Translator(model_dir, threads=1, max_len_a=0.5, max_len_b=3, chunk_lines=7) as tr:
+    with Translator(model_dir, precision="fp32", threads=1, max_len_a=0.5, max_len_b=3, chunk_lines=7) as tr:
         yield tr
 
 

@@ -59,17 +59,17 @@ def copy_with(base_dir, tmp_path, lists, frequent=()):
          "greedy-fused-argmax", "beam-plain-topk"])
 def test_whole_vocabulary_shortlist_gives_the_same_output(base_dir, tmp_path, vocab, lines, switches):
     d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
-    full = Translator(d, **switches).translate(lines)
-    assert Translator(d, shortlist=True, **switches).translate(lines) == full
+    full = Translator(d, precision="fp32", **switches).translate(lines)
+    assert Translator(d, precision="fp32", shortlist=True, **switches).translate(lines) == full
 
 
 def test_shortlist_with_only_eos_and_one_token_produces_that_token(base_dir, tmp_path, vocab, lines):
-    tr = Translator(base_dir)
+    tr = Translator(base_dir, precision="fp32")
     x = tr.text.sp.piece_to_id("▁house")
     assert x > 3
     d = copy_with(base_dir, tmp_path, [[x]] * vocab)
     for beam in (1, 3):
-        out = Translator(d, shortlist=True, beam=beam).translate_ids(tr.text.encode(lines))
+        out = Translator(d, precision="fp32", shortlist=True, beam=beam).translate_ids(tr.text.encode(lines))
         assert {t for o in out for t in o} == {x}, f"beam {beam}"
 
 
@@ -77,13 +77,13 @@ def test_shortlist_decoding_equals_full_decoding_with_the_others_masked(base_dir
     # a real-looking shortlist: token s may produce ids s-20..s+20 and 10 frequent ones
     lists = [[t for t in range(s - 20, s + 21) if 0 <= t < vocab] for s in range(vocab)]
     d = copy_with(base_dir, tmp_path, lists, frequent=list(range(4, 14)))
-    tr = Translator(d, shortlist=True)
+    tr = Translator(d, precision="fp32", shortlist=True)
     srcs = tr.text.encode(lines)
     S = max(map(len, srcs))
     src = torch.tensor([s + [1] * (S - len(s)) for s in srcs])
     allowed = tr.shortlist.candidates(src)
     assert allowed.numel() < vocab and 2 in allowed.tolist()
-    ref = Translator(d)
+    ref = Translator(d, precision="fp32")
     full_proj = ref.model.out_proj
     mask = torch.full((vocab,), float("-inf"))
     mask[allowed] = 0
@@ -101,7 +101,7 @@ def test_candidates_are_the_union_of_source_lists_frequent_and_eos(base_dir, tmp
     lists = [[] for _ in range(vocab)]
     lists[10], lists[11] = [40, 30], [30, 50]
     d = copy_with(base_dir, tmp_path, lists, frequent=[7])
-    tr = Translator(d, shortlist=True)
+    tr = Translator(d, precision="fp32", shortlist=True)
     src = torch.tensor([[10, 11, 2], [11, 2, 1]])
     assert tr.shortlist.candidates(src).tolist() == [2, 7, 30, 40, 50]
     assert tr.shortlist.candidates_reference(src).tolist() == [2, 7, 30, 40, 50]
@@ -187,7 +187,7 @@ def test_missing_shortlist_file_is_one_error_naming_it(base_dir, tmp_path, vocab
     d = copy_with(base_dir, tmp_path, [[5]] * vocab)
     os.remove(os.path.join(d, "shortlist.safetensors"))
     assert one_line_error(d).startswith(os.path.join(d, "shortlist.safetensors") + ": missing file")
-    Translator(d)  # without the switch the file is not needed (the submission image copies 3 files)
+    Translator(d, precision="fp32")  # without the switch the file is not needed (the submission image copies 3 files)
 
 
 def test_malformed_shortlist_files_are_one_error_naming_the_file(base_dir, tmp_path, vocab):
@@ -292,7 +292,7 @@ def test_add_to_model_dir_builds_a_shortlist_the_decoder_uses(base_dir, tmp_path
     assert info["pairs"] > 0 and modeldir.read_config(d).shortlist == "shortlist.safetensors"
     offsets, ids, frequent = modeldir.read_shortlist(d, modeldir.read_config(d))
     assert frequent.numel() == 10 and ids.numel() == int(offsets[-1])
-    out = Translator(d, shortlist=True).translate(lines)
+    out = Translator(d, precision="fp32", shortlist=True).translate(lines)
     assert len(out) == len(lines)
 
 

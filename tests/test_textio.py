@@ -156,7 +156,7 @@ def short_model(tmp_path_factory):
 def test_truncation_warning_names_the_line_in_the_whole_input(short_model, capsys):
     from decoder import Translator
     lines = ["the dog"] * 5 + [" ".join(["word"] * 100)] + ["a cat"]
-    with Translator(short_model, chunk_lines=2, max_len_a=0, max_len_b=3) as tr:
+    with Translator(short_model, precision="fp32", chunk_lines=2, max_len_a=0, max_len_b=3) as tr:
         assert len(tr.translate(lines)) == 7
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "input line 6 has" in err
@@ -166,7 +166,7 @@ def test_truncation_warning_names_the_line_when_workers_encode_the_chunk(short_m
     """The workers encode shares of the chunk; the parent still names the line in the whole input."""
     from decoder import Translator
     lines = ["the dog"] * 80 + [" ".join(["word"] * 100)] + ["a cat"] * 9
-    with Translator(short_model, workers=2, max_len_a=0, max_len_b=3) as tr:
+    with Translator(short_model, precision="fp32", workers=2, max_len_a=0, max_len_b=3) as tr:
         assert len(tr.translate(lines)) == 90
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "input line 81 has" in err, err

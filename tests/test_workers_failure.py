@@ -31,7 +31,7 @@ def lines():
 
 @pytest.fixture(scope="module")
 def want(model_dir, lines):
-    return Translator(model_dir, threads=1, **OPTS).translate(lines)
+    return Translator(model_dir, precision="fp32", threads=1, **OPTS).translate(lines)
 
 
 def killing(lines, pool, at):
@@ -44,7 +44,7 @@ def killing(lines, pool, at):
 
 
 def test_killed_worker_mid_run_loses_no_line_and_warns_once(model_dir, lines, want, capfd):
-    with Translator(model_dir, workers=2, **OPTS) as tr:
+    with Translator(model_dir, precision="fp32", workers=2, **OPTS) as tr:
         capfd.readouterr()
         assert tr.translate(killing(lines, tr.pool, at={40})) == want
         assert tr.pool.n == 1 and len(tr.pool.pids()) == 1
@@ -57,7 +57,7 @@ def test_worker_killed_before_the_workers_encode_a_chunk_loses_no_line(model_dir
     """A chunk of SPLIT_ENCODE_LINES lines or more is tokenised in the workers: their
     `ids` jobs are resubmitted like batches."""
     assert len(lines) >= Translator.SPLIT_ENCODE_LINES
-    with Translator(model_dir, workers=2, **{**OPTS, "chunk_lines": len(lines)}) as tr:
+    with Translator(model_dir, precision="fp32", workers=2, **{**OPTS, "chunk_lines": len(lines)}) as tr:
         capfd.readouterr()
         assert tr.translate(killing(lines, tr.pool, at={40})) == want
         assert tr.pool.n == 1
@@ -66,7 +66,7 @@ def test_worker_killed_before_the_workers_encode_a_chunk_loses_no_line(model_dir
 
 
 def test_last_worker_killed_parent_finishes_in_process(model_dir, lines, want, capfd):
-    with Translator(model_dir, workers=2, **OPTS) as tr:
+    with Translator(model_dir, precision="fp32", workers=2, **OPTS) as tr:
         capfd.readouterr()
         assert tr.translate(killing(lines, tr.pool, at={30, 70})) == want
         assert tr.pool.n == 0 and tr.pool.pids() == []
@@ -76,7 +76,7 @@ def test_last_worker_killed_parent_finishes_in_process(model_dir, lines, want, c
 
 
 def test_batches_queued_on_a_killed_worker_are_resubmitted(model_dir, lines, want):
-    one = Translator(model_dir, threads=1)
+    one = Translator(model_dir, precision="fp32", threads=1)
     batches = [one.text.encode(lines[i:i + 5]) for i in range(0, len(lines), 5)]
     pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
     try:
