@@ -5,7 +5,7 @@ queued before it: the host stops issuing work and the GPU then idles while it
 catches up. The searches (decoder/search.py), the states (decoder/cache.py)
 and the Translator's batch steps read only through this module, so the tests can
 count the reads a batch makes (`reset`, `counts`): the device-style loops
-(plan.sync_every > 1) make one per `sync_every` steps plus a few per batch.
+(plan.every > 1) make one per `sync_every` steps plus a few per batch.
 On CPU a read is a memory access, so the count is all it costs.
 
 A batch's outputs leave through `later`: the copy is queued behind the kernels

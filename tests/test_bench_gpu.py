@@ -233,16 +233,16 @@ def test_help_and_an_unknown_engine(capsys):
         bench_gpu.parse_args(["--model", "x", "--engines", "ours,marian"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "unknown engine 'marian'" in err[-1]
-    assert bench_gpu.parse_args(["--model", "x", "--ablate", "graph_steps, graph_reuse,sync_every=4"]).ablate == [
-        "graph_steps", "graph_reuse", "sync_every=4"]
+    assert bench_gpu.parse_args(["--model", "x", "--ablate", "cuda_graphs, graph_reuse,sync_every=4"]).ablate == [
+        "cuda_graphs", "graph_reuse", "sync_every=4"]
     assert bench_gpu.parse_args(["--model", "x"]).ct2_types == ["float16", "int8_float16"]
     assert bench_gpu.parse_args(["--model", "x", "--ct2-types", "float16"]).ct2_types == ["float16"]
     for bad, says in ((["--ablate", "warp_speed"], "unknown switch 'warp_speed'"),
-                      (["--ablate", "graph_steps,block=4"], "unknown setting 'block'; the settings are sync_every"),
+                      (["--ablate", "cuda_graphs,block=4"], "unknown setting 'block'; the settings are sync_every"),
                       (["--ablate", "sync_every=0"], "sync_every=0: "),
                       (["--ablate", "sync_every=four"], "sync_every=four: "),
                       (["--ct2-types", "float16,int4"], "--ct2-types: choose from float16, int8_float16"),
-                      (["--ablate", "graph_steps", "--engines", "ct2"], "--ablate needs ours")):
+                      (["--ablate", "cuda_graphs", "--engines", "ct2"], "--ablate needs ours")):
         with pytest.raises(SystemExit) as e:
             bench_gpu.parse_args(["--model", "x", *bad])
         assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
@@ -261,7 +261,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "fused_relu", "sync_every=2"], chunked=2, processes=0,
+                           ablate=["fast_normaliser", "kv_half", "sync_every=2"], chunked=2, processes=0,
                            ct2_types=["float16"])  # int8_float16: one more compute type string
     loaded, load = [], bench_gpu.ours_go
     monkeypatch.setattr(bench_gpu, "ours_go", lambda *args, **kw: loaded.append(kw) or load(*args, **kw))
@@ -271,9 +271,9 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
     assert all(r["row_s"] >= r["seconds"] for r in rows)  # each row's whole time, loading and warm-up too
-    # --ablate: each switch flipped from its default (fast_normaliser on, fused_relu off), and a setting,
+    # --ablate: each switch flipped from its default (fast_normaliser on, kv_half off), and a setting,
     # a row at our best throughput and batch-1 sizes, never taken for ours' best
-    for label in ("without fast_normaliser", "with fused_relu", "sync_every=2"):
+    for label in ("without fast_normaliser", "with kv_half", "sync_every=2"):
         ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
         assert [(r["group"], r["batch"]) for r in ablated] == [
             ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
@@ -439,7 +439,7 @@ def test_ours_extra_rows_are_estimated_from_ours_rows_not_a_slower_engines():
         clock.t += 6.0
     with d.timing(bench_gpu.slot("throughput", "ours fp16")):
         clock.t += 1.0
-    assert d.allows(bench_gpu.slot("throughput", f"{bench_gpu.ABLATION} without graph_steps"))  # 7 + 1
+    assert d.allows(bench_gpu.slot("throughput", f"{bench_gpu.ABLATION} without cuda_graphs"))  # 7 + 1
     assert d.allows(bench_gpu.slot("throughput", f"{bench_gpu.ABLATION} chunks of 5000 lines"))
     assert not d.allows(bench_gpu.slot("throughput", "ct2 float16"))  # 7 + 6
     assert bench_gpu.slot("throughput", "ct2 float16") != bench_gpu.slot("throughput", "ct2 int8_float16")
@@ -567,11 +567,11 @@ def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
 
 def test_an_ablation_entry_flips_switches_or_sets_settings_together():
     assert bench_gpu.ablation("fast_normaliser") == ("without fast_normaliser", {"fast_normaliser": False})
-    assert bench_gpu.ablation("fused_relu") == ("with fused_relu", {"fused_relu": True})
+    assert bench_gpu.ablation("kv_half") == ("with kv_half", {"kv_half": True})
     assert bench_gpu.ablation("sync_every = 4") == ("sync_every=4", {"sync_every": 4})
-    assert bench_gpu.ablation("refill_on_device+sync_every=16") == (
-        "with refill_on_device + sync_every=16", {"refill_on_device": True, "sync_every": 16})
-    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "refill_rows+", "sync_every=2+sync_every=4"):
+    assert bench_gpu.ablation("kv_half+sync_every=16") == (
+        "with kv_half + sync_every=16", {"kv_half": True, "sync_every": 16})
+    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "kv_half+", "sync_every=2+sync_every=4"):
         with pytest.raises(ValueError):
             bench_gpu.ablation(bad)
 

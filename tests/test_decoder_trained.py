@@ -30,15 +30,15 @@ def bleu(hyps, refs):
 
 def exact(precision: str, **kw) -> Translator:
     """The fixture's Translator where "int8" has 8-bit activations on every CPU: `_int_mm`'s
-    integers with VNNI, the same integers from int8_wide_gemm on AVX2. The int8 bounds below were
+    integers with VNNI (elsewhere the test skips). The int8 bounds below were
     measured on those; fbgemm without VNNI (AVX2's default, for its speed) quantises activations
     to 7 bits and flips 2-5x the lines (docs/bench/decoder.md "7-bit activations"), and a bound
     loose enough for it would miss more of a switch's harm. test_int8.py bounds fbgemm itself."""
     if precision != "int8":
         return Translator(MODEL, precision=precision, **kw)
-    tr = Translator(MODEL, precision="int8", int8_wide_gemm=True, **kw)
-    if tr.plan.int8_kernel not in ("int_mm", "wide"):
-        pytest.skip("no int8 kernel with 8-bit activations here (no VNNI, no fused ops)")
+    tr = Translator(MODEL, precision="int8", **kw)
+    if tr.plan.int8_kernel != "int_mm":
+        pytest.skip("no int8 kernel with 8-bit activations here (no VNNI)")
     return tr
 
 
@@ -58,8 +58,7 @@ def test_model_translates_better_than_chance(data, fp32):
 
 
 def test_greedy_with_fused_kernels_equals_greedy_without_on_trained_model(data, fp32):
-    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_relu=True, fused_attention=True,
-                       fused_cache=True)
+    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_attention=True, fused_cache=True)
     assert fused.translate(data[0]) == fp32
 
 
@@ -93,11 +92,8 @@ def test_int8_greedy_with_fused_encoder_attention_differs_only_by_rounding_on_tr
     assert abs(bleu(ours, data[1]) - bleu(plain, data[1])) < 0.3
 
 
-# fused_project_argmax takes over from fused_argmax wherever it applies, so each is tried alone
-@pytest.mark.parametrize("switches", [dict(fused_argmax=True, fused_project_argmax=False),
-                                      dict(fused_project_argmax=True)], ids=["fused_argmax", "fused_project_argmax"])
-def test_greedy_with_fused_argmax_equals_greedy_without_on_trained_model(data, fp32, switches):
-    assert Translator(MODEL, precision="fp32", **switches).translate(data[0]) == fp32
+def test_greedy_with_fused_projection_argmax_equals_greedy_without_on_trained_model(data, fp32):
+    assert Translator(MODEL, precision="fp32", fused_project_argmax=True).translate(data[0]) == fp32
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +205,6 @@ def test_bench_fused_against_shipped_times_each_switch_that_ships_off_where_it_a
     out = capsys.readouterr().out
     names = [r.split(" | ")[0][2:] for r in out.splitlines() if r.startswith("| ") and "configuration" not in r]
     assert names[0] == "shipped (greedy)" and "shipped (beam 4)" in names
-    # where there is VNNI, the int8 product without it resolves to the shipped plan: not a row
-    wide = "+ " + opt.BY_NAME["int8_wide_gemm"].label
-    assert (wide in names) == (opt.resolve(opt.Switches(int8_wide_gemm=True)).int8_kernel == "wide")
     assert "x shipped" in out and "one thread, shortlist absent" in out
 
 

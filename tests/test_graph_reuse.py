@@ -39,13 +39,13 @@ def count_builds(monkeypatch) -> list:
 
 
 def test_graph_reuse_resolves_only_where_the_state_is_static():
-    assert resolve(Switches(), device="cuda", kernels=BOTH).static_keep == 64
+    assert resolve(Switches(), device="cuda", kernels=BOTH).states.keep_states == 64
     assert "graph_reuse" in resolve(Switches(), device="cuda", kernels=BOTH).runs
-    assert resolve(Switches(graph_reuse=False), device="cuda", kernels=BOTH).static_keep == 0
-    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).static_keep == 0
+    assert resolve(Switches(graph_reuse=False), device="cuda", kernels=BOTH).states.keep_states == 0
+    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).states.keep_states == 0
     cpu = resolve(Switches(), device="cpu", kernels=BOTH)
-    assert cpu.static_keep == 0 and "graph_reuse" not in cpu.runs
-    assert resolve(Switches(), device="cpu", kernels=BOTH, static_shapes=True).static_keep == 64
+    assert cpu.states.keep_states == 0 and "graph_reuse" not in cpu.runs
+    assert resolve(Switches(), device="cpu", kernels=BOTH, static_shapes=True).states.keep_states == 64
 
 
 @trained
@@ -70,7 +70,7 @@ def test_big_batches_are_not_kept_and_the_least_recently_used_shape_leaves_first
     big = srcs[:cache.STATIC_KEEP_ROWS + 1]
     tr.translate_ids(big), tr.translate_ids(big)
     assert len(built) == 2 and not tr.model.static_states
-    tr.model.plan = dataclasses.replace(tr.model.plan, static_keep=2)
+    tr.model.plan = dataclasses.replace(tr.model.plan, states=dataclasses.replace(tr.model.plan.states, keep_states=2))
     by_len = {len(s): s for s in srcs}
     a, b, c = (by_len[n] for n in sorted(by_len)[:3])
     for s in (a, b, a, c, a, b):  # c pushes out b, the least recently used; b then comes back

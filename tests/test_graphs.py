@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoder import Translator, graphs, hostsync, state as cache
+from decoder import Translator, graphs, hostsync, search
+from decoder import state as cache
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
@@ -155,9 +156,9 @@ def eager_outputs(kw: dict, n: int):
     return srcs, [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
 
 
-# the fixed-address loops (greedy, beam) and the one-step graph of beam_device on the static state;
-# fused_project_topk off: where it resolves (a VNNI CPU) the beam takes its top-k from the product's tiles
-LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False), dict(beam=4, graph_steps=False)]
+# the searches' whole steps on the static state; fused_project_topk off: where it resolves (a VNNI
+# CPU) the beam takes its top-k from the product's tiles
+LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False)]
 
 
 @trained
@@ -166,23 +167,22 @@ def test_static_state_replaying_its_captured_step_gives_the_eager_tokens(kw, mon
     srcs, want = eager_outputs(kw, 12)
     seen = on_cpu_with_graphs(monkeypatch)
     tr = Translator(MODEL, static_shapes=True, **kw)
-    assert tr.plan.graph_steps == kw.get("graph_steps", True)
     got = [tr.translate_ids([s])[0] for s in srcs] + [tr.translate_ids(srcs)]
     assert got == want
     shapes = {(len(s), int(tr.limits([len(s)])[0])) for s in srcs}
     # a graph's first call warms up, its second captures; kept states capture once (the beam loop
     # has two graphs: before the first limit and from it on)
-    graphs_a_state = 2 if kw["beam"] > 1 and tr.plan.graph_steps else 1
+    graphs_a_state = 2 if kw["beam"] > 1 else 1
     assert 0 < len(seen["capture"]) <= len(seen["warm"]) <= graphs_a_state * (len(shapes) + 1)
     assert set(seen["capture"]) == {id(tr.model)}
 
 
 @trained
-@pytest.mark.parametrize("kw", [dict(sync_every=64, capture_ahead=False),  # a block longer than any output
+@pytest.mark.parametrize("kw", [dict(sync_every=64),  # a block longer than any output
                                 dict(sync_every=8, max_len_a=0.0, max_len_b=8)])  # a cap of one block
 def test_a_batch_ending_within_its_first_block_captures_nothing(kw, monkeypatch):
     seen = on_cpu_with_graphs(monkeypatch)
-    tr = Translator(MODEL, static_shapes=True, **kw)
+    tr = Translator(MODEL, precision="fp32", static_shapes=True, **kw)
     with open(SRC, encoding="utf-8") as fh:
         srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
     caps = {k: v for k, v in kw.items() if k.startswith("max_len")}
@@ -190,37 +190,14 @@ def test_a_batch_ending_within_its_first_block_captures_nothing(kw, monkeypatch)
     assert seen == {"warm": [id(tr.model)], "capture": []}
 
 
-@trained
-@pytest.mark.parametrize("ahead", [True, False])
-def test_capture_ahead_captures_the_greedy_block_before_the_first_read(ahead, monkeypatch):
-    seen, events = on_cpu_with_graphs(monkeypatch), []
-    fake_capture, item = graphs.capture, hostsync.item
-    monkeypatch.setattr(graphs, "capture", lambda fn, m: (events.append("capture"), fake_capture(fn, m))[1])
-    monkeypatch.setattr(hostsync, "item", lambda t, kind: (events.append("read"), item(t, kind))[1])
-    tr = Translator(MODEL, precision="fp32", static_shapes=True, sync_every=3, capture_ahead=ahead)
-    assert tr.plan.capture_ahead == ahead
-    with open(SRC, encoding="utf-8") as fh:
-        srcs = tr.text.encode([line.rstrip("\n") for line in fh][:6])
-    assert tr.translate_ids(srcs) == Translator(MODEL, precision="fp32").translate_ids(srcs)
-    assert events.count("capture") == 1 and len(seen["warm"]) == 1
-    assert ("capture" in events[:events.index("read")]) == ahead  # ahead: while the GPU runs the warm-up
-
-
-def test_capture_ahead_resolves_with_greedy_graph_steps_only():
-    from decoder.optimisations import Kernels, Switches, resolve
-    both = Kernels(cpu=True, cuda=True)
-    assert resolve(Switches(), device="cuda", kernels=both).capture_ahead
-    assert not resolve(Switches(graph_steps=False), device="cuda", kernels=both).capture_ahead
-    assert not resolve(Switches(cuda_graphs=False), device="cuda", kernels=both).capture_ahead
-    assert not resolve(Switches(), device="cpu", kernels=both).capture_ahead  # no fixed-shape state there
-
-
-# -- graph_steps: greedy's whole step on the fixed-shape state, a block of steps a run -------------
+# -- greedy's whole step on the fixed-shape state, a block of steps a run ---------------------------
 
 def counting_run(monkeypatch) -> list:
+    """The position each block of greedy steps starts at."""
     runs = []
-    run = static_steps.StaticGreedy.run
-    monkeypatch.setattr(static_steps.StaticGreedy, "run", lambda self, t: (runs.append(t), run(self, t))[1])
+    block = search.Greedy.block
+    monkeypatch.setattr(search.Greedy, "block",
+                        lambda self, every: (runs.append(int(self.state.cache.pos)), block(self, every))[1])
     return runs
 
 
@@ -233,7 +210,7 @@ def test_whole_greedy_steps_in_blocks_give_the_per_step_tokens(every, monkeypatc
     srcs = [s for s in plain.text.encode(lines) if s]
     want = plain.translate_ids(srcs[:16]) + [plain.translate_ids([s])[0] for s in srcs[16:]]
     tr = Translator(MODEL, precision="fp32", static_shapes=True, sync_every=every)
-    assert tr.plan.graph_steps and f"whole greedy steps {every} a graph" in tr.plan.summary()
+    assert tr.state_kind(16) == "static" and tr.plan.states.every == every and "fixed-shape state" in tr.plan.summary()
     runs = counting_run(monkeypatch)
     hostsync.reset()
     got = tr.translate_ids(srcs[:16])
@@ -257,22 +234,6 @@ def test_a_block_past_the_last_position_is_clamped_and_its_outputs_unused(tmp_pa
     got = tr.translate_ids(srcs)
     assert max(len(x) for x in got) == 38  # a sentence ran to its cap: the last block went past it
     assert got == Translator(d, **kw).translate_ids(srcs)
-
-
-def test_graph_steps_resolve_on_the_fixed_shape_state_only():
-    from decoder.optimisations import Kernels, Switches, resolve
-    both = Kernels(cpu=True, cuda=True)
-    cuda = resolve(Switches(), device="cuda", kernels=both)
-    assert cuda.graph_steps and "graph_steps" in cuda.runs
-    assert resolve(Switches(), device="cuda", kernels=both, beam=4).graph_steps
-    assert not resolve(Switches(), device="cpu", kernels=both, beam=4, static_shapes=True).graph_steps or \
-        not resolve(Switches(), device="cpu", kernels=both, beam=4, static_shapes=True).project_topk
-    assert not resolve(Switches(shortlist=True), device="cuda", kernels=both).graph_steps
-    assert not resolve(Switches(), device="cuda", kernels=both, no_repeat_ngram=3).graph_steps
-    assert not resolve(Switches(cuda_graphs=False), device="cuda", kernels=both).graph_steps
-    assert not resolve(Switches(graph_steps=False), device="cuda", kernels=both).graph_steps
-    assert not resolve(Switches(), device="cpu", kernels=both).graph_steps
-    assert resolve(Switches(), device="cpu", kernels=both, static_shapes=True).graph_steps
 
 
 @trained
@@ -307,13 +268,13 @@ def test_whole_beam_steps_give_the_per_step_hypotheses(every, caps):
         lims = plain.limits([len(s) for s in srcs[:16]])
         assert len(set(lims.tolist())) > 1 and sum(len(w) + 1 == lim for w, lim in zip(want, lims.tolist())) > 1
     tr = Translator(MODEL, precision="fp32", beam=4, static_shapes=True, sync_every=every, fused_project_topk=False, **caps)
-    assert tr.plan.graph_steps and "whole beam steps 1 a graph" in tr.plan.summary()
+    assert tr.state_kind(16) == "static" and "fixed-shape state" in tr.plan.summary()
     hostsync.reset()
     got = tr.translate_ids(srcs[:16])
-    assert hostsync.counts["outputs"] == 2 and hostsync.counts["finished?"] >= 1
+    assert hostsync.counts["outputs"] == 2 and hostsync.counts["finished mask"] >= 1
     if every > 1:  # a read every `every` steps: fewer than one a step
         steps = max(len(x) for x in got) + 1
-        assert hostsync.counts["finished?"] <= -(-steps // every) + 1
+        assert hostsync.counts["finished mask"] <= -(-steps // every) + 1
     got += [tr.translate_ids([s])[0] for s in srcs[16:20]]
     assert got == want
 
@@ -339,7 +300,7 @@ def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, 
 @trained
 @pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4, fused_project_topk=False)])
 def test_the_model_tallies_its_captures_and_the_hosts_seconds_in_them(kw, monkeypatch):
-    """What the GPU bench reports a pass: a narrowed state's new graphs must show their cost."""
+    """What the GPU bench reports a pass: each new state's graphs show their cost."""
     import time
     seen = on_cpu_with_graphs(monkeypatch)
     fake = graphs.capture
@@ -367,7 +328,8 @@ def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam)
     kw = dict(beam=beam, static_shapes=True, fused_project_topk=False)
     sdpa = Translator(MODEL, graph_attention=False, **kw)
     kernel = Translator(MODEL, **kw)
-    assert kernel.plan.static_attend and not sdpa.plan.static_attend and "attend" in dict(kernel.plan.bound)
+    assert kernel.plan.states.masked_attend and not sdpa.plan.states.masked_attend
+    assert "attend" in dict(kernel.plan.bound)
     srcs = sdpa.text.encode(lines)
     assert kernel.translate_ids(srcs) == sdpa.translate_ids(srcs)
     assert [kernel.translate_ids([s])[0] for s in srcs[:6]] == [sdpa.translate_ids([s])[0] for s in srcs[:6]]
@@ -376,13 +338,13 @@ def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam)
 def test_graph_attention_resolves_on_the_fixed_shape_state_with_the_attention_kernel_only():
     from decoder.optimisations import Kernels, Switches, resolve
     both = Kernels(cpu=True, cuda=True)
-    assert resolve(Switches(graph_attention=True), device="cuda", kernels=both).static_attend
-    assert resolve(Switches(), device="cuda", kernels=both).static_attend  # on by default
-    assert not resolve(Switches(graph_attention=True, fused_attention=False), device="cuda",
-                       kernels=both).static_attend
-    assert not resolve(Switches(graph_attention=True), device="cpu", kernels=both).static_attend
+    masked = lambda **kw: resolve(**{"kernels": both, **kw}).states.masked_attend  # noqa: E731
+    assert masked(switches=Switches(graph_attention=True), device="cuda")
+    assert masked(switches=Switches(), device="cuda")  # on by default
+    assert not masked(switches=Switches(graph_attention=True, fused_attention=False), device="cuda")
+    assert not masked(switches=Switches(graph_attention=True), device="cpu")  # no fixed-shape state there
     # without the CUDA kernels its reference would read the whole cache, as SDPA does, in more kernels
-    assert not resolve(Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False)).static_attend
+    assert not masked(switches=Switches(), device="cuda", kernels=Kernels(cpu=True, cuda=False))
 
 
 @pytest.fixture(scope="module")
@@ -391,13 +353,12 @@ def fixture_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("fixture") / "model", seed=1)
 
 
-@pytest.mark.parametrize("kw", [dict(beam=1, refill_rows=False), dict(beam=1), dict(beam=4)])
+@pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4)])
 def test_a_batchs_fixed_shape_state_is_freed_with_the_batch_without_the_collector(fixture_dir, kw, monkeypatch):
     # its K/V buffers (GBs a batch on a GPU) must not wait for the collector's next full pass, which
     # a cycle between the state, its loop and their graphs made them do
     import weakref
     from fixture_model import synthetic_corpus
-    monkeypatch.setattr(static_steps, "NARROW_MIN", 4)  # the beam's states narrow too
     made, init = [], cache.StaticCache.__init__
     monkeypatch.setattr(cache.StaticCache, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
@@ -420,7 +381,8 @@ def test_a_kept_state_pushed_out_by_newer_shapes_is_freed_without_the_collector(
     monkeypatch.setattr(cache.StaticCache, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
     tr = Translator(fixture_dir, precision="fp32", static_shapes=True)
-    tr.model.plan = dataclasses.replace(tr.model.plan, static_keep=1)  # graph_reuse keeps one shape
+    plan = tr.model.plan  # graph_reuse keeps one shape
+    tr.model.plan = dataclasses.replace(plan, states=dataclasses.replace(plan.states, keep_states=1))
     lines = sorted(synthetic_corpus(40, seed=5), key=len)
     gc.disable()
     try:

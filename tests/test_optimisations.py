@@ -13,46 +13,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # what `resolve` decides from the device, the beam and the loaded kernels, not from one switch
-RESOLVED = {"device", "loop", "sync_every", "kernels", "runs", "ops", "bound"}
+RESOLVED = {"device", "loop", "every", "kernels", "runs", "ops", "bound", "states", "search"}
+# the slots that choose the state and its options: `resolve` turns them into Plan.states
+IN_STATES = {"state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "kv_half", "one_row",
+             "one_row_layer", "one_row_step"}
 
 
 def test_every_plan_slot_is_filled_by_a_registry_entry():
     slots = {o.slot for o in opt.OPTIMISATIONS}
-    assert slots == {f.name for f in dataclasses.fields(opt.Plan)} - RESOLVED
+    assert slots - IN_STATES == {f.name for f in dataclasses.fields(opt.Plan)} - RESOLVED
+    assert IN_STATES <= slots
 
 
 NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
-         "int8_gemv": {"fbgemm_int8": True}, "kv_row_table": {"fused_attention": True, "cache": True},
+         "int8_gemv": {"fbgemm_int8": True},
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
-         "int8_wide_gemm": {"fused_ops": True},
-         "int8_wide_output": {"fused_ops": True, "fbgemm_int8": True, "shortlist": True},
-         "kv_half": {"fused_attention": True, "cache": True}, "warp_attention": {"fused_attention": True},
-         "cross_bf16": {"fused_cross_attention": True},
+         "kv_half": {"fused_attention": True, "cache": True},
          "one_row": {"cache": True},  # the one-row state is the incremental cache's
+         "cuda_graphs": {"cache": True},  # the fixed-shape state is the incremental cache's
          "graph_reuse": {"cache": True, "cuda_graphs": True},  # it keeps the CUDA-graph state
-         "graph_steps": {"cache": True, "cuda_graphs": True},  # greedy on the CUDA-graph state
-         "capture_ahead": {"cache": True, "cuda_graphs": True, "graph_steps": True},
-         "refill_rows": {"cache": True, "cuda_graphs": True, "graph_steps": True},
-         "early_start": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
-         "refill_on_device": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
-         "narrow_tail": {"cache": True, "cuda_graphs": True, "graph_steps": True, "refill_rows": True},
-         "narrow_beam": {"cache": True, "cuda_graphs": True, "graph_steps": True},
+         "kv_row_table": {"fused_attention": True, "cache": True},
          "normalise_processes": {"fast_normaliser": True},
          "graph_attention": {"cache": True, "cuda_graphs": True, "fused_attention": True},
          "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
          "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
                           "fused_project_argmax": True, "softmax_free": True}}
 # switches resolved elsewhere than their bench group's device at batch 1
-WHERE = {"narrow_beam": dict(device="cuda", beam=4)}  # the graphs' beam loop
+WHERE = {"kv_row_table": dict(beam=4)}  # the CPU's beam state
 
 
 def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
-    monkeypatch.setattr(opt, "wide_gemm_available", lambda: True)
     monkeypatch.setattr(opt, "fbgemm_available", lambda: True)
+    monkeypatch.setattr(opt, "int_mm_vnni", lambda: True)  # a VNNI CPU, whatever this one is
     for o in opt.OPTIMISATIONS:
-        # a VNNI CPU, whatever this one is; an AVX2 one for the products made for it
-        monkeypatch.setattr(opt, "int_mm_vnni", lambda: o.name not in ("int8_wide_gemm", "int8_wide_output"))
         off = {**opt.all_off(), **NEEDS.get(o.name, {})}
         # each on the device it has kernels for, with every kernel loaded
         where = {"device": "cuda" if o.bench == "cuda" else "cpu", "kernels": opt.Kernels(cpu=True, cuda=True),
@@ -60,6 +54,10 @@ def test_each_switch_alone_changes_only_its_own_slot(monkeypatch):
         base = opt.resolve(opt.Switches(**off), no_repeat_ngram=0, **where)
         plan = opt.resolve(opt.Switches(**{**off, o.name: True}), no_repeat_ngram=0, **where)
         changed = {f.name for f in dataclasses.fields(plan) if getattr(plan, f.name) != getattr(base, f.name)}
+        if o.slot in IN_STATES:  # the state and its options, and with them the loop
+            assert "states" in changed and changed - {"runs", "bound"} <= {"states", "search"}, o.name
+            assert plan.runs - base.runs == {o.name}, o.name
+            continue
         assert changed - {"runs", "bound"} == {o.slot}, o.name
         on = o.on.bind(plan.ops) if isinstance(o.on, opt.Bound) else o.on  # fused ops: bound to the device's
         assert getattr(plan, o.slot) is on and plan.runs - base.runs == {o.name}
@@ -73,11 +71,6 @@ def test_a_switch_whose_needs_fail_keeps_the_reference(monkeypatch):
     for vnni, kernel in ((True, "int_mm"), (False, "fbgemm")):  # int8_vnni_int_mm needs a VNNI _int_mm
         monkeypatch.setattr(opt, "int_mm_vnni", lambda: vnni)
         assert opt.resolve(opt.Switches(), no_repeat_ngram=0).int8_kernel == kernel
-    # int8_wide_gemm (off by default) needs no VNNI _int_mm and our AVX2 kernel
-    for vnni, wide, kernel in ((True, True, "int_mm"), (False, True, "wide"), (False, False, "fbgemm")):
-        monkeypatch.setattr(opt, "int_mm_vnni", lambda: vnni)
-        monkeypatch.setattr(opt, "wide_gemm_available", lambda: wide)
-        assert opt.resolve(opt.Switches(int8_wide_gemm=True), no_repeat_ngram=0).int8_kernel == kernel
 
 
 def test_switches_default_to_the_registry_and_refuse_unknown_names():
@@ -123,12 +116,12 @@ def test_composed_bench_row_is_the_fastest_precision_with_the_kernels_that_paid_
     cumulative, variants = ablation()
     plain = cumulative[-1]
     speed = {plain[0]: 100.0, "+ bf16 weights and activations": 120.0, "+ int8 dynamic (PyTorch ops)": 150.0,
-             "+ fused decode-step attention (C++)": 110.0, "+ fused bias+relu (C++)": 90.0}
+             "+ fused decode-step attention (C++)": 110.0, "+ fused bias+residual+LayerNorm (C++)": 90.0}
     measured = {n: (speed.get(n, 50.0), kw) for n, kw in cumulative + variants}
     name, kw = compose(measured, plain[1])
     fastest_int8 = max((r for r in measured.values() if r[1]["precision"] == "int8"), key=lambda r: r[0])[1]
     assert kw["precision"] == "int8" and kw == {**fastest_int8, "fused_attention": True}
-    assert not kw["fused_relu"] and "fused_attention" in name
+    assert not kw["fused_norm"] and "fused_attention" in name
     assert compose({n: r for n, r in measured.items() if n != plain[0]}, plain[1]) is None
 
 

@@ -50,7 +50,6 @@ def configurations(cuda: bool) -> list[tuple[str, dict]]:
     in_graph = {o.name: True for o in group("step") if o.name == "fused_norm"}  # the static step
     rows = [("fp32, eager (first row)", dict(PLAIN, precision="fp32", cuda_graphs=False)),
             (f"{half}, eager", eager), (f"{half} + CUDA graphs", graphs),
-            (f"{half} + CUDA graphs, one step a graph (no graph_steps)", {**graphs, "graph_steps": False}),
             (f"{half} + CUDA graphs, attention through the decode-step kernel",
              {**graphs, "fused_attention": True, "graph_attention": True})]
     rows += [(f"{half}, eager + {o.label}", {**eager, o.name: True}) for o in group("step") + group("greedy")]

@@ -15,10 +15,9 @@
 # resumes its run (runs/gpu-default), so a time limit per call costs nothing.
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present, unpacked from build/carry/data.tar.xz if only that is), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
-# BENCH_ABLATE (the switches also measured flipped and settings changed, --ablate: refill_rows,narrow_tail,refill_on_device,
-#   refill_on_device+sync_every=16,warp_attention,early_start,
-#   graph_steps,graph_attention,sync_every=4,normalise_processes,encode_ahead,ramp_chunks,short_gil_interval,
-#   kv_row_table,narrow_beam: beam switches, measured in the beam 4 group),
+# BENCH_ABLATE (the switches also measured flipped and settings changed, --ablate: cuda_graphs,graph_attention,
+#   sync_every=4,normalise_processes,encode_ahead,short_gil_interval,kv_row_table: a beam switch, measured in the
+#   beam 4 group),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options), CALL_SECONDS (the seconds this call may run, where a lent
 #   machine's call has a hard limit: the bench then gets what is left, less a margin, as --time-limit and ends with
 #   its files written, and no stage runs past it; unset: no limit), TEST_SECONDS (300: the test stage's cap).
@@ -30,7 +29,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-session}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
-BENCH_ABLATE=${BENCH_ABLATE-refill_rows,narrow_tail,refill_on_device,refill_on_device+sync_every=16,warp_attention,early_start,graph_steps,graph_attention,sync_every=4,normalise_processes,encode_ahead,ramp_chunks,short_gil_interval,kv_row_table,narrow_beam}  # switches flipped, settings changed ("": none)
+BENCH_ABLATE=${BENCH_ABLATE-cuda_graphs,graph_attention,sync_every=4,normalise_processes,encode_ahead,short_gil_interval,kv_row_table}  # switches flipped, settings changed ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 CALL_SECONDS=${CALL_SECONDS:-}
 CALL_MARGIN=30  # the bench's start-up before its clock, its last row's overrun and writes, the caller's packing
