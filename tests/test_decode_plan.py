@@ -484,3 +484,45 @@ def test_inputs_go_to_a_gpu_through_pinned_memory_without_waiting(monkeypatch):
     assert hostsync.to_device(t, "cuda:0") is t and log == ["pin", ("cuda:0", True)]
     cpu = torch.tensor([1, 2])
     assert hostsync.to_device(cpu, "cpu") is cpu
+
+
+# -- one decision: `resolve` picks the loop and the state, nothing after it ------------------------
+
+def decoder_sources() -> dict:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "decoder")
+    return {n: open(os.path.join(here, n), encoding="utf-8").read() for n in os.listdir(here) if n.endswith(".py")}
+
+
+def test_resolve_is_the_only_place_that_picks_the_loop_and_the_state():
+    import dataclasses
+    src = decoder_sources()
+    # the searches and the states take what was resolved: neither sees the registry
+    for name in ("search.py", "state.py"):
+        assert "optimisations" not in code_tokens(src[name]), name
+    assert "plan" not in code_tokens(src["search.py"])  # a Search of resolved values and functions
+    switches = {o.name for o in opt.OPTIMISATIONS}
+    assert not switches & {f.name for f in dataclasses.fields(search.Search)}
+    # the states read the resolved StateOptions and the functions the step calls, no switch
+    calls = {f.name for f in dataclasses.fields(opt.Plan) if f.type in ("Callable", "Callable | None")}
+    code = code_tokens(src["state.py"])
+    assert {b for a, dot, b in zip(code, code[1:], code[2:]) if a == "plan" and dot == "."} <= {"states"} | calls
+    # the loops are named where resolve binds them; the state classes where new_state builds them
+    loops, states = {"greedy", "beam", "greedy_one", "greedy_or_one"}, {
+        "IncrementalCache", "RowTableCache", "StaticCache", "OneRowCache", "RecomputeCache"}
+    for name, text in src.items():
+        code = code_tokens(text)
+        if name not in ("optimisations.py", "search.py"):
+            named = {b for a, dot, b in zip(code, code[1:], code[2:]) if a == "search" and dot == "."}
+            imported = {n.strip() for line in text.splitlines() if line.startswith("from .search import")
+                        for n in line.split("import", 1)[1].split(",")}
+            assert not (named | imported) & loops and not {"greedy_one", "greedy_or_one"} & set(code), name
+        if name != "state.py":
+            assert not states & set(code), name
+
+
+def code_tokens(text: str) -> list[str]:
+    """The names and operators of Python source, its comments and strings left out."""
+    import io
+    import tokenize
+    return [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
+            if t.type in (tokenize.NAME, tokenize.OP)]

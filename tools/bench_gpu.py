@@ -474,9 +474,7 @@ def extra_row(rec: Record, deadline: Deadline, group: str, engine: str, batch, l
 
 
 # Decoder settings an --ablate entry may set as NAME=VALUE, beside the switches it flips. sync_every:
-# the refilled greedy loop's block of steps. A finished row takes its next sentence two blocks later
-# (the host reads a block's flags while the next runs): over the whole training split, blocks of 4
-# took 364 steps where blocks of 8 took 408 (docs/bench/decode-steps.md), for twice the host's reads.
+# the steps between the host's reads of the finished rows (a greedy graph's block of steps).
 SETTINGS = ("sync_every",)
 
 
@@ -776,8 +774,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunked", type=cliargs.int_range(0), default=5000, metavar="LINES",
                    help="three more rows of ours at its best throughput size, the text read in chunks of this "
                         "many lines (by default, without short_gil_interval, without decode_ahead), as a run "
-                        "longer than one chunk reads it; 0: none. With refill_rows each chunk's state ends with "
-                        "its longest output, so shorter chunks also add steps")
+                        "longer than one chunk reads it; 0: none")
     p.add_argument("--processes", type=cliargs.int_range(0, 8), default=2, metavar="N",
                    help="one more row of ours at its best throughput size in N processes on the one GPU, each "
                         "a share of the lines (whether a second host fills the GPU's idle time); 0 or 1: none")
