@@ -183,15 +183,12 @@ class Optimisation:
     #                           "batch1" (the batch-1 group, each off against the best)
     row: dict = field(default_factory=dict)  # other settings its ladder row changes with it
     needs: Callable[[Any], bool] = lambda opts: True  # other settings it only works with
-    detail: str = ""          # more for decoder/README.md
     worth: str = ""           # its latest measurement: ratio on/off, group, machine, date
 
 
 OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("cache", True, "K/V cache, cross K/V once per sentence", "state", "incremental", "recompute",
                  "the whole prefix re-run every step, encoder output copied per beam", "ladder",
-                 detail="self-attention K/V in one preallocated buffer written at position t (gpt-fast); the "
-                 "beams of a sentence are the query positions of one cross-attention call (FastSeq)",
                  worth="7.1x beam 4 fp32 (ladder), AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 7.6x"),
     Optimisation("sort", True, "length-sorted batches", "sort", True, False, "batches in input order", "ladder",
                  worth="1.78x beam 4 fp32 (ladder), AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.63x"),
@@ -200,88 +197,49 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="not measured alone (its ladder row also switches beam 4 to greedy: 2.39x)"),
     Optimisation("early_stop", True, "early stop (finished sentences leave)", "early_stop", True, False,
                  "every row decoded to the longest limit", "ladder",
-                 detail="finished rows leave in groups of `shrink_ratio` (0.25) of the rows: each shrink "
-                 "copies the live cache, so shrinking per sentence costs more",
                  worth="1.02x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 1.07x"),
     Optimisation("fused_qkv", True, "fused QKV", "fused_qkv", True, False,
                  "three products for q, k, v (cross: two for k, v)", "ladder",
-                 detail="one product for q|k|v (cross-attention: k|v), concatenated at load time",
                  worth="1.16x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 0.95x"),
     Optimisation("pipeline", True, "async text pipeline", "pipeline", True, False,
                  "read, encode, translate, decode one after another", "ladder",
-                 detail="normalisation + SentencePiece of the next chunk and detokenisation in threads",
                  worth="0.84x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 1.06x"),
     Optimisation("fast_normaliser", True, "Moses normalisation, rules skipped where they cannot match",
                  "fast_normaliser", True, False, "sacremoses' `normalize`: every rule's `re.sub` on every line",
                  "ladder",
-                 detail="decoder/normalise.py: sacremoses' rules compiled once, each run only on a line that "
-                 "holds a literal all its matches contain, and looked for only where the line has that "
-                 "literal's non-ASCII characters; the same output, 11x faster on 10,000 Bible lines (0.51 to "
-                 "0.046 s, EPYC core): a tenth of a GPU throughput pass was normalisation",
                  worth="2.08x throughput (off 0.48x), 1.05x batch 1, H200, 2026-11-26; normaliser 11x on EPYC"),
     Optimisation("short_gil_interval", True, "the GPU-feeding thread takes the GIL back within 0.2 ms",
                  "switch_interval", 0.0002, None,
                  "Python's switch interval of 5 ms: the decoding thread waits up to that for the GIL after "
                  "each op and each wait for the GPU while a text thread runs Python", "cuda",
-                 detail="while the text pipeline's threads run (decoder/pipeline.py `run`), "
-                 "`sys.setswitchinterval(0.0002)`, restored after. The thread that feeds the GPU gives the "
-                 "GIL up in every torch call and every wait for the GPU, and a thread running Python (the next "
-                 "chunk's normalisation, a batch's detokenisation) hands it back only at its switch interval: "
-                 "a loop waiting on the GPU every 2.4 ms beside Text.encode was busy 42% of its time at 5 ms, "
-                 "80% at 0.2 ms (`python -m tools.bench_gil`, docs/bench/gil.md). CUDA only: on 2 CPU cores, "
-                 "whose steps are long, it measured 0.98x",
                  worth="not measured on GPU; GIL micro-bench feeder busy 35%->85%, EPYC, 2026-11-26; CPU 0.98x"),
     Optimisation("decode_ahead", True, "the next chunk decoded while this chunk's outputs are handed out",
                  "decode_ahead", True, False, "the decoding waits at every chunk's end while its last batch is "
                  "detokenised and its lines are written", "cuda",
-                 detail="decoder/pipeline.py: the decoding runs in a thread of its own, and when a chunk is done "
-                 "and the next is already read and encoded (the usual case: the text thread reads ahead), the "
-                 "next one's batches start before this one's outputs are collected and handed to the writer; a "
-                 "next chunk not yet read (a pipe's writer waiting for its answer) is waited for after the "
-                 "outputs are out. Only a run of several chunks (more than `chunk_lines` lines) has chunk ends "
-                 "to hide. CUDA only. Not measured on a GPU yet (`tools.bench_gpu --chunked`)",
                  worth="not measured (CUDA only; never run on a GPU)"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
-                 detail="process-wide and irreversible (decoder/runtime.py)",
                  worth="0.97x throughput fp32 ladder, EPYC AVX-512, 2026-11-25; AVX2 0.90x (older int8 1-thr 1.31x)"),
     Optimisation("fused_ops", True, "int8 linear as one C++ call", "int8_fused", True, False,
                  "`Int8Linear.reference`: the same math as ~8 tensor ops", "int8",
-                 detail="quantise rows, `_int_mm`, rescale, bias and relu in decoder/csrc/int8_linear.cpp",
                  worth="1.15x int8 throughput, AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.07x"),
     Optimisation("fbgemm_int8", True, "fbgemm prepacked int8 linear", "int8_kernel", "fbgemm", "int_mm",
                  "our `_int_mm` int8 linear (`Int8Linear`; `fused_ops` picks its C++ or tensor-op form)", "int8",
                  needs=lambda o: fbgemm_available(),
-                 detail="`quantized::linear_dynamic` on weights packed at load time (u8 x s8: `vpmaddubsw` on "
-                 "AVX2, VNNI on AVX-512), for the layer linears, the output projection and the shortlist's "
-                 "sliced projection (repacked per batch); `_int_mm` is 13-30x slower than fp32 without VNNI (with VNNI "
-                 "`int8_vnni_int_mm` takes it back)",
                  worth="1.43x int8 throughput vs _int_mm, AVX2-capped EPYC, 2026-11-25; AVX-512 1.05x"),
     Optimisation("int8_vnni_int_mm", True, "our `_int_mm` int8 linear where it runs VNNI", "int8_kernel", "int_mm",
                  "fbgemm", "fbgemm's linear on VNNI CPUs too", "int8", row={"fbgemm_int8": True, "fused_ops": True},
                  needs=lambda o: int_mm_vnni(),
-                 detail="where the CPU has avx512_vnni and neither ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA caps "
-                 "it below (`quant.int_mm_vnni`), every int8 linear, the output projection and the shortlist's "
-                 "slice included, runs `Int8Linear` above the gemv rows: up to 1.35x fbgemm's speed at the layer "
-                 "linears, 1.25x at the projection's >= 64 rows (docs/bench/decoder.md); elsewhere fbgemm stays",
                  worth="1.09x int8 throughput vs fbgemm, AMD EPYC AVX-512 VNNI, 2026-11-25 (n/a on AVX2)"),
     Optimisation("int8_packed_gemm", True, "int8 product on weights packed once (C++, VNNI)", "int8_packed_gemm",
                  True, False, "`torch._int_mm` (oneDNN reorders the int8 weights on every call)", "int8",
                  row={"fbgemm_int8": True, "int8_vnni_int_mm": True, "fused_ops": True},
                  needs=lambda o: int_mm_vnni() and o.fused_ops and (o.int8_vnni_int_mm or not o.fbgemm_int8
                                                                     or not fbgemm_available()),
-                 detail="`Int8Linear` calls run decoder/csrc/int8_gemm.cpp on weights packed at load time (the "
-                 "shortlist's slice: per batch) for `vpdpbusd`, 6 rows x 64 columns a tile, the same integers as "
-                 "`_int_mm`; calls of up to 256 rows (`Int8Linear.PACKED_ROWS`: every decode step, not the encoder's "
-                 "batches): 1.1-1.9x `_int_mm` at 8-40 rows, 1.03x at 160 on an AVX-512 VNNI EPYC",
                  worth="0.86x int8 throughput, EPYC AVX-512 VNNI, 2026-11-25 (earlier 1.04x greedy/1.03x beam)"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
-                 detail="calls of 1-4 rows (batch 1, a few live sentences) run decoder/csrc/int8_gemv.cpp: one "
-                 "scale per activation row, u8 x s8 dot products per output row (`vpdpbusd` with VNNI, "
-                 "`vpmaddubsw` on AVX2, plain C++ elsewhere), no packing; 1.7-3x faster than fbgemm at 1 row "
-                 "(docs/bench/decoder.md); the layer linears, the output projection and the shortlist's slice",
                  worth="1.39x batch 1 (1.48x w/ shortlist), EPYC AVX-512, 2026-11-25; thrpt 1.07x, AVX2 1.27x"),
     Optimisation("fused_norm", True, "fused bias+residual+LayerNorm (C++)", "add_norm",
                  with_ops(add_norm_fused, "add_bias_residual_layernorm"),
@@ -289,156 +247,81 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="1.03x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2-capped 1.04x (earlier int8 1.05x)"),
     Optimisation("int8_quantized_hidden", True, "int8 fc1 quantises its output for fc2 (C++)", "hidden",
                  hidden_int8, hidden_plain, "fc1's float output, quantised again by fc2", "int8",
-                 detail="`_int_mm` layers: each row of relu(fc1) is rescaled into a row buffer and quantised "
-                 "there, so the (rows, ffn_dim) float hidden is never written nor read back; the same bits",
                  worth="1.04x int8 greedy, 1 thread, AMD EPYC AVX-512 VNNI, 2026-11-25"),
     Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
-                 detail="the cached step's attention for its few queries, reading the cache slice in place",
                  worth="1.21x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2-capped 1.05x (int8 1-thr 1.22x)"),
     Optimisation("fused_encoder_attention", True, "fused encoder self-attention (C++)", "encoder_attend",
                  with_ops(encoder_attend_fused, "encoder_attention"), encoder_attend_plain,
                  "chunk, head views, `scaled_dot_product_attention`, merge copy", "step",
-                 detail="the fused q|k|v product (B, S, 3d) to the merged heads (B, S, d) in one call, its loops "
-                 "vectorised over keys and features for many queries, its (row, head) pairs split over the threads",
                  worth="1.10x thrpt fp32, EPYC AVX-512, 2026-11-25; AVX2 1.16x; int8 2 workers 0.99x/1.01x beam"),
     Optimisation("fused_cross_attention", True, "fused cross-attention on K/V arranged per batch (C++)",
                  "cross_kv",
                  Bound(cross_fused, ("cross_store",)), CrossPlain,
                  "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
-                 detail="the cross K/V laid out once per batch (per sentence and head: K transposed, padded to "
-                 "register blocks, the padding left out); each step a sentence's beams (greedy: its one query) "
-                 "run the encoder op's register blocks, FMAs along keys and features with no horizontal sums",
                  worth="1.03x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2 1.15x; int8 beam 4 1.06x"),
     Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv",
                  with_ops(write_kv_fused, "qkv_to_cache_"),
                  write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
-                 detail="needs fused_qkv: the one q|k|v product is split by the C++ call",
                  worth="0.96x throughput fp32, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 0.87x"),
     Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
                  False, "`F.linear`, then the argmax", "greedy",
                  needs=lambda o: o.softmax_free and not o.no_repeat_ngram,
-                 detail="greedy, fp32/bf16 output layer, no n-gram blocking: the projection 1024 vocabulary "
-                 "rows at a time with a running best per row; the logits are never written (below 8 rows: one "
-                 "product and the C++ argmax)",
                  worth="1.37x throughput fp32, AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.15x"),
     Optimisation("fused_topk", True, "fused add+top-k (C++)", "topk",
                  with_ops(topk_split, "log_softmax_topk"), None,
                  "log-softmax, add, `Tensor.topk`", "beam",
-                 detail="after ATen's log-softmax one C++ pass adds the beam scores and finds the top 2k without "
-                 "writing the sums: the plain path's picks bit for bit (steps forcing </s> take the plain path)",
                  worth="1.15x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (AVX-512 fixture 1.06x, 2026-11-24)"),
     Optimisation("fused_log_softmax", True, "fused log-softmax+top-k (C++)", "topk",
                  with_ops(topk_one_pass, "log_softmax_topk"), None,
                  "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
-                 detail="the log-probabilities are never written: 1.03x at int8 beam 4 on the KD student, no line "
-                 "changed of 1,003; they round differently from ATen's, so near ties may flip (one line in 300 "
-                 "in fp32 on an AVX-512 EPYC)",
                  worth="1.04x beam 4 int8, AVX2-capped EPYC, 2026-11-25; AVX-512 int8 1-thread 1.03x"),
     Optimisation("fused_project_topk", True, "fused output projection + log-softmax + top-k (C++)", "project_topk",
                  True, False, "the projection's (rows x C) logits written, then the plan's log-softmax + top-k", "beam",
                  needs=lambda o: not o.no_repeat_ngram and o.int8_packed_gemm and BY_NAME["int8_packed_gemm"].needs(o),
-                 detail="beam, an int8 output layer on the packed VNNI product (int8_packed_gemm; the shortlist's "
-                 "slice too), no n-gram blocking (it needs the whole row): decoder/csrc/project_topk.cpp takes the "
-                 "product 128 columns at a time while they are in cache and keeps per row a running max and sum of "
-                 "exps and its 2k best logits; each sentence gets its 2k best log-prob + score, the int32 and float "
-                 "logits never written. Steps that force </s>, fbgemm, fp32 and the gemv kernel's few rows take the "
-                 "plain path. On: 1.05x the shipped beam 4 on the KD student (2 workers, shortlist, AVX-512 VNNI "
-                 "EPYC, the same tokens; docs/bench/decoder.md), where alone one step is 1.00x at 160 rows x 4,000 "
-                 "columns at d 256, 1.24x over 8,000 and 0.81x over 2,000 at d 128 (the trained fixture: 0.92x): "
-                 "each beam row keeps its own 2k best where the plain path's sentence-wide bar skips most of the "
-                 "other beams' columns, so it pays at student sizes, not at d 128",
                  worth="1.05x beam 4 vs shipped, AMD EPYC AVX-512 VNNI, 2026-11-26 (VNNI only)"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step (on a GPU the whole fixed-shape "
                  "buffer: read and written twice a step)", "beam",
                  needs=lambda o: o.fused_attention and o.cache,
-                 detail="decoder/cache.py RowTableCache (CPU) and StaticCache (the CUDA graphs' state, with "
-                 "graph_attention): a reorder rewrites a (rows, T) table of cache rows, the attention kernel reads "
-                 "key j of row b from row table[b, j] (decode_attention_rows; on CUDA the block, warp and 16-byte "
-                 "kernels, each table entry clamped into the cache). On where the device's kernels are loaded; "
-                 "on CUDA its self-check refuses it alone (`fused.OWN_FALLBACK`). On a GPU not measured yet "
-                 "(`tools.bench_gpu --ablate kv_row_table`, the beam rows)",
                  worth="0.96x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (earlier AVX-512 1-thr 1.27x); GPU n/m"),
     Optimisation("kv_half", False, "fp16 self-attention K/V cache", "kv_half", True, False,
                  "the fp32 K/V cache", "beam", needs=lambda o: o.fused_attention and o.cache,
-                 detail="an fp32 (or int8) model's batch caches (greedy and beam, IncrementalCache and "
-                 "RowTableCache; not the one-row state) store the self-attention keys and values in fp16 "
-                 "(rounded as `Tensor.to`), the C++ cache write and attention convert with F16C: half the "
-                 "bytes of the step's bandwidth-bound attention; a numeric change",
                  worth="0.96x beam 4, EPYC AVX-512, 2026-11-28 (AVX2 1.01x); 2026-11-26 shipped: 1.08x/1.02x"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
-                 detail="with --no-repeat-ngram N",
                  worth="not measured"),
     Optimisation("cuda_graphs", True, "whole search steps replayed from CUDA graphs (small batches)",
                  "cuda_graphs", True, False, "eager steps: the decoder's and the search's ~14 (greedy) or ~35 "
                  "(beam) launches a step", "cuda", needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
-                 detail="batches of at most `GRAPH_ROWS` greedy rows, and every beam batch, decode on the "
-                 "fixed-shape state (decoder/state.py StaticCache) whose whole step (decoder, projection, argmax "
-                 "or top-k, forced </s>, finished rows and hypotheses, histories, beam reorder, the position "
-                 "advanced on the device) is captured at fixed addresses: greedy `every` steps one graph, beam "
-                 "one step a graph (decoder/search.py). Without a shortlist or n-gram blocking (a graph replays "
-                 "fixed addresses). Larger greedy batches run eagerly: at 8,192 rows the eager loop was 1.18x",
                  worth="whole-step graphs 1.69x batch 1, 0.85x at 8,192 rows, H200, 2026-11-27"),
     Optimisation("graph_reuse", True, "CUDA graphs kept per batch shape", "static_keep", 64, 0,
                  "a graph captured (and its state built) for every batch", "cuda",
-                 detail="the fixed-shape state of a batch of at most 16 rows is kept, 64 shapes at most, and a "
-                 "later batch of the same rows, source length, beam and cache length reloads it in place and "
-                 "replays its graph: no capture, warm-up steps or graph memory per sentence at batch 1",
                  worth="3.55x batch 1 (off 0.28x), H200, 2026-11-26; throughput off 1.09x (eager rows)"),
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
-                 detail="decoder/pipeline.py NormalisePool: the fast normaliser (pure Python, ~4.5 us a line) in "
-                 "half the machine's cores' processes, at most 8 and none below 4 cores, each on a share of the "
-                 "chunk's lines; the workers import neither torch nor the model. The first chunk's normalisation "
-                 "is on the wall before any decoding, and a later chunk's took the GIL from the thread that feeds "
-                 "the GPU. CUDA only (a CPU's cores decode). Not measured on a GPU yet",
                  worth="not measured on GPU (1-line batch-1 H200 row only); 2 procs 46->31 ms/10k lines"),
     Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
                  False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",
-                 detail="Translator.each_batch: batch k+1's padding, copy to the GPU, encoder (and shortlist) are "
-                 "queued before batch k's search starts, so when k's last read returns the GPU already has k+1's "
-                 "encoder output and the host goes straight to its search; one more batch's encoder output "
-                 "held. CUDA only (a CPU runs the same work in the same order either way). Not measured on a "
-                 "GPU yet",
                  worth="not measured (only a 1-line batch-1 H200 row, off 0.90x, 2026-11-27)"),
     Optimisation("graph_attention", True, "decode-step attention kernel in the fixed-shape state",
                  "static_attend", True, False, "`scaled_dot_product_attention` over the whole cache with a -inf "
                  "bias past the position (cuDNN's flash attention on a GPU: a third of the H100's GPU time)", "cuda",
                  needs=lambda o: o.fused_attention,
-                 detail="the CUDA graphs' state (decoder/cache.py StaticCache) attends through the plan's "
-                 "decode-step attention kernel (fused_attention: one block per row, head and query), masked by a "
-                 "bool mask past each row's position, for self- and cross-attention: it reads only the keys and "
-                 "values written so far and each row's own source, where SDPA reads the whole buffers (with "
-                 "refill_rows, every row over the chunk's longest source and cap: about 8x the bytes on the "
-                 "Bible's 10,000 lines). On where the CUDA kernels are loaded. H200, the per-batch loop "
-                 "without graphs: 1.05x throughput, 0.97x at batch 1 (one pass each); with refill_rows not "
-                 "measured on a GPU yet (`tools.bench_gpu --ablate graph_attention` measures it off)",
                  worth="1.24x throughput (off 0.81x), 0.98x batch 1, H200, 2026-11-27"),
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
-                 detail="one sentence, greedy (decoder/cache.py OneRowCache, decoder/search.py `greedy_one`): "
-                 "token and output as Python ints (no where/cat/any per step), the embedding one row looked up, "
-                 "cross-attention without a padding mask (one sentence has none), the forced last </s> not run",
                  worth="1.11x batch 1, AMD EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.03x"),
     Optimisation("one_row_attention", True, "one-row attention (C++)", "attend_one", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention` at one row", "batch1",
-                 detail="with one_row: the C++ decode attention for the one query (its set-up is a third of "
-                 "SDPA's at one row); fused_attention is the same kernel for batches",
                  worth="1.01x batch 1, EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.04x (11-26: 1.05x/1.01x)"),
     Optimisation("one_row_cache", True, "one-row q/k/v split into the K/V cache (C++)", "write_kv_one",
                  with_ops(write_kv_fused, "qkv_to_cache_"), write_kv_plain, "`write_kv_plain` at one row", "batch1",
-                 detail="with one_row: fused_cache's kernel for the one row (29 against 36 us with the fp32 "
-                 "q|k|v product on an AVX-512 EPYC)",
                  worth="1.01x batch 1, EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.06x (11-26: 1.04x/1.01x)"),
     Optimisation("one_row_layer", True, "one-row decoder layer in one C++ call", "one_row_layer", True, False,
                  "the layer's ~25 ops at one row (gemv products, cache write, attention, norms)", "batch1",
                  row={"fused_norm": True}, needs=lambda o: o.one_row and o.fused_norm and o.fused_qkv,
-                 detail="with one_row, int8 and int8_gemv: decoder/csrc/fused_cpu.cpp `one_row_layer` runs a whole "
-                 "decoder layer (q|k|v, cache write, self- and cross-attention, FFN, residual LayerNorms) with the "
-                 "gemv kernel's products, the math of the fused_norm path bit for bit",
                  worth="1.37x batch 1, AMD EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.26x"),
     Optimisation("one_row_step", True, "one-row decode step in one C++ call", "one_row_step", True, False,
                  "one_row_layer per layer, with the embedding, first norm, output projection and argmax "
@@ -446,15 +329,9 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  row={"one_row_layer": True, "fused_norm": True},
                  needs=lambda o: o.one_row_layer and o.one_row and o.fused_norm and o.fused_qkv
                  and o.fused_project_argmax and o.softmax_free and not o.no_repeat_ngram,
-                 detail="with one_row_layer, greedy without n-gram blocking, an int8 gemv output layer: "
-                 "decoder/csrc/fused_cpu.cpp `one_row_step` looks up the token's embedding and position, runs "
-                 "the first norm (ATen's layer_norm), every layer as one_row_layer, the output projection "
-                 "(gemv, full or the shortlist's rows) and the argmax, and returns the column: one dispatch a "
-                 "step",
                  worth="1.19x batch 1, AMD EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.13x"),
     Optimisation("shortlist", True, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
-                 "shortlist", detail="the output layer over the batch's candidates from the model dir's "
-                 "shortlist.safetensors (python -m student.shortlist)",
+                 "shortlist",
                  worth="1.40x beam 4, 1.13x throughput (2 workers), EPYC AVX-512, 2026-11-28; AVX2 1.23x/1.01x"),
 )
 BY_NAME = {o.name: o for o in OPTIMISATIONS}
@@ -751,6 +628,6 @@ def step_slots(slots: dict, st: StateOptions, loop: str, no_repeat_ngram: int) -
 def table_markdown() -> str:
     """decoder/README.md's switch table."""
     rows = ["| switch | default | measured worth | what it does | replaces |", "|---|---|---|---|---|"]
-    rows += [f"| `{o.name}` | {'on' if o.default else 'off'} | {o.worth} | {o.label}{': ' + o.detail if o.detail else ''} "
-             f"| {o.replaces} |" for o in OPTIMISATIONS]
+    rows += [f"| `{o.name}` | {'on' if o.default else 'off'} | {o.worth} | {o.label} | {o.replaces} |"
+             for o in OPTIMISATIONS]
     return "\n".join(rows)

@@ -36,8 +36,8 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "kv_row_table": {"fused_attention": True, "cache": True},
          "normalise_processes": {"fast_normaliser": True},
          "graph_attention": {"cache": True, "cuda_graphs": True, "fused_attention": True},
-         "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
-         "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
+         "one_row_layer": {"cache": True, "one_row": True, "fused_norm": True, "fused_qkv": True},
+         "one_row_step": {"cache": True, "one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
                           "fused_project_argmax": True, "softmax_free": True}}
 # switches resolved elsewhere than their bench group's device at batch 1
 WHERE = {"kv_row_table": dict(beam=4)}  # the CPU's beam state
