@@ -216,7 +216,7 @@ def test_settings_line_says_how_many_bits_fbgemms_activations_have(model_dir, mo
     if not quant.fbgemm_available():
         pytest.skip("no fbgemm in this torch build")
     monkeypatch.setattr(quant, "fbgemm_vnni", lambda: vnni)
-    tr = Translator(model_dir, precision="int8", int8_vnni_int_mm=False, int8_wide_gemm=False)
+    tr = Translator(model_dir, precision="int8", int8_vnni_int_mm=False)
     assert type(tr.model.out_proj) is FbgemmLinear and tr.model.out_proj.reduce_range is not vnni
     assert f", int8 by fbgemm, {bits}; " in describe(tr, "int8")
 
