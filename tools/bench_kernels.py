@@ -3,10 +3,11 @@
 The CUDA kernels with 16-byte loads against the ones they replaced, side by side in one run, at
 the decoder's shapes on a GPU (student-6-1: 512 wide, fp16, logits in vocabulary chunks of 1,024;
 N rows a step, as large batches give). fused_cuda.cu picks the wide kernel (residual+norm,
-argmax) where every row is 16-byte aligned and the older one where it is not, so each op runs on its inputs as allocated and on a
-copy of them one element off a 16-byte boundary: the same values, the other kernel. Each row of
-the table: the median of K timed calls (CUDA events) each way, the ratio, and the largest
-difference of their outputs. Needs a GPU and the CUDA kernels (decoder/csrc/fused_cuda.cu).
+argmax) where every row is 16-byte aligned and the older one where it is not, so each op runs
+on its inputs as allocated and on a copy of them one element off a 16-byte boundary: the same
+values, the other kernel. Each row of the table: the median of K timed calls (CUDA events) each
+way, the ratio, and the largest difference of their outputs. Needs a GPU and the CUDA kernels
+(decoder/csrc/fused_cuda.cu).
 """
 from __future__ import annotations
 

@@ -393,10 +393,10 @@ struct EncScratch {
 };
 
 // acc[r][w] += sum_k a[r * lda + k] * b[k * ldb + r * rb + w] for the first R rows r and
-// kW columns w. rb = 0: R rows of a (queries)
-// against the same kW columns of b (keys of K^T, features of V); lda = 0, rb = kW: one
-// row of a against R x kW side-by-side columns of b (one query, keeping the accumulators
-// busy). Inlined into the attention kernels, so each ISA clone vectorises it.
+// kW columns w. rb = 0: R rows of a (queries) against the same kW columns of b (keys of
+// K^T, features of V); lda = 0, rb = kW: one row of a against R x kW side-by-side columns
+// of b (one query, keeping the accumulators busy). Inlined into the attention kernels, so
+// each ISA clone vectorises it.
 template <int64_t R = kQB>
 CLONE_INLINE void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
                             int64_t rb, int64_t steps) {
@@ -653,7 +653,8 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::
                   va.size(0) == q.size(0) && va.size(1) == kt.size(1) && lens.size(0) == q.size(0) &&
                   kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kW == 0 && kt.size(3) >= va.size(2) &&
                   va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && va.scalar_type() == at::kFloat &&
-                  kt.scalar_type() == at::kFloat && lens.scalar_type() == at::kLong && kt.is_contiguous() && va.is_contiguous(),
+                  kt.scalar_type() == at::kFloat && lens.scalar_type() == at::kLong && kt.is_contiguous() &&
+                  va.is_contiguous(),
               "cross_attention: q must be (B, Q, H * D) and kt, va, lens as cross_arrange gives them: (B, H, D, Sp), "
               "(B, H, S, Dv) contiguous float and (B,) long; got q ", q.sizes(), ", kt ",
               kt.sizes(), ", va ", va.sizes(), ", lens ", lens.sizes());
