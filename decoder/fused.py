@@ -33,10 +33,6 @@ def add_bias_residual_layernorm_reference(x, h, bias, gamma, beta, eps: float):
     return r, F.layer_norm(r, (r.shape[-1],), gamma, beta, eps)
 
 
-def add_bias_relu_reference(x, bias):
-    return torch.relu(x + bias)
-
-
 def log_softmax_topk_reference(logits, scores, K: int, n: int, normalized: bool = False):
     """logits (S*K, V), scores (S*K,) -> the n best (values, indices in [0, K*V)) per sentence
     of log_softmax(logits) + score; `normalized`: the logits are log-probs already."""
@@ -133,8 +129,7 @@ def _kernel(t: torch.Tensor) -> bool:
 
 _cuda: dict = {}
 # kernels with a CUDA kernel of their own to fall back to: one that disagrees is refused alone
-OWN_FALLBACK = {"decode_attention_warp": "the block kernel",
-                "decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
+OWN_FALLBACK = {"decode_attention_rows": "the K/V cache moved at each beam reorder (kv_row_table off)"}
 
 
 def _cuda_kernels() -> bool:
@@ -193,11 +188,6 @@ def add_bias_residual_layernorm_kernel(x, h, bias, gamma, beta, eps: float):
             lambda: f"add_bias_residual_layernorm: x and h must have one shape, the norm weights and bias "
                     f"{n} elements")
     return torch.ops.decoder_ops.add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
-
-
-def add_bias_relu_kernel(x, bias):
-    require(bias.numel() == x.shape[-1], lambda: f"add_bias_relu: bias must have {x.shape[-1]} elements")
-    return torch.ops.decoder_ops.add_bias_relu(x, bias)
 
 
 CUDA_MAX_TOP = 16  # the CUDA kernel keeps n <= 16 candidates per thread (beam <= 8); kMaxTop in fused_cuda.cu
@@ -268,32 +258,8 @@ def decode_attention_cuda(q, k, v, mask=None, rows=None):
         return decode_attention_reference(q, k, v, mask, rows)
     _check_attention(q, k, v, mask, rows)
     if rows is not None:
-        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask, False)
+        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask)
     return torch.ops.decoder_ops.decode_attention(q, k, v, mask)
-
-
-# switch warp_attention: under this many (row, head, query) triples per multiprocessor the block
-# kernel runs (batch 1: a warp walks its keys a tile at a time, a block spreads them over 256 threads)
-WARP_MIN_PER_SM = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_attention_warp_cuda(q, k, v, mask=None, rows=None):
-    """decode_attention_cuda with a warp per row, head and query (switch warp_attention) where
-    there are warps enough to fill the GPU; csrc/fused_cuda.cu runs the block kernel past the
-    warp kernel's own limits (features, keys)."""
-    if k.shape[2] > CUDA_MAX_KEYS:
-        return decode_attention_reference(q, k, v, mask, rows)
-    _check_attention(q, k, v, mask, rows)
-    few = q.shape[0] * q.shape[1] * q.shape[2] < WARP_MIN_PER_SM * _multiprocessors(q.device)
-    if rows is not None:
-        return torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, mask, not few)
-    return (torch.ops.decoder_ops.decode_attention if few else torch.ops.decoder_ops.decode_attention_warp)(
-        q, k, v, mask)
 
 
 def _check_attention(q, k, v, mask, rows=None):
@@ -344,12 +310,9 @@ class CrossAttention:
     sentence and head the attended keys transposed and padded to register blocks, a key
     count for the mask), then `self(q)` each step: q (B, Q, d) -> (B, Q, d). `kernel`:
     whether the C++ op runs (None: where it is loaded for k's device, CPU only), else the
-    reference on the K/V as given; decided here, once per batch, not per step. `bf16`
-    (switch cross_bf16): the arranged K/V rounded to bf16 (nearest even, as `Tensor.to`),
-    read by the kernel as they are, widened in registers at the library's ISA (capped by
-    DECODER_MAX_CPU_ISA like every kernel of ours); the reference rounds k, v alike."""
+    reference on the K/V as given; decided here, once per batch, not per step."""
 
-    def __init__(self, k, v, mask=None, kernel: bool | None = None, bf16: bool = False):
+    def __init__(self, k, v, mask=None, kernel: bool | None = None):
         self.kernel = _kernel(k) and k.device.type == "cpu" if kernel is None else kernel
         if self.kernel:
             require(k.dim() == 4 and v.shape == k.shape, "cross_arrange: k and v must be (B, H, S, D), the same")
@@ -357,10 +320,8 @@ class CrossAttention:
                     "cross_arrange: mask must be bool (B, 1, 1, S)")
             # kt (B, h, hd, Sp), va (B, h, S, Dv), lens (B,)
             self.kv = torch.ops.decoder_ops.cross_arrange(k, v, mask)
-            if bf16:  # once per batch
-                self.kv = (self.kv[0].bfloat16(), self.kv[1].bfloat16(), self.kv[2])
         else:  # k, v (B, h, S, hd) and the mask
-            self.kv = (k.bfloat16().to(k.dtype), v.bfloat16().to(v.dtype), mask) if bf16 else (k, v, mask)
+            self.kv = (k, v, mask)
         self.attend = cross_attention_kernel if self.kernel else cross_attention_reference
 
     def __call__(self, q):
@@ -371,12 +332,12 @@ class CrossAttention:
         self.kv = tuple(t if t is None else t.index_select(0, sents) for t in self.kv)
 
 
-def cross_store_kernel(k, v, mask=None, bf16: bool = False):
-    return CrossAttention(k, v, mask, kernel=True, bf16=bf16)
+def cross_store_kernel(k, v, mask=None):
+    return CrossAttention(k, v, mask, kernel=True)
 
 
-def cross_store_reference(k, v, mask=None, bf16: bool = False):
-    return CrossAttention(k, v, mask, kernel=False, bf16=bf16)
+def cross_store_reference(k, v, mask=None):
+    return CrossAttention(k, v, mask, kernel=False)
 
 
 def qkv_to_cache_kernel(kc, vc, qkv, t: int):
@@ -411,11 +372,9 @@ class Ops:
     reference, chosen once (`bound`): the decoder's plan (decoder/optimisations.py)
     holds these, so its step never asks which of them runs."""
     add_bias_residual_layernorm: Callable
-    add_bias_relu: Callable
     log_softmax_topk: Callable
     ngram_block_: Callable
     decode_attention: Callable
-    decode_attention_warp: Callable  # switch warp_attention: CUDA's warp kernel; elsewhere decode_attention's entry
     encoder_attention: Callable
     cross_store: Callable       # (k, v, mask) -> a batch's cross K/V store, store(q (B, Q, d)) -> (B, Q, d)
     qkv_to_cache_: Callable
@@ -429,18 +388,16 @@ class Ops:
         return getattr(self, name) is not getattr(REFERENCE, name)
 
 
-REFERENCE = Ops(add_bias_residual_layernorm_reference, add_bias_relu_reference, _log_softmax_topk_checked,
-                _ngram_block_checked, decode_attention_reference, decode_attention_reference,
-                encoder_attention_reference, cross_store_reference, qkv_to_cache_reference, argmax_rows_reference,
-                linear_argmax_reference, shortlist_candidates_reference)
-CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, add_bias_relu_kernel, log_softmax_topk_kernel,
-                  ngram_block_kernel, decode_attention_kernel, decode_attention_kernel, encoder_attention_kernel,
-                  cross_store_kernel, qkv_to_cache_kernel, argmax_rows_kernel, linear_argmax_kernel,
-                  shortlist_candidates_kernel)
+REFERENCE = Ops(add_bias_residual_layernorm_reference, _log_softmax_topk_checked, _ngram_block_checked,
+                decode_attention_reference, encoder_attention_reference, cross_store_reference,
+                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference,
+                shortlist_candidates_reference)
+CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, log_softmax_topk_kernel, ngram_block_kernel,
+                  decode_attention_kernel, encoder_attention_kernel, cross_store_kernel, qkv_to_cache_kernel,
+                  argmax_rows_kernel, linear_argmax_kernel, shortlist_candidates_kernel)
 # csrc/fused_cuda.cu has no encoder attention, cross-attention store or shortlist
 CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
                                    decode_attention=decode_attention_cuda,
-                                   decode_attention_warp=decode_attention_warp_cuda,
                                    encoder_attention=encoder_attention_reference, cross_store=cross_store_reference,
                                    shortlist_candidates=shortlist_candidates_reference)
 
@@ -466,10 +423,6 @@ def _ops(t: torch.Tensor) -> Ops:
 
 def add_bias_residual_layernorm(x, h, bias, gamma, beta, eps: float):
     return _ops(x).add_bias_residual_layernorm(x, h, bias, gamma, beta, eps)
-
-
-def add_bias_relu(x, bias):
-    return _ops(x).add_bias_relu(x, bias)
 
 
 def log_softmax_topk(logits, scores, K: int, n: int, normalized: bool = False):
@@ -521,7 +474,7 @@ class _Probe:
         return (torch.arange(T)[None] < lens[:, None])[:, None, None, :].to(self.device)
 
 
-def _check_norm_and_relu(p):
+def _check_norm(p):
     # rows of 512 and 64 (16-byte aligned) take CUDA's warp kernel; of 67, its block kernel
     for shape, with_bias in (((6, 512), False), ((3, 64), True), ((5, 2, 67), True)):
         n = shape[-1]
@@ -530,7 +483,6 @@ def _check_norm_and_relu(p):
         want = add_bias_residual_layernorm_reference(x.float(), h.float(), None if b is None else b.float(),
                                                      gm.float(), bt.float(), 1e-5)
         p.agree("add_bias_residual_layernorm", p.call("add_bias_residual_layernorm", x, h, b, gm, bt, 1e-5), want)
-    p.agree("add_bias_relu", [p.call("add_bias_relu", x, b)], [add_bias_relu_reference(x.float(), b.float())])
 
 
 def _check_decode_attention(p):
@@ -540,33 +492,16 @@ def _check_decode_attention(p):
             [decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask)])
 
 
-def _check_decode_attention_warp(p):
-    # every features-per-lane variant, the wide loads' lanes per key (D = 16, 64, 128), keys past one
-    # warp, a grid of many blocks
-    for B, H, Q, T, D in ((3, 2, 2, 9, 16), (2, 3, 1, 70, 40), (3, 1, 1, 33, 100), (1024, 4, 1, 20, 64),
-                          (2, 2, 1, 45, 128)):
-        q, kv = p.rnd(B, H, Q, D), p.rnd(2, B, H, T, D)
-        mask = p.lengths_mask(torch.tensor([T, T // 2, 1] * B)[:B], T)
-        for m in (mask, None):
-            want = decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m)
-            try:
-                got = p.call("decode_attention_warp", q, kv[0], kv[1], m)
-            except RuntimeError:  # a launch this GPU refuses counts as a wrong answer
-                got = torch.full_like(want, float("nan"))
-            p.agree("decode_attention_warp", [got], [want])
-
-
-def _check_decode_attention_rows(p, warp: bool):
-    """Through a row table, with and without a mask, over cache rows other than the queries' own;
-    on CUDA the block kernel and (`warp`) the warp kernels, the wide one (D = 64) among them."""
+def _check_decode_attention_rows(p):
+    """Through a row table, with and without a mask, over cache rows other than the queries' own."""
     for B, N, H, T, D in ((3, 5, 2, 9, 16), (6, 6, 2, 40, 64), (130, 130, 4, 12, 40)):
         q, kv = p.rnd(B, H, 1, D), p.rnd(2, N, H, T, D)
         rows = torch.randint(0, N, (B, T), generator=p.g).to(p.device)
         mask = p.lengths_mask(torch.tensor([T, T // 2, 1] * B)[:B], T)
-        for m, w in ((mask, False), (None, False), (mask, True), (None, True))[:4 if warp else 2]:
+        for m in (mask, None):
             want = decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), m, rows)
             try:
-                got = p.call("decode_attention_rows", q, kv[0], kv[1], rows, m, w)
+                got = p.call("decode_attention_rows", q, kv[0], kv[1], rows, m)
             except RuntimeError:  # a launch this GPU refuses counts as a wrong answer
                 got = torch.full_like(want, float("nan"))
             p.agree("decode_attention_rows", [got], [want])
@@ -612,18 +547,14 @@ def _check_argmax(p):
     p.agree("linear_argmax", [full.gather(1, got[:, None])[:, 0]], [full.max(-1).values], 10 * p.tol)
 
 
-def self_check(device, call=None, warp: bool | None = None) -> list[str]:
+def self_check(device, call=None) -> list[str]:
     """Names of the ops whose kernels on `device` disagree with their references
     on small random inputs (fp32 and fp16 on CUDA, fp32 and bf16 on CPU); [] when
     all agree. `_cuda_kernels` runs it once after building the CUDA kernels, so
     a kernel that went wrong on some GPU is never used there. `call(name, *args)`
-    runs an op (default: torch.ops.decoder_ops), which lets the tests plant a bad one;
-    `warp`: check decode_attention_warp and the row-table attention's warp kernels, which only
-    CUDA has (default: on CUDA)."""
+    runs an op (default: torch.ops.decoder_ops), which lets the tests plant a bad one."""
     call = call or (lambda name, *a: getattr(torch.ops.decoder_ops, name)(*a))
-    warp = torch.device(device).type == "cuda" if warp is None else warp
-    checks = (_check_norm_and_relu, _check_decode_attention, *((_check_decode_attention_warp,) if warp else ()),
-              functools.partial(_check_decode_attention_rows, warp=warp), _check_qkv_to_cache,
+    checks = (_check_norm, _check_decode_attention, _check_decode_attention_rows, _check_qkv_to_cache,
               _check_log_softmax_topk, _check_ngram_block, _check_argmax)
     half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     g = torch.Generator().manual_seed(11)

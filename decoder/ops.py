@@ -211,10 +211,6 @@ def _register_fakes() -> None:
     def _(xq, packed, n):
         return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
 
-    @torch.library.register_fake("decoder_ops::int8_gemm_widen")
-    def _(wq):
-        return wq.new_empty(wide_shape(*wq.shape), dtype=torch.int16)
-
     @torch.library.register_fake("decoder_ops::int8_gemv")
     def _(x, wq, w_scale, w_shift, bias, relu, isa):
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
@@ -223,15 +219,7 @@ def _register_fakes() -> None:
     def _(x, h, bias, gamma, beta, eps):
         return torch.empty_like(x), torch.empty_like(x)
 
-    @torch.library.register_fake("decoder_ops::add_bias_relu")
-    def _(x, bias):
-        return torch.empty_like(x)
-
     @torch.library.register_fake("decoder_ops::decode_attention")
-    def _(q, k, v, mask):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("decoder_ops::decode_attention_warp")
     def _(q, k, v, mask):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -240,7 +228,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x), torch.empty_like(y)
 
     @torch.library.register_fake("decoder_ops::decode_attention_rows")
-    def _(q, k, v, rows, mask=None, warp=False):
+    def _(q, k, v, rows, mask=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("decoder_ops::encoder_attention")
@@ -370,8 +358,7 @@ def _check_int8_linear(op: str, x, wq_t) -> None:
 
 
 def int8_linear(x, wq_t, w_scale, bias, relu: bool = False, packed=None):
-    """packed: wq_t's columns as `int8_gemm_pack` (our VNNI product) or `int8_gemm_widen` (AVX2) lays
-    them out, or None (`_int_mm`)."""
+    """packed: wq_t's columns as `int8_gemm_pack` (our VNNI product) lays them out, or None (`_int_mm`)."""
     require(x.dtype == torch.float32, "int8_linear: x must be float32")
     _check_int8_linear("int8_linear", x, wq_t)
     return torch.ops.decoder_ops.int8_linear(x, wq_t, w_scale, bias, relu, packed)
@@ -404,15 +391,10 @@ def int8_gemm_pack(wq, idx=None):
 
 
 def int8_gemm(xq, packed, n: int):
-    """xq (M, K) int8 times the packed (n, K) weights: (M, n) int32, exactly `torch._int_mm(xq, wq.t())`.
-    packed: `int8_gemm_pack`'s layout (int8, VNNI) or `int8_gemm_widen`'s (int16, AVX2)."""
+    """xq (M, K) int8 times the packed (n, K) weights (`int8_gemm_pack`'s layout): (M, n) int32,
+    exactly `torch._int_mm(xq, wq.t())`."""
     require(xq.dtype == torch.int8 and xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)")
     K = xq.shape[1]
-    if packed.dtype == torch.int16:
-        require(packed.dim() == 2 and tuple(packed.shape) == wide_shape(n, K) and packed.is_contiguous(),
-                lambda: f"int8_gemm: int16 weights of shape {tuple(packed.shape)} are not int8_gemm_widen's layout "
-                        f"of {n} outputs x {K} features {wide_shape(n, K)}")
-        return torch.ops.decoder_ops.int8_gemm(xq, packed, n)
     require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == gemm_packed_numel(n, K),
             lambda: f"int8_gemm: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "
                     f"{n} outputs x {K} features")
@@ -422,26 +404,6 @@ def int8_gemm(xq, packed, n: int):
 def int8_gemm_available() -> bool:
     """Whether this CPU runs `int8_gemm` (AVX-512 VNNI)."""
     return available() and torch.ops.decoder_ops.int8_gemm_available()
-
-
-def int8_gemm_widen(wq):
-    """wq (out, in) int8 widened for `int8_gemm`'s AVX2 product: (out, in) padded (`wide_shape`) int16."""
-    require(wq.dtype == torch.int8 and wq.dim() == 2, "int8_gemm_widen: wq must be int8 (out, in)")
-    return torch.ops.decoder_ops.int8_gemm_widen(wq)
-
-
-def int8_gemm_wide_available() -> bool:
-    """Whether `int8_gemm` on widened weights runs its AVX2 kernel here (AVX2, not capped below it);
-    elsewhere it runs its plain loop (the same integers, slowly)."""
-    return available() and torch.ops.decoder_ops.int8_gemm_wide_available()
-
-
-WIDE_COLS, WIDE_K = 4, 16  # int8_gemm_widen's layout: outputs padded to 4, features to 16 (kWideCols, kWideK)
-
-
-def wide_shape(n: int, k: int) -> tuple[int, int]:
-    """The shape of int8_gemm_widen's layout of n outputs x k features."""
-    return -(-n // WIDE_COLS) * WIDE_COLS, -(-k // WIDE_K) * WIDE_K
 
 
 def gemm_packed_numel(n: int, k: int) -> int:

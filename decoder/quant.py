@@ -137,12 +137,8 @@ class Int8Linear:
         return new
 
     def _packed_slice(self, idx: torch.Tensor) -> torch.Tensor:
-        """The packed weights of the output features idx (C,). VNNI: packed again per batch (226 us
-        at 4,450 of 8,000 columns, K 256). Widened: a row gather, no packing: the rows past C
-        (C padded to 4) repeat idx[0], computed but never written (as GemvLinear.rows)."""
-        if self.packed.dtype == torch.int16:
-            C = idx.numel()
-            return self.packed.index_select(0, idx if C % 4 == 0 else torch.cat([idx, idx[:1].expand(-C % 4)]))
+        """The packed weights of the output features idx (C,), packed again per batch (226 us
+        at 4,450 of 8,000 columns, K 256)."""
         return ops.int8_gemm_pack(self._wq_rows, idx)
 
     def __call__(self, x: torch.Tensor | QuantRows, relu: bool = False) -> torch.Tensor:

@@ -16,18 +16,14 @@ def test_the_off_boundary_copy_holds_the_same_values_one_element_past_16_bytes(d
     assert off.data_ptr() % 16 == t.element_size() and t.data_ptr() % 16 == 0
 
 
-def test_cases_are_the_decoders_shapes_aligned_and_about_half_live():
+def test_cases_are_the_decoders_shapes_and_aligned():
     got = bench_kernels.cases(300, "cpu")
-    assert len(got) == 4
+    assert len(got) == 2
     for op, args in got.values():
         assert all(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
-    (q, k, v, mask), (_, _, kc, _) = (args for _, args in list(got.values())[:2])
-    assert q.shape == (300, 8, 1, 64) and k.shape == v.shape == (300, 8, 160, 64) and kc.shape[2] == 96
-    assert mask.shape == (300, 1, 1, 160) and mask.dtype == torch.bool and mask[..., 0].all()
-    assert 0.35 < mask.float().mean() < 0.65  # drawn lengths: a pass's average step, not a full buffer
-    x, h, b, gm, bt, eps = list(got.values())[2][1]
+    x, h, b, gm, bt, eps = list(got.values())[0][1]
     assert x.shape == h.shape == (300, 512) and b.shape == gm.shape == bt.shape == (512,) and eps == 1e-5
-    assert list(got.values())[3][1][0].shape == (300, 1024)
+    assert list(got.values())[1][1][0].shape == (300, 1024)
 
 
 def test_shifting_moves_the_floating_inputs_and_keeps_masks_and_numbers():

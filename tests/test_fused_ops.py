@@ -50,16 +50,6 @@ def test_add_bias_residual_layernorm_matches_reference(dtype, shape, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_add_bias_relu_matches_reference(dtype, shape):
-    g = torch.Generator().manual_seed(7)
-    x, bias = torch.randn(shape, generator=g).to(dtype), torch.randn(shape[-1], generator=g).to(dtype)
-    y = torch.ops.decoder_ops.add_bias_relu(x, bias)
-    assert y.dtype == dtype and y.shape == x.shape and (y >= 0).all()
-    close(y, fused.add_bias_relu_reference(x.float(), bias.float()).to(dtype), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,K,V,n", [(1, 1, 1, 1), (1, 1, 13, 2), (3, 4, 1001, 8), (1, 5, 8000, 10),
                                      (16, 4, 259, 8), (2, 3, 17, 51)])
 def test_log_softmax_topk_matches_reference(dtype, S, K, V, n):
@@ -113,8 +103,8 @@ def kernels_unreachable(monkeypatch):
         monkeypatch.setattr(torch.ops.decoder_ops, name, make(name))
 
 
-OP_NAMES = ("add_bias_residual_layernorm", "add_bias_relu", "log_softmax_topk", "ngram_block_", "decode_attention",
-            "decode_attention_rows", "decode_attention_warp", "encoder_attention", "cross_arrange", "cross_attention", "qkv_to_cache_",
+OP_NAMES = ("add_bias_residual_layernorm", "log_softmax_topk", "ngram_block_", "decode_attention",
+            "decode_attention_rows", "encoder_attention", "cross_arrange", "cross_attention", "qkv_to_cache_",
             "argmax_rows", "linear_argmax", "int8_linear", "int8_linear_quantized", "int8_linear_prequantized",
             "int8_gemm_pack", "int8_gemm", "int8_gemv", "shortlist_candidates")
 
@@ -142,7 +132,6 @@ def test_ops_pass_opcheck(dtype):
     b, gm, bt = (torch.randn(37).to(dtype) for _ in range(3))
     _opcheck(torch.ops.decoder_ops.add_bias_residual_layernorm.default, (x, h, b, gm, bt, 1e-5))
     _opcheck(torch.ops.decoder_ops.add_bias_residual_layernorm.default, (x, h, None, gm, bt, 1e-5))
-    _opcheck(torch.ops.decoder_ops.add_bias_relu.default, (x, b))
     _opcheck(torch.ops.decoder_ops.log_softmax_topk.default, (torch.randn(8, 1001).to(dtype), torch.randn(8), 4, 8))
     _opcheck(torch.ops.decoder_ops.log_softmax_topk.default,
              (torch.randn(8, 1001).to(dtype), torch.randn(8), 4, 8, True))
@@ -247,16 +236,15 @@ def _int8(*shape):
 BAD_CALLS = [
     ("layernorm shapes", lambda: fused.add_bias_residual_layernorm(
         torch.ones(2, 8), torch.ones(2, 7), None, torch.ones(8), torch.ones(8), 1e-5), "add_bias_residual_layernorm"),
-    ("relu bias", lambda: fused.add_bias_relu(torch.ones(2, 8), torch.ones(7)), "add_bias_relu: bias must have 8"),
     ("ngram rows", lambda: fused.ngram_block_(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.long), 2), "same rows"),
     ("attention batch", lambda: fused.decode_attention(torch.ones(2, 4, 1, 8), torch.ones(3, 4, 5, 8),
                                                        torch.ones(3, 4, 5, 8)), "decode_attention"),
     ("attention mask", lambda: fused.decode_attention(torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8),
                                                       torch.ones(2, 4, 5, 8), torch.ones(2, 1, 1, 4, dtype=torch.bool)),
      "mask must be bool"),
-    ("warp attention batch", lambda: fused.decode_attention_warp_cuda(torch.ones(2, 4, 1, 8), torch.ones(3, 4, 5, 8),
-                                                                      torch.ones(3, 4, 5, 8)), "decode_attention"),
-    ("warp attention mask", lambda: fused.decode_attention_warp_cuda(
+    ("cuda attention batch", lambda: fused.decode_attention_cuda(torch.ones(2, 4, 1, 8), torch.ones(3, 4, 5, 8),
+                                                                 torch.ones(3, 4, 5, 8)), "decode_attention"),
+    ("cuda attention mask", lambda: fused.decode_attention_cuda(
         torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8), torch.ones(2, 4, 5, 8), torch.ones(2, 1, 1, 5)),
      "mask must be bool"),
     ("rows shape", lambda: fused.decode_attention(torch.ones(2, 4, 1, 8), torch.ones(2, 4, 5, 8),
@@ -320,7 +308,7 @@ def test_decode_attention_rows_passes_opcheck():
     rows = torch.randint(0, 3, (3, 11))
     _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, rows))
     mask = torch.tensor([[True] * 11, [True] * 6 + [False] * 5, [True] + [False] * 10])[:, None, None, :]
-    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, rows, mask, False))
+    _opcheck(torch.ops.decoder_ops.decode_attention_rows.default, (q, k, v, rows, mask))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -344,18 +332,13 @@ def test_decode_attention_through_a_row_table_and_a_mask_reads_only_the_named_un
         close(got[b:b + 1], cut, dtype)
 
 
-@pytest.mark.parametrize("entry, rows, warp", [("decode_attention_cuda", 4096, False),
-                                               ("decode_attention_warp_cuda", 1, False),
-                                               ("decode_attention_warp_cuda", 4096, True)])
-def test_cuda_entries_read_a_row_table_through_its_kernel_with_the_warp_choice_of_their_rows(entry, rows, warp,
-                                                                                              monkeypatch):
-    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
+def test_cuda_entry_reads_a_row_table_through_its_kernel(monkeypatch):
     ran = []
-    monkeypatch.setattr(torch.ops.decoder_ops, "decode_attention_rows", lambda *a: ran.append(a[4:]) or a[0])
-    q, k = torch.zeros(rows, 8, 1, 64), torch.zeros(rows, 8, 5, 64)
-    mask = torch.ones(rows, 1, 1, 5, dtype=torch.bool)
-    getattr(fused, entry)(q, k, k, mask, torch.zeros(rows, 5, dtype=torch.long))
-    assert ran == [(mask, warp)]
+    monkeypatch.setattr(torch.ops.decoder_ops, "decode_attention_rows", lambda *a: ran.append(a[3:]) or a[0])
+    q, k = torch.zeros(4096, 8, 1, 64), torch.zeros(4096, 8, 5, 64)
+    rows, mask = torch.zeros(4096, 5, dtype=torch.long), torch.ones(4096, 1, 1, 5, dtype=torch.bool)
+    fused.decode_attention_cuda(q, k, k, mask, rows)
+    assert len(ran) == 1 and ran[0][0] is rows and ran[0][1] is mask and len(ran[0]) == 2
 
 
 def test_only_a_cpu_row_table_has_its_values_checked_on_the_host(monkeypatch):
@@ -433,38 +416,26 @@ def test_self_check_finds_the_cpu_kernels_agree():
 def test_self_check_names_each_kernel_that_disagrees():
     def planted(name, *a):
         out = getattr(torch.ops.decoder_ops, name)(*a)
-        if name == "add_bias_relu":
+        if name == "decode_attention":
             return out + 1e-2
         if name == "argmax_rows":
             return (out + 1) % a[0].shape[1]
         if name == "log_softmax_topk" and a[4:] == (True,):  # normalized: the indices, not the values, wrong
             return out[0], (out[1] + 1) % (a[2] * a[0].shape[1])  # still one of the K * V candidates
         return out
-    assert fused.self_check("cpu", planted) == ["add_bias_relu", "log_softmax_topk", "argmax_rows"]
+    assert fused.self_check("cpu", planted) == ["decode_attention", "log_softmax_topk", "argmax_rows"]
 
 
-@pytest.mark.parametrize("planted, bad", [("agrees", []), ("wrong", ["decode_attention_warp"]),
-                                          ("raises", ["decode_attention_warp"])])
-def test_self_check_runs_the_warp_kernel_on_its_shapes_and_refuses_it_wrong_or_failing(planted, bad):
-    # on CPU the CPU kernel stands in for CUDA's warp kernel: its shapes, masks and verdicts
+@pytest.mark.parametrize("planted", ["wrong", "raises"])
+def test_self_check_refuses_a_row_table_kernel_wrong_or_failing(planted):
+    # on CPU the CPU kernel stands in for CUDA's: a wrong answer or a launch the GPU refuses
     def call(name, *a):
-        if name != "decode_attention_warp":
+        if name != "decode_attention_rows":
             return getattr(torch.ops.decoder_ops, name)(*a)
         if planted == "raises":
             raise RuntimeError("CUDA error: too many resources requested for launch")
-        out = torch.ops.decoder_ops.decode_attention(*a)
-        return out if planted == "agrees" else out + 1e-2
-    assert fused.self_check("cpu", call, warp=True) == bad
-
-
-@pytest.mark.parametrize("warp", [False, True])
-def test_self_check_refuses_a_row_table_kernel_that_disagrees_block_or_warp(warp):
-    # on CPU the CPU kernels stand in for CUDA's: a wrong row-table kernel of either kind is found
-    def call(name, *a):
-        out = getattr(torch.ops.decoder_ops, "decode_attention" if name == "decode_attention_warp" else name)(*a)
-        return out + 1e-2 if name == "decode_attention_rows" and a[5] is warp else out
-    assert fused.self_check("cpu", call, warp=True) == ["decode_attention_rows"]
-    assert fused.self_check("cpu", call, warp=False) == ([] if warp else ["decode_attention_rows"])
+        return torch.ops.decoder_ops.decode_attention_rows(*a) + 1e-2
+    assert fused.self_check("cpu", call) == ["decode_attention_rows"]
 
 
 @needs_cuda_kernels
@@ -484,8 +455,6 @@ def test_cuda_kernels_match_references(dtype):
                                                                bt.float(), 1e-5)
     close(r, r_ref.to(dtype), dtype)
     close(y, y_ref.to(dtype), dtype)
-    close(torch.ops.decoder_ops.add_bias_relu(x, b), fused.add_bias_relu_reference(x.float(), b.float()).to(dtype),
-          dtype)
     q = torch.randn(5, 4, 2, 64, generator=g).to(dev, dtype)
     cache = torch.randn(2, 5, 4, 40, 64, generator=g).to(dev, dtype)
     mask = (torch.arange(33)[None] < torch.tensor([33, 5, 20, 1, 30])[:, None])[:, None, None, :].to(dev)
@@ -575,9 +544,8 @@ def test_cuda_decode_attention_never_reads_the_value_of_a_masked_key(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,H,Q,T,D", [(1, 1, 1, 1, 1), (3, 4, 1, 31, 16), (2, 8, 1, 33, 64), (5, 2, 4, 160, 40),
                                        (4096, 8, 1, 96, 64), (3, 2, 1, 800, 100), (2, 2, 1, 70, 128),
-                                       (2, 2, 1, 9, 160), (2, 1, 1, 4000, 64)])  # the last two: the block kernel
-def test_cuda_warp_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
-    # the op itself: its wrapper (decode_attention_warp_cuda) gives few rows the block kernel
+                                       (2, 2, 1, 9, 160), (2, 1, 1, 4000, 64)])
+def test_cuda_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
     g = torch.Generator().manual_seed(B + T + D)
     q = torch.randn(B, H, Q, D, generator=g).to("cuda", dtype)
     cache = torch.randn(2, B, H, T + 5, D, generator=g).to("cuda", dtype)
@@ -585,28 +553,10 @@ def test_cuda_warp_decode_attention_matches_the_reference(dtype, B, H, Q, T, D):
     lens = torch.randint(1, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :].cuda()
     for m in (None, mask):
-        got = torch.ops.decoder_ops.decode_attention_warp(q, k, v, m)
+        got = torch.ops.decoder_ops.decode_attention(q, k, v, m)
         assert got.dtype == dtype and got.shape == q.shape
         close(got, fused.decode_attention_reference(q.float(), k.float(), v.float(), m).to(dtype), dtype)
-        assert torch.equal(got, torch.ops.decoder_ops.decode_attention_warp(q, k, v, m))  # deterministic
-
-
-@needs_cuda_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_warp_decode_attention_reads_rows_off_16_byte_boundaries_with_narrow_loads(dtype):
-    # the wide kernel loads 16 bytes a lane: a cache whose rows start off a 16-byte boundary (an odd
-    # offset into its storage, or a row stride of D + 1) must take the narrow kernel, not fault
-    g = torch.Generator().manual_seed(8)
-    B, H, T, D = 300, 4, 40, 64
-    q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
-    shifted = off_boundary(torch.randn(2, B, H, T, D, generator=g).to("cuda", dtype))  # one element off
-    wide_rows = torch.randn(2, B, H, T, D + 1, generator=g).to("cuda", dtype)[..., :D]  # row stride D + 1
-    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None])[:, None, None, :].cuda()
-    for kv in (shifted, wide_rows):
-        got = torch.ops.decoder_ops.decode_attention_warp(q, kv[0], kv[1], mask)
-        close(got, fused.decode_attention_reference(q.float(), kv[0].float(), kv[1].float(), mask).to(dtype), dtype)
-        dense = torch.ops.decoder_ops.decode_attention_warp(q, kv[0].contiguous(), kv[1].contiguous(), mask)
-        close(got, dense, dtype)  # the aligned copy takes the wide kernel: the same attention
+        assert torch.equal(got, torch.ops.decoder_ops.decode_attention(q, k, v, m))  # deterministic
 
 
 @needs_cuda_kernels
@@ -614,7 +564,6 @@ def test_cuda_warp_decode_attention_reads_rows_off_16_byte_boundaries_with_narro
 @pytest.mark.parametrize("B,N,H,T,D", [(1, 1, 8, 1, 64), (3, 5, 4, 31, 16), (8, 8, 8, 96, 64), (40, 40, 2, 33, 40),
                                        (4096, 4096, 8, 96, 64), (2, 3, 2, 70, 128), (2, 2, 2, 9, 160)])
 def test_cuda_decode_attention_through_a_row_table_matches_the_reference(dtype, B, N, H, T, D):
-    # block kernel (warp False; D 160), warp kernels of 1, 2, 4 features a lane, the 16-byte one (D 64)
     g = torch.Generator().manual_seed(B + T + D)
     q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
     cache = torch.randn(2, N, H, T + 5, D, generator=g).to("cuda", dtype)
@@ -624,10 +573,9 @@ def test_cuda_decode_attention_through_a_row_table_matches_the_reference(dtype, 
     mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :].cuda()
     for m in (None, mask):
         want = fused.decode_attention_reference(q.float(), k.float(), v.float(), m, rows).to(dtype)
-        for warp in (False, True):
-            got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, m, warp)
-            assert got.dtype == dtype and got.shape == q.shape
-            close(got, want, dtype)
+        got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows, m)
+        assert got.dtype == dtype and got.shape == q.shape
+        close(got, want, dtype)
     if N == B > 1:  # a table that is not the identity must matter (against the rows as they are)
         assert not torch.allclose(got.float(), fused.decode_attention_reference(q.float(), k.float(), v.float(), m))
 
@@ -638,62 +586,22 @@ def test_cuda_row_table_entries_outside_the_cache_are_clamped_into_it():
     q, k, v = (torch.randn(*s, generator=g).cuda().half() for s in ((4, 2, 1, 64), (4, 2, 12, 64), (4, 2, 12, 64)))
     rows = torch.randint(0, 4, (4, 12), generator=g)
     rows[0, 3], rows[2, 7], rows[3, 0] = -5, 4, 1 << 40
-    for warp in (False, True):
-        got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.cuda(), None, warp)
-        torch.cuda.synchronize()  # no fault: the process goes on
-        want = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.clamp(0, 3).cuda(), None, warp)
-        assert torch.equal(got, want)
+    got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.cuda(), None)
+    torch.cuda.synchronize()  # no fault: the process goes on
+    assert torch.equal(got, torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows.clamp(0, 3).cuda(), None))
 
 
 @needs_cuda_kernels
-def test_cuda_warp_decode_attention_never_reads_a_masked_value_and_gives_nan_where_all_are_masked():
+def test_cuda_decode_attention_passes_opcheck_and_gives_nan_where_every_key_is_masked():
     g = torch.Generator().manual_seed(6)
     q = torch.randn(4, 2, 1, 64, generator=g).cuda().half()
     k, v = (torch.randn(4, 2, 40, 64, generator=g).cuda().half() for _ in range(2))
     mask = (torch.arange(40)[None] < torch.tensor([1, 17, 40, 0])[:, None])[:, None, None, :].cuda()
     poisoned = v.masked_fill(~mask.transpose(-1, -2), float("nan"))
-    _opcheck(torch.ops.decoder_ops.decode_attention_warp.default, (q, k, v, mask))
-    got = torch.ops.decoder_ops.decode_attention_warp(q, k, poisoned, mask)
+    _opcheck(torch.ops.decoder_ops.decode_attention.default, (q, k, v, mask))
+    got = torch.ops.decoder_ops.decode_attention(q, k, poisoned, mask)
     close(got[:3], fused.decode_attention_reference(q.float(), k.float(), v.float(), mask)[:3].half(), torch.float16)
-    assert got[3].isnan().all()  # as SDPA and the block kernel
-
-
-@needs_cuda_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_warp_decode_attention_stops_at_each_rows_last_live_key_with_the_same_bits(dtype):
-    # the kernel skips the keys past a row's last live one (the fixed-shape state's buffer past its
-    # position or source): the same bits as the buffer cut there, and holes before it still masked
-    g = torch.Generator().manual_seed(7)
-    B, H, T, D = 300, 8, 96, 64
-    q = torch.randn(B, H, 1, D, generator=g).to("cuda", dtype)
-    k, v = (torch.randn(B, H, T, D, generator=g).to("cuda", dtype) for _ in range(2))
-    mask = torch.rand(B, T, generator=g) < 0.7  # holes anywhere after the first key
-    last = torch.randint(1, T + 1, (B,), generator=g)  # keys from last on masked
-    mask &= torch.arange(T)[None] < last[:, None]
-    mask[:, 0] = True
-    mask[0], mask[1, T - 1] = False, True  # a row with none, a row live at the buffer's end
-    m = mask[:, None, None, :].cuda()
-    got = torch.ops.decoder_ops.decode_attention_warp(q, k, v, m)
-    close(got[1:], fused.decode_attention_reference(q.float(), k.float(), v.float(), m)[1:].to(dtype), dtype)
-    assert got[0].isnan().all()
-    for b in (1, 2, 3, 50, 299):
-        n = int(mask[b].nonzero().max()) + 1
-        cut = torch.ops.decoder_ops.decode_attention_warp(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
-                                                          m[b:b + 1, ..., :n])
-        assert torch.equal(got[b:b + 1], cut)
-
-
-@pytest.mark.parametrize("rows, kernel", [(1, "decode_attention"), (263, "decode_attention"),
-                                          (264, "decode_attention_warp"), (4096, "decode_attention_warp")])
-def test_warp_attention_leaves_too_few_rows_to_fill_the_gpu_to_the_block_kernel(rows, kernel, monkeypatch):
-    # 132 multiprocessors (an H100), 8 heads: 16 (row, head) pairs each from 264 rows on
-    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
-    ran = []
-    for name in ("decode_attention", "decode_attention_warp"):
-        monkeypatch.setattr(torch.ops.decoder_ops, name, lambda *a, name=name: ran.append(name) or a[0])
-    q, k = torch.zeros(rows, 8, 1, 64), torch.zeros(rows, 8, 5, 64)
-    fused.decode_attention_warp_cuda(q, k, k, torch.ones(rows, 1, 1, 5, dtype=torch.bool))
-    assert ran == [kernel]
+    assert got[3].isnan().all()  # as SDPA gives
 
 
 @needs_cuda_kernels
@@ -840,7 +748,7 @@ def test_argmax_ops_pass_opcheck(dtype):
 
 # the float loops are plain C++ left to the compiler (csrc/multiversion.h): this
 # pins that each AVX2 / AVX-512 clone really holds packed vector code
-VECTOR_LOOPS = ("residual_norm_row", "bias_relu_row", "row_max", "row_sum_exp", "row_argmax",
+VECTOR_LOOPS = ("residual_norm_row", "row_max", "row_sum_exp", "row_argmax",
                 "attend_heads", "encoder_attend_heads", "quantize_row", "dequant_tile")  # attend_heads has dot, axpy, exp_shift_sum inlined
 
 

@@ -8,8 +8,7 @@ rows (a few live sentences), 64 rows (a throughput batch) and 160 (beam 4), for 
 (student-tiny) and d512 (student-6-1). Columns: fp32 `F.linear`, our `_int_mm`
 C++ op (decoder/quant.py `Int8Linear`), fbgemm's prepacked dynamic linear
 (`FbgemmLinear`), our few-row kernel (`int8_gemv`: `FbgemmLinear` with
-`gemv_rows=4`, so up to 4 rows), our exact int16 product where it runs (`wide`:
-`Int8Linear(wide=True)`, AVX2), and what a shortlist's slice costs once per batch. Each cell is the fastest of
+`gemv_rows=4`, so up to 4 rows), and what a shortlist's slice costs once per batch. Each cell is the fastest of
 `--repeat` interleaved passes (the machine is shared: min, not mean).
 `--capped` reruns the table in a child process with every ISA knob at AVX2:
 ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, fbgemm's own
@@ -56,22 +55,16 @@ def cases() -> list[tuple[str, dict]]:
         for name, k, n in shapes(d, f):
             w, b = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
             i8, fb, gv = Int8Linear(w, b), FbgemmLinear(w, b), FbgemmLinear(w, b, gemv_rows=4)
-            wide = Int8Linear(w, b, wide=True)
             for rows in (1, 4, 64, 160):
                 x = torch.randn(rows, k)
                 fns = {"fp32": lambda x=x, w=w, b=b: F.linear(x, w, b),
                        "_int_mm": lambda x=x, i8=i8: i8(x), "fbgemm": lambda x=x, fb=fb: fb(x)}
-                if wide.packed is not None:
-                    fns["wide"] = lambda x=x, wide=wide: wide(x)
                 if rows <= 4 and gv.gemv is not None:
                     fns["gemv"] = lambda x=x, gv=gv: gv(x)
                 out.append((f"d{d} {name} ({rows}, {k}, {n})", fns))
     w = torch.randn(8000, 256)
-    fb, wide, idx = FbgemmLinear(w, None), Int8Linear(w, None, wide=True), torch.randperm(8000)[:2000].sort().values
-    fns = {"fbgemm": lambda: fb.rows(idx)}
-    if wide.packed is not None:
-        fns["wide"] = lambda: wide.rows(idx)
-    out.append(("shortlist: slice 2000 of 8000 rows (d256)", fns))
+    fb, idx = FbgemmLinear(w, None), torch.randperm(8000)[:2000].sort().values
+    out.append(("shortlist: slice 2000 of 8000 rows (d256)", {"fbgemm": lambda: fb.rows(idx)}))
     return out
 
 
@@ -84,20 +77,19 @@ def table(repeat: int) -> str:
         for (_, fns), b in zip(cs, best):
             for k, fn in fns.items():
                 b[k] = min(b.get(k, float("inf")), per_call(fn))
-    cols = ("fp32", "_int_mm", "fbgemm", "wide", "gemv")
+    cols = ("fp32", "_int_mm", "fbgemm", "gemv")
     env = " ".join(f"{k}={os.environ[k]}" for k in CAP if k in os.environ) or "native"
     path = ("plain C++", "AVX2", "AVX-512 VNNI")[ops.int8_gemv_isa(gemv_isa_cap())] if ops.available() else "-"
     lines = [f"{env}: ATen {torch.backends.cpu.get_cpu_capability()}, fbgemm VNNI {fbgemm_vnni()}, "
              f"our kernels {ops.kernel_isa() if ops.available() else '-'}, gemv {path}, torch {torch.__version__}, "
              f"1 thread, us per call (min of {repeat})", "",
-             "| shape (rows, in, out) | " + " | ".join(cols) + " | fbgemm vs fp32 | wide vs fbgemm | gemv vs fbgemm |",
-             "|---" * 9 + "|"]
+             "| shape (rows, in, out) | " + " | ".join(cols) + " | fbgemm vs fp32 | gemv vs fbgemm |",
+             "|---" * 7 + "|"]
     for (name, _), b in zip(cs, best):
         cell = [f"{b[c] * 1e6:.1f}" if c in b else "-" for c in cols]
         ratio = f"{b['fp32'] / b['fbgemm']:.2f}x" if "fp32" in b else ""
-        wide = f"{b['fbgemm'] / b['wide']:.2f}x" if "wide" in b else ""
         gain = f"{b['fbgemm'] / b['gemv']:.2f}x" if "gemv" in b else ""
-        lines.append(f"| {name} | " + " | ".join(cell) + f" | {ratio} | {wide} | {gain} |")
+        lines.append(f"| {name} | " + " | ".join(cell) + f" | {ratio} | {gain} |")
     return "\n".join(lines)
 
 

@@ -1,13 +1,13 @@
 """python -m tools.bench_kernels [--rows N] [--repeats K] [--out FILE.json]
 
 The CUDA kernels with 16-byte loads against the ones they replaced, side by side in one run, at
-the decoder's shapes on a GPU (student-6-1: 8 heads of 64 fp16 features, 512 wide, logits in
-vocabulary chunks of 1,024; N rows a step, as refill_rows gives at large batches). fused_cuda.cu
-picks the wide kernel (decode attention, residual+norm, argmax) where every row is 16-byte
-aligned and the older one where it is not, so each op runs on its inputs as allocated and on a
-copy of them one element off a 16-byte boundary: the same values, the other kernel. Each row of
-the table: the median of K timed calls (CUDA events) each way, the ratio, and the largest
-difference of their outputs. Needs a GPU and the CUDA kernels (decoder/csrc/fused_cuda.cu).
+the decoder's shapes on a GPU (student-6-1: 512 wide, fp16, logits in vocabulary chunks of 1,024;
+N rows a step, as large batches give). fused_cuda.cu picks the wide kernel (residual+norm,
+argmax) where every row is 16-byte aligned and the older one where it is not, so each op runs
+on its inputs as allocated and on a copy of them one element off a 16-byte boundary: the same
+values, the other kernel. Each row of the table: the median of K timed calls (CUDA events) each
+way, the ratio, and the largest difference of their outputs. Needs a GPU and the CUDA kernels
+(decoder/csrc/fused_cuda.cu).
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ import torch
 
 from decoder import cliargs, ops
 
-HEADS, FEATURES, WIDTH, CHUNK = 8, 64, 512, 1024
-SELF_KEYS, CROSS_KEYS = 160, 96  # the fixed-shape state's buffers (length cap, longest source)
+WIDTH, CHUNK = 512, 1024
 
 
 def off_boundary(t: torch.Tensor) -> torch.Tensor:
@@ -33,22 +32,13 @@ def off_boundary(t: torch.Tensor) -> torch.Tensor:
 
 
 def cases(rows: int, device: str, dtype=torch.float16, seed: int = 0) -> dict[str, tuple[Callable, list]]:
-    """name -> (op, its inputs as allocated), the decoder's shapes for `rows` rows. Masks keep each
-    row's keys up to a drawn length: about half the buffer live, as a pass's average step."""
+    """name -> (op, its inputs as allocated), the decoder's shapes for `rows` rows."""
     g = torch.Generator(device).manual_seed(seed)  # drawn where they are used: GBs at 8,192 rows
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
-
-    def attention(keys):
-        live = torch.randint(1, keys + 1, (rows,), generator=g, device=device)
-        mask = (torch.arange(keys, device=device)[None] < live[:, None])[:, None, None, :]  # (rows, 1, 1, keys)
-        # q (rows, H, 1, D), k and v (rows, H, keys, D)
-        return [rnd(rows, HEADS, 1, FEATURES), rnd(rows, HEADS, keys, FEATURES), rnd(rows, HEADS, keys, FEATURES), mask]
     o = torch.ops.decoder_ops
     return {
-        f"decode attention, self ({SELF_KEYS} keys)": (o.decode_attention_warp, attention(SELF_KEYS)),
-        f"decode attention, cross ({CROSS_KEYS} keys)": (o.decode_attention_warp, attention(CROSS_KEYS)),
         # x, h (rows, W); bias, gamma, beta (W,)
         f"residual + layer norm ({WIDTH})": (o.add_bias_residual_layernorm,
                                               [rnd(rows, WIDTH), rnd(rows, WIDTH), rnd(WIDTH), rnd(WIDTH), rnd(WIDTH),

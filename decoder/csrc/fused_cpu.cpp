@@ -1,7 +1,6 @@
 // Fused elementwise ops of the decode step, CPU kernels (TenTrans / Amun style).
 //
 //   add_bias_residual_layernorm  r = x + h + b;  y = LayerNorm(r)   -> (r, y)
-//   add_bias_relu                y = max(x + b, 0)
 //   log_softmax_topk             per sentence of K beam rows: the n best of
 //                                log_softmax(logits[row]) + score[row] over K*V
 //                                (normalized: the rows are log-probs already)
@@ -9,7 +8,6 @@
 //                                queries of a decode step (no ATen SDPA set-up)
 //   decode_attention_rows        the same with key j of row b read from cache row
 //                                rows[b, j]: beam search without moving its cache
-//                                (warp: CUDA's choice of kernel, unused here)
 //   encoder_attention            the encoder's self-attention straight from the fused
 //                                q|k|v product (B, S, 3d) to the merged heads (B, S, d),
 //                                vectorised over keys and features for many queries
@@ -37,7 +35,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -76,11 +73,6 @@ MULTIVERSION(void, residual_norm_row,
   const float rstd = 1.f / std::sqrt(var / n + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = (r[i] - mean) * rstd * g[i] + beta[i];
-}
-
-MULTIVERSION(void, bias_relu_row, (const float* x, const float* b, float* y, int64_t n), (x, b, y, n)) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) { const float v = x[i] + b[i]; y[i] = v > 0.f ? v : 0.f; }
 }
 
 MULTIVERSION(float, row_max, (const float* x, int64_t n), (x, n)) {
@@ -138,22 +130,6 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm(
   });
   if (!native) { r = r.to(x.scalar_type()); y = y.to(x.scalar_type()); }
   return {r.view(x.sizes()), y.view(x.sizes())};
-}
-
-at::Tensor add_bias_relu(const at::Tensor& x, const at::Tensor& bias) {
-  const int64_t n = x.size(-1);
-  KIT_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
-  auto xf = as_float_rows(x, n);
-  auto bf = bias.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0);
-  auto y = at::empty({rows, n}, xf.options());
-  const float *xp = xf.data_ptr<float>(), *bp = bf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) bias_relu_row(xp + i * n, bp, yp + i * n, n);
-  });
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-  return y.view(x.sizes());
 }
 
 // logits (S*K, V), scores (S*K,) -> values (S, n) fp32 descending, indices (S, n) int64 in [0, K*V).
@@ -381,7 +357,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& rows, const std::optional<at::Tensor>& mask, bool) {
+                                 const at::Tensor& rows, const std::optional<at::Tensor>& mask) {
   return attend(q, k, v, mask, rows);
 }
 
@@ -416,32 +392,20 @@ struct EncScratch {
   int64_t floats(int64_t S, int64_t D) const { return Sq * D + D * Sp + S * Dp + kQB * Sp; }
 };
 
-// A stored K/V element as fp32. bf16: the upper half of the fp32 of the same value, so
-// widening is exact and a shift, which every ISA clone vectorises (GCC 12 leaves
-// _Float16 conversions scalar); the cross K/V in 16 bits (switch cross_bf16).
-struct Bf16 { uint16_t bits; };
-CLONE_INLINE float widen(float x) { return x; }
-CLONE_INLINE float widen(Bf16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // acc[r][w] += sum_k a[r * lda + k] * b[k * ldb + r * rb + w] for the first R rows r and
-// kW columns w (b fp32, or bf16 widened in registers). rb = 0: R rows of a (queries)
-// against the same kW columns of b (keys of K^T, features of V); lda = 0, rb = kW: one
-// row of a against R x kW side-by-side columns of b (one query, keeping the accumulators
-// busy). Inlined into the attention kernels, so each ISA clone vectorises it.
-template <int64_t R = kQB, typename T = float>
-CLONE_INLINE void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const T* b, int64_t ldb,
+// kW columns w. rb = 0: R rows of a (queries) against the same kW columns of b (keys of
+// K^T, features of V); lda = 0, rb = kW: one row of a against R x kW side-by-side columns
+// of b (one query, keeping the accumulators busy). Inlined into the attention kernels, so
+// each ISA clone vectorises it.
+template <int64_t R = kQB>
+CLONE_INLINE void fma_block(float (&acc)[kQB][kW], const float* a, int64_t lda, const float* b, int64_t ldb,
                             int64_t rb, int64_t steps) {
   for (int64_t k = 0; k < steps; ++k) {
-    const T* bk = b + k * ldb;
+    const float* bk = b + k * ldb;
     for (int64_t qi = 0; qi < R; ++qi) {
       const float av = a[qi * lda + k];
 #pragma omp simd
-      for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * widen(bk[qi * rb + w]);
+      for (int64_t w = 0; w < kW; ++w) acc[qi][w] += av * bk[qi * rb + w];
     }
   }
 }
@@ -492,8 +456,7 @@ CLONE_INLINE float softmax_unscaled(float* p, int64_t n, int64_t np) {
 // transposed, V (n, ldv) their values (ldv >= round_up(D, kW), zero past D). P:
 // kQB x round_up(n, kW) floats of scratch. The first nq queries' outputs go to
 // out + qi * ldo, D features each.
-template <typename T>
-CLONE_INLINE void attend_queries(const float* Q, int64_t D, const T* Kt, int64_t ldk, const T* V, int64_t ldv,
+CLONE_INLINE void attend_queries(const float* Q, int64_t D, const float* Kt, int64_t ldk, const float* V, int64_t ldv,
                                  int64_t n, float* P, float* out, int64_t ldo, int64_t nq) {
   const int64_t np = round_up(n, kW);
   for (int64_t j0 = 0; j0 < np; j0 += kW) {  // scores, kW keys at a time
@@ -571,14 +534,13 @@ constexpr int64_t kSpan = kQB * kW;  // one query's accumulators side by side: k
 
 // acc[r] += sum_k a[k] * b[k * ldb + r * kW] for the rows r < blocks (1..kQB): one query
 // against `blocks` side-by-side vectors of b, as many accumulators as there are vectors.
-template <typename T>
-CLONE_INLINE void fma_span(float (&acc)[kQB][kW], int64_t blocks, const float* a, const T* b, int64_t ldb,
+CLONE_INLINE void fma_span(float (&acc)[kQB][kW], int64_t blocks, const float* a, const float* b, int64_t ldb,
                            int64_t steps) {
   switch (blocks) {
-    case 1: fma_block<1, T>(acc, a, 0, b, ldb, kW, steps); break;
-    case 2: fma_block<2, T>(acc, a, 0, b, ldb, kW, steps); break;
-    case 3: fma_block<3, T>(acc, a, 0, b, ldb, kW, steps); break;
-    default: fma_block<kQB, T>(acc, a, 0, b, ldb, kW, steps);
+    case 1: fma_block<1>(acc, a, 0, b, ldb, kW, steps); break;
+    case 2: fma_block<2>(acc, a, 0, b, ldb, kW, steps); break;
+    case 3: fma_block<3>(acc, a, 0, b, ldb, kW, steps); break;
+    default: fma_block<kQB>(acc, a, 0, b, ldb, kW, steps);
   }
 }
 
@@ -586,8 +548,7 @@ CLONE_INLINE void fma_span(float (&acc)[kQB][kW], int64_t blocks, const float* a
 // vectors of keys (scores) or features (output) side by side rather than kQB queries.
 // Kt (D, ldk) and V (n, ldv) are zero-padded to round_up(n, kW) keys and round_up(D,
 // kW) features; P: round_up(n, kW) floats of scratch. Writes out[0, D).
-template <typename T>
-CLONE_INLINE void attend_query(const float* q, int64_t D, const T* Kt, int64_t ldk, const T* V, int64_t ldv,
+CLONE_INLINE void attend_query(const float* q, int64_t D, const float* Kt, int64_t ldk, const float* V, int64_t ldv,
                                int64_t n, float* P, float* out) {
   const int64_t np = round_up(n, kW), Dp = round_up(D, kW);
   for (int64_t j0 = 0; j0 < np; j0 += kSpan) {
@@ -607,7 +568,7 @@ CLONE_INLINE void attend_query(const float* q, int64_t D, const T* Kt, int64_t l
 
 struct CrossArgs {
   const float* q;           // (B, Q, H * D)
-  const void *kt, *v;       // kt (B, H, D, Sp), v (B, H, S, Dv): float, or Bf16 (switch cross_bf16)
+  const float *kt, *v;      // kt (B, H, D, Sp), v (B, H, S, Dv)
   const int64_t* lens;      // (B,) the keys of each sentence
   float* out;               // (B, Q, H * D)
   int64_t H, Q, D, S, Sp, Dv;
@@ -617,10 +578,7 @@ struct CrossArgs {
 // Scratch: the scaled queries (round_up(Q, kQB), D) and the scores (kQB, Sp).
 int64_t cross_scratch(int64_t Q, int64_t D, int64_t Sp) { return round_up(Q, kQB) * D + kQB * Sp; }
 
-// T: float, or Bf16 (switch cross_bf16); always inlined into the MULTIVERSION wrappers
-// below, so each ISA variant compiles it (and the bf16 widening) for its own ISA
-template <typename T>
-CLONE_INLINE void cross_attend_heads_of(const CrossArgs& a, int64_t lo, int64_t hi, float* buf) {
+MULTIVERSION(void, cross_attend_heads, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf), (a, lo, hi, buf)) {
   const int64_t H = a.H, Q = a.Q, D = a.D, d = H * D;
   float *Qs = buf, *P = Qs + round_up(Q, kQB) * D;
   for (int64_t bh = lo; bh < hi; ++bh) {
@@ -630,16 +588,16 @@ CLONE_INLINE void cross_attend_heads_of(const CrossArgs& a, int64_t lo, int64_t 
       for (int64_t i = 0; i < Q; ++i) std::fill(ob + i * d, ob + i * d + D, 0.f);
       continue;
     }
-    const T* Kt = static_cast<const T*>(a.kt) + bh * D * a.Sp;
-    const T* V = static_cast<const T*>(a.v) + bh * a.S * a.Dv;
+    const float* Kt = a.kt + bh * D * a.Sp;
+    const float* V = a.v + bh * a.S * a.Dv;
     // beams: the next pair's keys and values towards L2 while this one computes (the K/V
     // of a batch outgrow L2, and the rest of the step evicts them); greedy's one query is
     // done too soon for that to pay (measured: 15% slower with it)
     if (Q > 1 && bh + 1 < hi) {
-      const int64_t m = a.lens[(bh + 1) / H], line = 64 / sizeof(T);  // elements of a cache line
+      const int64_t m = a.lens[(bh + 1) / H], line = 64 / sizeof(float);  // elements of a cache line
       for (int64_t c = 0; c < D; ++c)
         for (int64_t j = 0; j < m; j += line) __builtin_prefetch(Kt + D * a.Sp + c * a.Sp + j, 0, 2);
-      for (const T *p = V + a.S * a.Dv, *e = p + m * a.Dv; p < e; p += line) __builtin_prefetch(p, 0, 2);
+      for (const float *p = V + a.S * a.Dv, *e = p + m * a.Dv; p < e; p += line) __builtin_prefetch(p, 0, 2);
     }
     scaled_queries(a.q + b * Q * d + h * D, d, Q, D, a.scale, Qs);
     if (Q == 1) {
@@ -649,15 +607,6 @@ CLONE_INLINE void cross_attend_heads_of(const CrossArgs& a, int64_t lo, int64_t 
     for (int64_t i0 = 0; i0 < Q; i0 += kQB)
       attend_queries(Qs + i0 * D, D, Kt, a.Sp, V, a.Dv, n, P, ob + i0 * d, d, std::min(kQB, Q - i0));
   }
-}
-
-MULTIVERSION(void, cross_attend_heads, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf), (a, lo, hi, buf)) {
-  cross_attend_heads_of<float>(a, lo, hi, buf);
-}
-
-MULTIVERSION(void, cross_attend_heads_bf16, (const CrossArgs& a, int64_t lo, int64_t hi, float* buf),
-             (a, lo, hi, buf)) {
-  cross_attend_heads_of<Bf16>(a, lo, hi, buf);
 }
 
 // k, v (B, H, S, D) as the cross projection gives them (any strides but the last),
@@ -699,17 +648,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_arrange(const at::Tensor& k
 
 // q (B, Q, H * D): the Q queries of each sentence (its beams), heads side by side,
 // against cross_arrange's kt, va, lens -> (B, Q, H * D) in q's dtype, heads merged.
-// kt and va may be bf16 (both; switch cross_bf16): half the bytes each step reads,
-// widened to fp32 in registers, arithmetic in fp32.
 at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& va, const at::Tensor& lens) {
   KIT_CHECK(q.dim() == 3 && kt.dim() == 4 && va.dim() == 4 && lens.dim() == 1 && kt.size(0) == q.size(0) &&
                   va.size(0) == q.size(0) && va.size(1) == kt.size(1) && lens.size(0) == q.size(0) &&
                   kt.size(1) * kt.size(2) == q.size(2) && kt.size(3) % kW == 0 && kt.size(3) >= va.size(2) &&
-                  va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && va.scalar_type() == kt.scalar_type() &&
-                  (kt.scalar_type() == at::kFloat || kt.scalar_type() == at::kBFloat16) &&
-                  lens.scalar_type() == at::kLong && kt.is_contiguous() && va.is_contiguous(),
+                  va.size(3) % kW == 0 && va.size(3) >= kt.size(2) && va.scalar_type() == at::kFloat &&
+                  kt.scalar_type() == at::kFloat && lens.scalar_type() == at::kLong && kt.is_contiguous() &&
+                  va.is_contiguous(),
               "cross_attention: q must be (B, Q, H * D) and kt, va, lens as cross_arrange gives them: (B, H, D, Sp), "
-              "(B, H, S, Dv) contiguous float (or both bf16) and (B,) long; got q ", q.sizes(), ", kt ",
+              "(B, H, S, Dv) contiguous float and (B,) long; got q ", q.sizes(), ", kt ",
               kt.sizes(), ", va ", va.sizes(), ", lens ", lens.sizes());
   const int64_t B = q.size(0), Q = q.size(1), H = kt.size(1), D = kt.size(2), S = va.size(2), Sp = kt.size(3);
   auto lc = lens.contiguous();
@@ -720,12 +667,11 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& kt, const at::
   auto qf = q.to(at::kFloat).contiguous();
   auto out = at::empty({B, Q, H * D}, qf.options());
   if (B * Q * H * D == 0) return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
-  const bool bf16 = kt.scalar_type() == at::kBFloat16;
-  const CrossArgs args{qf.data_ptr<float>(), kt.data_ptr(), va.data_ptr(), lp, out.data_ptr<float>(),
+  const CrossArgs args{qf.data_ptr<float>(), kt.data_ptr<float>(), va.data_ptr<float>(), lp, out.data_ptr<float>(),
                        H, Q, D, S, Sp, va.size(3), 1.f / std::sqrt(static_cast<float>(D))};
   at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf(cross_scratch(Q, D, Sp));
-    (bf16 ? cross_attend_heads_bf16 : cross_attend_heads)(args, lo, hi, buf.data());
+    cross_attend_heads(args, lo, hi, buf.data());
   });
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
@@ -1049,11 +995,9 @@ int64_t one_row_step(int64_t token, int64_t p, int64_t t, const at::Tensor& emb,
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("add_bias_residual_layernorm(Tensor x, Tensor h, Tensor? bias, Tensor gamma, Tensor beta, float eps)"
         " -> (Tensor, Tensor)");
-  m.def("add_bias_relu(Tensor x, Tensor bias) -> Tensor");
   m.def("log_softmax_topk(Tensor logits, Tensor scores, int K, int n, bool normalized=False) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
-  m.def("decode_attention_warp(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");  // CUDA only
-  m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor? mask=None, bool warp=False)"
+  m.def("decode_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor? mask=None)"
         " -> Tensor");
   m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
   m.def("cross_arrange(Tensor k, Tensor v, Tensor? mask) -> (Tensor, Tensor, Tensor)");
@@ -1071,7 +1015,6 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("add_bias_residual_layernorm", &add_bias_residual_layernorm);
-  m.impl("add_bias_relu", &add_bias_relu);
   m.impl("log_softmax_topk", &log_softmax_topk);
   m.impl("ngram_block_", &ngram_block_);
   m.impl("decode_attention", &decode_attention);

@@ -32,18 +32,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The last j < T with mask[j] set, -1 if none, on every lane of the warp (each lane reads every 32nd).
-__device__ __forceinline__ int64_t last_live(const bool* mask, int64_t T, int lane) {
-  long long last = -1;
-  for (int64_t j = lane; j < T; j += 32)
-    if (mask[j]) last = j;
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long other = __shfl_xor_sync(0xffffffffu, last, o);
-    last = other > last ? other : last;
-  }
-  return last;
-}
-
 // The cache row that holds row b's key and value at position j: b itself, or the row the table names
 // (beam search's row table, switch kv_row_table: a reorder rewrites the table, not the cache). Clamped
 // into the cache's N rows: no table reads outside it, and checking its values would need a host read,
@@ -52,21 +40,6 @@ __device__ __forceinline__ int64_t row_of(const int64_t* rows, int64_t b, int64_
   if (!rows) return b;
   const int64_t r = rows[b * T + j];
   return r < 0 ? 0 : r >= N ? N - 1 : r;
-}
-
-// A warp's scores p[0, n) in shared memory, their max mx on every lane: each p[j] becomes
-// exp(p[j] - mx), and the return is 1 / their sum (NaN where every key is masked, as SDPA gives)
-__device__ __forceinline__ float warp_softmax(float* p, int64_t n, float mx, int lane) {
-  __syncwarp();
-  float sum = 0.f;
-  for (int64_t j = lane; j < n; j += 32) {
-    const float e = mx == -INFINITY ? 0.f : __expf(p[j] - mx);
-    p[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  return mx == -INFINITY ? NAN : 1.f / sum;
 }
 
 // sum (or max) over the block, returned to every thread; `sh` holds 32 floats
@@ -109,12 +82,6 @@ __global__ void residual_norm_kernel(const T* x, const T* h, const T* b, const T
   const float rstd = rsqrtf(block_reduce<false>(q, sh) / n + eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
     y[o + i] = T((val(i) - mean) * rstd * float(g[i]) + float(beta[i]));
-}
-
-template <typename T>
-__global__ void bias_relu_kernel(const T* x, const T* b, T* y, int64_t total, int64_t n) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
-    y[i] = T(fmaxf(float(x[i]) + float(b[i % n]), 0.f));
 }
 
 // one block per (b, h, query); scores for all keys in shared memory
@@ -160,90 +127,7 @@ __global__ void decode_attention_kernel(const T* q, const T* k, const T* v, cons
   }
 }
 
-// One warp per (b, h, query), kWarps of them a block (switch warp_attention): the lanes split each
-// key's dot product and each output's features, so a warp reads a row of K or V whole (coalesced)
-// and reduces with shuffles; no block barrier. The block kernel above gives a block of 256 threads
-// to a row and head, a thread per key reading its key with a stride, and a quarter of its threads
-// the features: at thousands of rows a step (refill_rows) its blocks queue in waves. Keys go in
-// tiles of kTile, every load of a tile issued before its sums, so a warp waits on memory once a
-// tile, not once a key. P: features per lane (D <= 32 * P); the warp's scores in shared memory.
-constexpr int kWarps = 4;
-constexpr int kTile = 8;
-
-template <typename T, int P>
-__global__ void decode_attention_warp_kernel(const T* q, const T* k, const T* v, const bool* mask,
-                                             const int64_t* rows, T* out, int64_t BHQ, int H, int Q, int64_t T_,
-                                             int64_t D, int64_t N, int64_t ks0, int64_t ks1, int64_t ks2,
-                                             int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
-  extern __shared__ float scores[];  // (kWarps, T_)
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t bhq = blockIdx.x * (int64_t)kWarps + w;
-  if (bhq >= BHQ) return;  // a whole warp: no barrier below spans warps
-  float* p = scores + w * T_;
-  const int64_t b = bhq / (H * Q), h = (bhq / Q) % H;
-  const T* kh = k + h * ks1;
-  const T* vh = v + h * vs1;
-  const bool* mb = mask ? mask + b * T_ : nullptr;
-  float qr[P];
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t d = lane + 32 * i;
-    qr[i] = d < D ? float(q[bhq * D + d]) : 0.f;
-  }
-  // Keys past the row's last live one are skipped whole: in the fixed-shape state a row's cache is
-  // live up to its position and its source up to its length, a fraction of the buffer (H200,
-  // 2026-11-27: this kernel was 54-62% of the GPU's time). A masked key adds an exact 0 to every
-  // sum below, so stopping at n gives the same bits as walking all T_.
-  const int64_t n = mb ? last_live(mb, T_, lane) + 1 : T_;
-  float mx = -INFINITY;
-  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-    float s[kTile];
-    bool live[kTile];  // the same on every lane: j and the mask are the warp's
-#pragma unroll
-    for (int u = 0; u < kTile; ++u) {
-      const int64_t j = j0 + u;
-      live[u] = j < n && (!mb || mb[j]);
-      const T* kj = live[u] ? kh + row_of(rows, b, T_, j, N) * ks0 + j * ks2 : nullptr;
-      s[u] = 0.f;
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        const int64_t d = lane + 32 * i;
-        s[u] += live[u] && d < D ? qr[i] * float(kj[d]) : 0.f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kTile; ++u) s[u] = warp_sum(s[u]);
-#pragma unroll
-    for (int u = 0; u < kTile; ++u) {
-      const float su = live[u] ? s[u] * scale : -INFINITY;
-      if (lane == 0 && j0 + u < n) p[j0 + u] = su;
-      mx = fmaxf(mx, su);
-    }
-  }
-  const float inv = warp_softmax(p, n, mx, lane);
-  float acc[P];
-#pragma unroll
-  for (int i = 0; i < P; ++i) acc[i] = 0.f;
-  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-#pragma unroll
-    for (int u = 0; u < kTile; ++u) {
-      const int64_t j = j0 + u;
-      const float pj = j < n ? p[j] : 0.f;
-      // a masked key weighs 0: its value is not read (the fixed-shape state's cache past the position)
-      const T* vj = pj != 0.f ? vh + row_of(rows, b, T_, j, N) * vs0 + j * vs2 : nullptr;
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        const int64_t d = lane + 32 * i;
-        if (pj != 0.f && d < D) acc[i] += pj * float(vj[d]);
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t d = lane + 32 * i;
-    if (d < D) out[bhq * D + d] = T(acc[i] * inv);
-  }
-}
+constexpr int kWarps = 4;  // the warp kernels' blocks: a warp per row, kWarps rows a block
 
 // Vec values of T in one 16-byte load or store, in fp32 (the caller has checked the alignment)
 template <typename T>
@@ -265,81 +149,6 @@ struct Wide {
     *reinterpret_cast<uint4*>(dst) = raw;
   }
 };
-
-// The warp kernel with 16-byte loads, where each row of K and V is 16-byte aligned: G = D / Vec
-// lanes share a key (Vec features each) and a warp reads 32 / G keys at once, so a key costs one
-// wide load a lane and log2(G) shuffles where the kernel above issues P narrow loads and five. The
-// same walk otherwise (last live key, masked keys neither read nor weighed, scores in shared
-// memory); the value sums are split over the warp's key groups and added at the end.
-template <typename T, int G>
-__global__ void decode_attention_wide_kernel(const T* q, const T* k, const T* v, const bool* mask,
-                                             const int64_t* rows, T* out, int64_t BHQ, int H, int Q, int64_t T_,
-                                             int64_t D, int64_t N, int64_t ks0, int64_t ks1, int64_t ks2,
-                                             int64_t vs0, int64_t vs1, int64_t vs2, float scale) {
-  constexpr int Vec = Wide<T>::Vec, Keys = 32 / G;
-  constexpr int U = Keys >= kTile ? 1 : kTile / Keys;  // keys a group loads at once
-  extern __shared__ float scores[];  // (kWarps, T_)
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
-  const int64_t bhq = blockIdx.x * (int64_t)kWarps + w;
-  if (bhq >= BHQ) return;  // a whole warp
-  float* p = scores + w * T_;
-  const int64_t b = bhq / (H * Q), h = (bhq / Q) % H;
-  const T* kh = k + h * ks1 + sub * Vec;
-  const T* vh = v + h * vs1 + sub * Vec;
-  const bool* mb = mask ? mask + b * T_ : nullptr;
-  float qr[Vec];
-  Wide<T>::load(q + bhq * D + sub * Vec, qr);
-  const int64_t n = mb ? last_live(mb, T_, lane) + 1 : T_;
-  float mx = -INFINITY;
-  for (int64_t j0 = 0; j0 < n; j0 += Keys * U) {
-    float s[U];
-    bool live[U];  // the same on a group's lanes: j is the group's
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t j = j0 + u * Keys + grp;
-      live[u] = j < n && (!mb || mb[j]);
-      s[u] = 0.f;
-      if (live[u]) {
-        float kr[Vec];
-        Wide<T>::load(kh + row_of(rows, b, T_, j, N) * ks0 + j * ks2, kr);
-#pragma unroll
-        for (int e = 0; e < Vec; ++e) s[u] += qr[e] * kr[e];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int o = G / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);  // within the group
-      const int64_t j = j0 + u * Keys + grp;
-      const float su = live[u] ? s[u] * scale : -INFINITY;
-      if (sub == 0 && j < n) p[j] = su;
-      mx = fmaxf(mx, su);
-    }
-  }
-  mx = warp_max(mx);
-  const float inv = warp_softmax(p, n, mx, lane);
-  float acc[Vec];
-#pragma unroll
-  for (int e = 0; e < Vec; ++e) acc[e] = 0.f;
-  for (int64_t j0 = 0; j0 < n; j0 += Keys * U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t j = j0 + u * Keys + grp;
-      const float pj = j < n ? p[j] : 0.f;
-      if (pj != 0.f) {  // a masked key weighs 0: its value is not read
-        float vr[Vec];
-        Wide<T>::load(vh + row_of(rows, b, T_, j, N) * vs0 + j * vs2, vr);
-#pragma unroll
-        for (int e = 0; e < Vec; ++e) acc[e] += pj * vr[e];
-      }
-    }
-  }
-#pragma unroll
-  for (int o = G; o < 32; o <<= 1)  // across the groups: lanes with the same features
-#pragma unroll
-    for (int e = 0; e < Vec; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
-  if (grp == 0) Wide<T>::store(acc, inv, out + bhq * D + sub * Vec);
-}
 
 // add_bias_residual_layernorm with a warp per row, where a row fits the warp's registers (C chunks
 // of Vec values a lane) and every row is 16-byte aligned: the block kernel gives a row 256 threads,
@@ -619,21 +428,6 @@ std::tuple<at::Tensor, at::Tensor> add_bias_residual_layernorm_cuda(
   return {r, y};
 }
 
-at::Tensor add_bias_relu_cuda(const at::Tensor& x, const at::Tensor& bias) {
-  const int64_t n = x.size(-1);
-  KIT_CHECK(bias.numel() == n, "add_bias_relu: bias must have ", n, " elements");
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto xc = x.contiguous(), bc = bias.to(x.scalar_type()).contiguous();
-  auto y = at::empty_like(xc);
-  if (xc.numel() == 0) return y;
-  KIT_DISPATCH_FLOATS(x.scalar_type(), "add_bias_relu", [&] {
-    bias_relu_kernel<scalar_t><<<blocks_for(xc.numel()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        xc.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel(), n);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return y;
-}
-
 // decode_attention's inputs as the kernels read them: q dense, k and v in q's dtype with dense
 // features, the mask (B, T) and the row table (B, T) dense; the output allocated. k and v have N
 // rows: B, or any number with a row table.
@@ -667,50 +461,18 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               k.size(1) == q.size(1) && k.size(3) == q.size(3), name, ": q (B,H,Q,D), k/v (B,H,T,D)");
 }
 
-template <typename T>
-using AttentionKernel = void (*)(const T*, const T*, const T*, const bool*, const int64_t*, T*, int64_t, int, int,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                 float);
-
-// The wide kernel for these inputs, or nullptr where a row of q, K, V or the output is not
-// 16-byte aligned, or D is not a power-of-two multiple of 16 bytes that fits one warp
-template <typename T>
-AttentionKernel<T> wide_attention_kernel(const AttentionArgs& a) {
-  constexpr int Vec = Wide<T>::Vec;
-  const int64_t G = a.D / Vec;
-  if (a.D % Vec || G < 2 || G > 32 || (G & (G - 1)) || !aligned16({a.q, a.k, a.v, a.out})) return nullptr;
-  for (const int64_t s : {a.k.stride(0), a.k.stride(1), a.k.stride(2), a.v.stride(0), a.v.stride(1), a.v.stride(2)})
-    if (s % Vec) return nullptr;
-  switch (G) {
-    case 2: return decode_attention_wide_kernel<T, 2>;
-    case 4: return decode_attention_wide_kernel<T, 4>;
-    case 8: return decode_attention_wide_kernel<T, 8>;
-    case 16: return decode_attention_wide_kernel<T, 16>;
-    default: return decode_attention_wide_kernel<T, 32>;
-  }
-}
-
-// The block kernel, or with `warp` a warp per (b, h, query); past the warp kernels' limits (D > 128
-// features, or the scores of kWarps rows beyond 48 KB of shared memory) the block kernel
+// The block kernel; a row's scores must fit 48 KB of shared memory (decoder/fused.py gives longer
+// rows, past CUDA_MAX_KEYS, the reference)
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows, bool warp,
+                          const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows,
                           const char* name) {
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionArgs a(q, k, v, mask, rows);
   if (a.q.numel() == 0) return a.out;
   const size_t shared = static_cast<size_t>(a.keys) * sizeof(float);
-  warp = warp && a.D <= 128 && kWarps * shared <= 48 * 1024;
-  KIT_CHECK(warp || shared <= 48 * 1024, name, ": ", a.keys, " keys exceed the kernel's shared memory");
+  KIT_CHECK(shared <= 48 * 1024, name, ": ", a.keys, " keys exceed the kernel's shared memory");
   KIT_DISPATCH_FLOATS(q.scalar_type(), name, [&] {
-    if (!warp) {
-      a.launch<scalar_t>(decode_attention_kernel<scalar_t>, a.B * a.H * a.Q, kThreads, shared);
-      return;
-    }
-    auto kernel = wide_attention_kernel<scalar_t>(a);
-    if (!kernel)
-      kernel = a.D <= 32 ? decode_attention_warp_kernel<scalar_t, 1>
-               : a.D <= 64 ? decode_attention_warp_kernel<scalar_t, 2> : decode_attention_warp_kernel<scalar_t, 4>;
-    a.launch<scalar_t>(kernel, warp_blocks(a.B * a.H * a.Q), 32 * kWarps, kWarps * shared);
+    a.launch<scalar_t>(decode_attention_kernel<scalar_t>, a.B * a.H * a.Q, kThreads, shared);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return a.out;
@@ -719,23 +481,17 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& mask) {
   check_attention(q, k, v, true, "decode_attention");
-  return attention_cuda(q, k, v, mask, std::nullopt, false, "decode_attention");
-}
-
-at::Tensor decode_attention_warp_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const std::optional<at::Tensor>& mask) {
-  check_attention(q, k, v, true, "decode_attention_warp");
-  return attention_cuda(q, k, v, mask, std::nullopt, true, "decode_attention_warp");
+  return attention_cuda(q, k, v, mask, std::nullopt, "decode_attention");
 }
 
 // key j of row b read from cache row rows[b, j] (clamped into k's rows, see row_of)
 at::Tensor decode_attention_rows_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& rows, const std::optional<at::Tensor>& mask, bool warp) {
+                                      const at::Tensor& rows, const std::optional<at::Tensor>& mask) {
   check_attention(q, k, v, false, "decode_attention_rows");
   KIT_CHECK(rows.dim() == 2 && rows.size(0) == q.size(0) && rows.size(1) == k.size(2) &&
               rows.scalar_type() == at::kLong && rows.device() == q.device(),
             "decode_attention_rows: rows must be long (B, T) on q's device");
-  return attention_cuda(q, k, v, mask, rows, warp, "decode_attention_rows");
+  return attention_cuda(q, k, v, mask, rows, "decode_attention_rows");
 }
 
 at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
@@ -844,9 +600,7 @@ at::Tensor linear_argmax_cuda(const at::Tensor& x, const at::Tensor& weight, con
 
 TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
   m.impl("add_bias_residual_layernorm", &add_bias_residual_layernorm_cuda);
-  m.impl("add_bias_relu", &add_bias_relu_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
-  m.impl("decode_attention_warp", &decode_attention_warp_cuda);
   m.impl("decode_attention_rows", &decode_attention_rows_cuda);
   m.impl("ngram_block_", &ngram_block_cuda);
   m.impl("qkv_to_cache_", &qkv_to_cache_cuda);

@@ -8,8 +8,8 @@
 
 namespace decoder_gemm {
 
-// xq (M, K) int8 times the weights `packed` (int8_gemm_pack of an (N, K) int8 matrix, VNNI,
-// or int8_gemm_widen's int16 copy of it, AVX2): (M, N) int32, exactly torch._int_mm(xq, wq.t())
+// xq (M, K) int8 times the weights `packed` (int8_gemm_pack of an (N, K) int8 matrix, VNNI):
+// (M, N) int32, exactly torch._int_mm(xq, wq.t())
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N);
 
 // int_mm's product (the VNNI layout) dequantised as it is made: y (M, N) float = acc * xs[row] *

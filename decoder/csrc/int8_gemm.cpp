@@ -14,8 +14,6 @@
 // exactly sum_k q[k] w[k, j], the integers _int_mm returns. A micro-tile is 6
 // rows x 64 columns (24 zmm accumulators), K innermost; a task is one panel and
 // up to 96 rows, so a panel stays in L1 while its rows stream past it.
-// Without VNNI (or under DECODER_MAX_CPU_ISA=avx2) the same product runs on
-// weights widened to int16 once, exact with AVX2's `vpmaddwd` (below, "Without VNNI").
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include "checks.h"
@@ -206,153 +204,6 @@ MULTIVERSION(void, shift_rows, (const uint8_t* x, uint8_t* u, int64_t M, int64_t
   }
 }
 
-// -- Without VNNI: the same integers in int16 (vpmaddwd) ---------------------------------------------
-//
-// AVX2 has no int8 dot product that keeps 8-bit activations exact: `vpmaddubsw`
-// saturates u8 x s8 pairs at int16 (fbgemm's 7-bit activations), the sign trick
-// costs a `vpsignb` per product. Widened to int16 both are exact: `vpmaddwd` adds
-// pairs of q w (|q|, |w| <= 127: at most 2 x 127^2) into int32, 16 multiply-adds an
-// instruction, and the result is again exactly _int_mm's. The weights are widened
-// once (int8_gemm_widen, at load time): (Np, Kp) int16 row major, N padded to 4
-// (kWideCols) and K to 16 (kWideK, one ymm), zeros in the padding; each output's
-// weights are one row, so a shortlist's slice is a row gather of it, never a repack.
-// A tile is 2 rows x 4 columns: 8 ymm sums along k, reduced across lanes at the end.
-
-constexpr int64_t kWideCols = 4;  // outputs a tile (and the padding of N)
-constexpr int64_t kWideK = 16;    // k a step: one ymm of int16 (and the padding of K)
-constexpr int64_t kWideChunkBytes = 128 << 10;  // widened activation rows a pass over the columns
-
-struct Wide {
-  const int16_t* x;  // (M, Kp) the activations widened, zero-padded
-  const int16_t* w;  // (Np, Kp) int8_gemm_widen's layout
-  int32_t* c;        // (M, N)
-  int64_t M, N, Kp;
-};
-
-bool cpu_wide() {
-#ifdef GEMM_X86
-  static const bool ok = __builtin_cpu_supports("avx2") && decoder_isa::level() >= 1;
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// The plain reference of the product, columns j0..j1: one int32 dot product per output.
-MULTIVERSION(void, wide_plain, (const Wide& a, int64_t j0, int64_t j1), (a, j0, j1)) {
-  for (int64_t j = j0; j < std::min(j1, a.N); ++j)
-    for (int64_t r = 0; r < a.M; ++r) {
-      const int16_t *x = a.x + r * a.Kp, *w = a.w + j * a.Kp;
-      int32_t s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < a.Kp; ++k) s += static_cast<int32_t>(x[k]) * static_cast<int32_t>(w[k]);
-      a.c[r * a.N + j] = s;
-    }
-}
-
-// (M, K) int8 -> (M, Kp) int16, zero-padded
-MULTIVERSION(void, widen_rows, (const int8_t* q, int16_t* x, int64_t M, int64_t K, int64_t Kp), (q, x, M, K, Kp)) {
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t k = 0; k < K; ++k) x[r * Kp + k] = q[r * K + k];
-    for (int64_t k = K; k < Kp; ++k) x[r * Kp + k] = 0;
-  }
-}
-
-#ifdef GEMM_X86
-#define AVX2 __attribute__((target("avx2")))
-
-AVX2 inline __m128i wide_half(__m256i s) {
-  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
-// four vectors of eight int32 -> their four sums, in order
-AVX2 inline __m128i wide_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-  return _mm_hadd_epi32(_mm_hadd_epi32(wide_half(s0), wide_half(s1)), _mm_hadd_epi32(wide_half(s2), wide_half(s3)));
-}
-
-AVX2 inline void wide_store(int32_t* c, __m128i s, int64_t n) {  // the first n (<= 4) of four sums
-  if (n >= kWideCols) return _mm_storeu_si128(reinterpret_cast<__m128i*>(c), s);
-  int32_t t[kWideCols];
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(t), s);
-  std::memcpy(c, t, n * sizeof(int32_t));
-}
-
-#define WIDE_MADD(c, x, w) c = _mm256_add_epi32(c, _mm256_madd_epi16(x, w))
-
-// rows r (and r + 1 if MR == 2) times columns j..j+3
-template <int MR>
-AVX2 void wide_tile(const Wide& a, int64_t r, int64_t j) {
-  const int64_t Kp = a.Kp;
-  const int16_t *w = a.w + j * Kp, *x0 = a.x + r * Kp, *x1 = x0 + (MR > 1 ? Kp : 0);
-  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
-  for (int64_t k = 0; k < Kp; k += kWideK) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)),
-                  w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Kp + k)),
-                  w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * Kp + k)),
-                  w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 3 * Kp + k));
-    const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + k));
-    WIDE_MADD(c00, a0, w0); WIDE_MADD(c01, a0, w1); WIDE_MADD(c02, a0, w2); WIDE_MADD(c03, a0, w3);
-    if constexpr (MR > 1) {
-      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + k));
-      WIDE_MADD(c10, a1, w0); WIDE_MADD(c11, a1, w1); WIDE_MADD(c12, a1, w2); WIDE_MADD(c13, a1, w3);
-    }
-  }
-  const int64_t n = a.N - j;
-  wide_store(a.c + r * a.N + j, wide_sums(c00, c01, c02, c03), n);
-  if constexpr (MR > 1) wide_store(a.c + (r + 1) * a.N + j, wide_sums(c10, c11, c12, c13), n);
-}
-#undef WIDE_MADD
-
-// columns j0..j1 (multiples of 4) of every row: a tile's 4 weight rows stay in L1 while the rows
-// pass, the rows in chunks of ~128 KB that stay in L2 while the columns pass (the encoder's batches)
-AVX2 void wide_avx2(const Wide& a, int64_t j0, int64_t j1) {
-  const int64_t chunk = std::max<int64_t>(2, (kWideChunkBytes / (2 * a.Kp)) & ~int64_t{1});
-  for (int64_t r0 = 0; r0 < a.M; r0 += chunk) {
-    const int64_t r1 = std::min(a.M, r0 + chunk);
-    for (int64_t j = j0; j < j1 && j < a.N; j += kWideCols) {
-      int64_t r = r0;
-      for (; r + 2 <= r1; r += 2) wide_tile<2>(a, r, j);
-      if (r < r1) wide_tile<1>(a, r, j);
-    }
-  }
-}
-#endif
-
-// int8_gemm_widen's layout of wq (N, K) int8: (Np, Kp) int16
-at::Tensor int8_gemm_widen(const at::Tensor& wq) {
-  KIT_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2, "int8_gemm_widen: wq must be int8 (out, in)");
-  const auto w = wq.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), Np = round_up(N, kWideCols), Kp = round_up(K, kWideK);
-  auto out = at::zeros({Np, Kp}, w.options().dtype(at::kShort));
-  if (N > 0) widen_rows(w.data_ptr<int8_t>(), out.data_ptr<int16_t>(), N, K, Kp);
-  return out;
-}
-
-// xq (M, K) int8 times int8_gemm_widen's weights of N outputs: (M, N) int32
-at::Tensor int_mm_wide(const at::Tensor& xq, const at::Tensor& w16, int64_t N) {
-  const int64_t M = xq.size(0), K = xq.size(1), Np = round_up(N, kWideCols), Kp = round_up(K, kWideK);
-  KIT_CHECK(w16.dim() == 2 && w16.is_contiguous() && w16.size(0) == Np && w16.size(1) == Kp,
-              "int8_gemm: int16 weights of shape ", w16.sizes(), " are not int8_gemm_widen's layout of ", N,
-              " outputs x ", K, " features (", Np, ", ", Kp, ")");
-  auto out = at::empty({M, N}, xq.options().dtype(at::kInt));
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  const auto q = xq.contiguous();
-  std::unique_ptr<int16_t[]> x(new int16_t[M * Kp]);
-  widen_rows(q.data_ptr<int8_t>(), x.get(), M, K, Kp);
-  const Wide a{x.get(), w16.data_ptr<int16_t>(), out.data_ptr<int32_t>(), M, N, Kp};
-  const bool simd = cpu_wide();
-  // a thread's share at least ~256k multiply-adds: the decode step's products stay on one thread
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / (M * Kp * kWideCols));
-  at::parallel_for(0, Np / kWideCols, grain, [&](int64_t lo, int64_t hi) {
-#ifdef GEMM_X86
-    if (simd) return wide_avx2(a, lo * kWideCols, hi * kWideCols);
-#endif
-    wide_plain(a, lo * kWideCols, hi * kWideCols);
-  });
-  return out;
-}
-
 // y[r, j] = acc[r, j] * xs[r] * ws[j] (+ b[j]) (relu) for `rows` rows of n columns: the one
 // dequantising epilogue of the int8 linears (int8_linear.cpp calls it as decoder_gemm::dequant_rows)
 MULTIVERSION(void, dequant_tile,
@@ -433,7 +284,6 @@ namespace decoder_gemm {
 
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N) {
   KIT_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2, "int8_gemm: xq must be int8 (M, K)");
-  if (packed.scalar_type() == at::kShort) return int_mm_wide(xq, packed, N);
   auto out = at::empty({xq.size(0), N}, xq.options().dtype(at::kInt));
   product(xq, packed, N, out.data_ptr<int32_t>(), nullptr);
   return out;
@@ -489,24 +339,18 @@ at::Tensor int8_gemm(const at::Tensor& xq, const at::Tensor& packed, int64_t n) 
   return decoder_gemm::int_mm(xq, packed, n);
 }
 bool int8_gemm_available() { return cpu_vnni(); }
-bool int8_gemm_wide_available() { return cpu_wide(); }
 // the variant every MULTIVERSION kernel of the library runs: "avx512", "avx2" or "default"
 std::string kernel_isa() { return decoder_isa::kNames[decoder_isa::level()]; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("int8_gemm_pack(Tensor wq, Tensor? idx=None) -> Tensor");
-  // packed: int8_gemm_pack's VNNI layout (int8) or int8_gemm_widen's (int16)
-  m.def("int8_gemm(Tensor xq, Tensor packed, int n) -> Tensor");
-  m.def("int8_gemm_widen(Tensor wq) -> Tensor");
+  m.def("int8_gemm(Tensor xq, Tensor packed, int n) -> Tensor");  // packed: int8_gemm_pack's layout
   m.def("int8_gemm_available() -> bool", &int8_gemm_available);  // whether this CPU runs int8_gemm
-  // whether int8_gemm on widened weights runs its AVX2 kernel here (else its plain loop)
-  m.def("int8_gemm_wide_available() -> bool", &int8_gemm_wide_available);
   m.def("kernel_isa() -> str", &kernel_isa);  // the ISA our kernels run here (multiversion.h)
 }
 
 TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("int8_gemm_pack", &int8_gemm_pack);
   m.impl("int8_gemm", &int8_gemm);
-  m.impl("int8_gemm_widen", &int8_gemm_widen);
 }

@@ -109,7 +109,7 @@ at::Tensor out_shape(const at::Tensor& y, const at::Tensor& x, int64_t N) {
 // the same bits either way
 at::Tensor linear_rows(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq_t, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, bool relu, const Packed& packed) {
-  if (!packed.has_value() || packed->scalar_type() != at::kChar)
+  if (!packed.has_value())
     return dequantized(int_mm(xq, wq_t, w_scale, bias, packed), xs, relu);
   check_weight(xq, wq_t);
   const int64_t N = wq_t.size(1);
