@@ -11,13 +11,14 @@ import argparse
 import os
 import sys
 
-from . import cliargs, lifecycle, refill
+from . import cgroup, cliargs, lifecycle, refill
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
 from .optimisations import OPTIMISATIONS
 from .runtime import describe
 from .translator import DEFAULT_PRECISION, Translator
+from .workers import usable_workers
 
 MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
@@ -151,7 +152,10 @@ def _start(a, closed):
         src = open_input(a.input)
     except OSError as e:
         raise _Refused(f"error: {cliargs.path_error('--input', a.input, e)}") from None
-    options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=a.workers,
+    workers, lowered = usable_workers(a.workers, cgroup.model_bytes(a.model))  # more buy nothing: one warning
+    if lowered:
+        print(lowered, file=sys.stderr, flush=True)
+    options = dict(beam=a.beam, max_tokens=a.max_tokens, max_sentences=a.max_sentences, workers=workers,
                    length_penalty=a.length_penalty, max_len_a=a.max_len_a, max_len_b=a.max_len_b,
                    no_repeat_ngram=a.no_repeat_ngram, **{o.name: getattr(a, o.name) for o in OPTIMISATIONS})
     options.update(reading_mode(a, sys.stdin))
