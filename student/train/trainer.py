@@ -381,6 +381,8 @@ class Trainer:
             raise CheckpointError(f"{path}: not a checkpoint to resume from (no {missing[0]!r})")
         if not isinstance(ck["step"], int) or isinstance(ck["step"], bool):
             raise CheckpointError(f"{path}: not a checkpoint to resume from (its step is not an integer)")
+        if not isinstance(ck["optimizer"], dict):  # an average (student.train average) has none
+            raise CheckpointError(f"{path}: not a checkpoint to resume from (no optimizer state: an average?)")
         mine = self.model.args.arch_dict()
         theirs = checked_args(ck["model_args"], path).arch_dict()
         differ = [f"{k} {theirs[k]}, not {mine[k]}" for k in mine if theirs[k] != mine[k]]
