@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 
-from decoder import cliargs, modeldir
+from decoder import cliargs
 from decoder.cliargs import (HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float,
                              positive_int)
 from decoder.modeldir import MAX_VOCAB, ModelDirError
