@@ -21,13 +21,14 @@ import difflib
 import os
 import sys
 
-from . import cliargs, lifecycle
+from . import cgroup, cliargs, lifecycle
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
 from .optimisations import BY_NAME, OPTIMISATIONS
 from .runtime import describe
 from .translator import Options, Translator
+from .workers import usable_workers
 
 MAX_WORKERS = 256  # processes; more is a typo, not a machine
 CHUNK_LINES = 20000
@@ -248,7 +249,11 @@ def _start(a, closed):
         src = open_input(a.input)
     except OSError as e:
         raise _Refused(f"error: {cliargs.path_error('--input', a.input, e)}") from None
+    workers, lowered = usable_workers(a.workers, cgroup.model_bytes(a.model))  # more buy nothing: one warning
+    if lowered:
+        print(lowered, file=sys.stderr, flush=True)
     options = {name: getattr(a, name) for name in OWN}
+    options["workers"] = workers
     # the switches and settings the command line set; the others are the library's defaults
     options.update({name: v for name in SETTABLE if (v := getattr(a, name)) is not None})
     options.update(reading_mode(a, sys.stdin))

@@ -354,8 +354,6 @@ def load(model_dir: str, device: str = "cpu"):
     wpath, spath = os.path.join(model_dir, WEIGHTS), os.path.join(model_dir, SPM)
     for p in (wpath, spath):
         _regular_file(p)
-    if os.path.getsize(spath) > MAX_SPM_BYTES:  # SentencePiece reads the whole file into memory
-        raise ModelDirError(f"{spath}: larger than {MAX_SPM_BYTES:,} bytes, not a SentencePiece model")
     try:
         weights = load_file(wpath, device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
@@ -374,15 +372,24 @@ def load(model_dir: str, device: str = "cpu"):
             raise ModelDirError(f"{wpath}: shape mismatch for {name}: "
                                 f"{tuple(weights[name].shape)} in file, {shape} from {CONFIG}")
     check_weights(weights, wpath)
+    read_spm(spath, cfg.arch.vocab_size)
+    return cfg, weights, spath
+
+
+def read_spm(spath: str, vocab_size: int):
+    """The SentencePiece model of a model dir, checked against its config's vocabulary, or a
+    ModelDirError naming the file (random bytes, a size past MAX_SPM_BYTES, another vocabulary)."""
+    _regular_file(spath)
+    if os.path.getsize(spath) > MAX_SPM_BYTES:  # SentencePiece reads the whole file into memory
+        raise ModelDirError(f"{spath}: larger than {MAX_SPM_BYTES:,} bytes, not a SentencePiece model")
     try:
         import sentencepiece as spm
         sp = spm.SentencePieceProcessor(model_file=spath)
     except Exception as e:  # sentencepiece raises OSError/RuntimeError variously
         raise ModelDirError(f"{spath}: unreadable SentencePiece model ({str(e).splitlines()[0]})") from None
-    if sp.get_piece_size() != cfg.arch.vocab_size:
-        raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, "
-                            f"{CONFIG} says {cfg.arch.vocab_size}")
-    return cfg, weights, spath
+    if sp.get_piece_size() != vocab_size:
+        raise ModelDirError(f"{spath}: vocabulary has {sp.get_piece_size()} pieces, {CONFIG} says {vocab_size}")
+    return sp
 
 
 def _regular_file(p: str) -> None:

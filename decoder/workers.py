@@ -45,9 +45,33 @@ from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExec
 from concurrent.futures import TimeoutError as WaitTimeout  # builtin TimeoutError from 3.11 only
 from typing import Callable
 
+from . import cgroup
+
 _CHECK_S = 1.0  # a waiting job checks this often that its executor can still answer
 _translator = None  # this worker's own translator
 _start_error: str | None = None  # why it could not be built
+
+
+def usable_workers(requested: int, model_bytes: int, root: str | None = None) -> tuple[int, str | None]:
+    """(the worker processes to start for --workers `requested`, the warning line when that is fewer).
+
+    A worker beyond the usable cores (the affinity mask, capped by the CPU quota) waits for a core
+    and buys nothing; one beyond what memory holds (each holds torch and a model copy: the parent,
+    the model once, and WORKER_BYTES plus the model a worker, within 90% of the cgroup limit or the
+    machine's memory) gets the run OOM-killed: `--workers 64` on 2 cores started 64 processes
+    holding 19.2 GB. The same bounds as the container's CPU-ALL (cgroup.workers_that_fit); fewer
+    than 2 is one process (0)."""
+    if requested <= 1:
+        return requested, None
+    cores, limit = cgroup.usable_cores(root), cgroup.memory_limit(root)
+    by_memory = cgroup.workers_that_fit(requested, limit, model_bytes) or 1  # 1: fewer than 2 fit
+    n = min(requested, cores, by_memory)
+    if n == requested:
+        return n, None
+    why = (f"{cores} usable core{'s' * (cores != 1)} (affinity and CPU quota)" if cores <= by_memory else
+           f"the memory limit, {limit / 2**30:.1f} GiB, holds {by_memory if by_memory > 1 else 'fewer than 2'} "
+           f"worker processes of this {model_bytes / 2**20:.0f} MiB model")
+    return (n if n > 1 else 0), f"warning: --workers {requested} lowered to {n if n > 1 else 'one process'}: {why}"
 
 
 class WorkerStartError(Exception):

@@ -11,54 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import sys
-import warnings
 
 import torch
 
 from decoder import modeldir
 from decoder.cliargs import ArgumentParser, add_version
-from student.model import ModelArgs, Transformer
+from student.checkpoint import CheckpointError, model_of, read_checkpoint
 from student.modeldir import write_model_dir
 from student.train.trainer import TrainConfig
 
 
-class CheckpointError(ValueError):
-    """A file that is not a student.train checkpoint; str(e) is one line naming it."""
-
-
-def read_checkpoint(path: str) -> dict:
-    ckpt = load_weights_only(path)
-    missing = [k for k in ("model_args", "model", "meta") if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path}: not a student.train checkpoint (no {missing[0]!r})")
-    return ckpt
-
-
-def load_weights_only(path: str):
-    """torch.load of a file we wrote, refusing arbitrary pickles; CheckpointError names the file."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: {'is a directory, not a' if os.path.isdir(path) else 'no such'} checkpoint")
-    try:
-        with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing
-            warnings.simplefilter("ignore", UserWarning)
-            # our own checkpoints only; weights_only refuses arbitrary pickled code
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(f"{path}: refused: not a weights-only torch checkpoint "
-                              f"(arbitrary pickles are never loaded)") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise CheckpointError(f"{path}: not a torch checkpoint ({why})") from None
-    return ckpt
-
-
 def export_checkpoint(ckpt_path: str, out_dir: str) -> str:
     ckpt = read_checkpoint(ckpt_path)
-    args = ModelArgs(**ckpt["model_args"])
-    model = Transformer(args)
-    model.load_state_dict(ckpt["model"])
+    model = model_of(ckpt, ckpt_path)
     meta = ckpt["meta"]
     return write_model_dir(model, meta["spm_model"], out_dir, meta, provenance(ckpt_path, ckpt))
 

@@ -9,6 +9,7 @@ decoder, initialising a student from its teacher) and by the exporter
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -43,6 +44,33 @@ def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
         shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
         modeldir.load(tmp)  # refuse to publish a dir the decoder cannot read
     return durable.write_dir(os.path.abspath(out_dir), write)
+
+
+def checked_args(fields, where: str, base: dict | None = None) -> ModelArgs:
+    """ModelArgs of `fields` over `base` (a preset's), or a ValueError naming `where`: every key a
+    model field, the dropouts probabilities, and the model one the decoder's schema accepts
+    (decoder/modeldir.py: the sizes and their upper bounds). Checked before any tensor exists:
+    --set, and the model_args of a checkpoint, which could ask for any size."""
+    known = [f.name for f in dataclasses.fields(ModelArgs)]
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where}: must be a table of model fields, got {type(fields).__name__}")
+    for k, v in fields.items():
+        if k not in known:
+            raise ValueError(f"{where} {str(k)[:40]}: not a model field (known: {', '.join(known)})")
+        if not isinstance(v, (bool, int, float, str)):  # a checkpoint's pickle may hold any tensor or table
+            raise ValueError(f"{where} {k}: must be a number, a string or true/false, got {type(v).__name__}")
+    args = ModelArgs(**{**(base or {}), **fields})
+    for k in ("dropout", "attention_dropout"):
+        v = getattr(args, k)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
+            raise ValueError(f"{where} {k}: must be a number in [0, 1), got {json.dumps(v)[:40]}")
+    cfg = modeldir.ModelConfig(arch=modeldir.Arch(**args.arch_dict()), pad_id=args.pad_id, eos_id=args.eos_id,
+                               decoder_start_id=args.decoder_start_id, bos_id=0, unk_id=0).to_json()
+    try:
+        modeldir.check_config(cfg, where=where)
+    except modeldir.ModelDirError as e:
+        raise ValueError(str(e)) from None
+    return args
 
 
 def model_args(cfg: modeldir.ModelConfig) -> ModelArgs:

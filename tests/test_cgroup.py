@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from submission.container import cgroup
+from decoder import cgroup
 
 MiB = 2**20
 MODEL = 5 * MiB  # about the bible-tiny model dir

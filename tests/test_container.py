@@ -220,7 +220,7 @@ def test_million_lines_stream_through_2g(image):
 def test_cpu_all_throughput_under_512m_translates_every_line(image, model_dir):
     """A parent and a worker per core peak at about 600 MiB; under 512m the
     workers were OOM-killed (exit 1, no output). The memory limit now bounds the
-    worker count (submission/container/cgroup.py): one process, every line, same output."""
+    worker count (decoder/cgroup.py): one process, every line, same output."""
     text = ("\n".join(synthetic_corpus(3000, seed=5)) + "\n").encode()
     r = run(image, ["/run.sh", "CPU-ALL", "throughput"], text, mem_limit="512m", memswap_limit="512m")
     assert r.exit_code == 0 and not r.oom_killed, r.stderr[-500:]

@@ -148,10 +148,11 @@ def test_apertium_teacher_end_to_end_with_baseline_student(env):
 
 def test_own_teacher_exports_its_best_dev_candidate_including_the_steps_after_the_last_evaluation(env):
     # 33 steps, evaluations every 10, step checkpoints every 5: the last evaluation is at step 30
-    # a 33-step teacher translates badly: cleaning keeps its output, this test is about the mechanics
+    # a 33-step teacher translates badly: cleaning keeps its output and the run goes on (a dev BLEU of 0,
+    # a sixth of its output kept), this test is about the mechanics
     distill(env, "own", "--teacher-steps", "33", "--average-last", "3", "--teacher-beam", "2",
             "--shard-size", "100", "--student-steps", "10", "--test-limit", "10", "--min-ratio", "0",
-            "--max-ratio", "1000", "--max-repeat", "1000")
+            "--max-ratio", "1000", "--max-repeat", "1000", "--min-teacher-bleu", "0", "--min-kept", "0")
     run = env / "runs" / "own"
     m = manifest(env, "own")
     teacher = m["stages"]["teacher"]["result"]

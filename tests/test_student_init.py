@@ -159,7 +159,8 @@ def test_train_init_from_starts_at_the_teacher_and_a_resume_keeps_its_own_weight
 
 def test_distill_starts_the_student_from_its_own_teacher_records_it_and_keys_the_stage_by_it(env):  # noqa: F811
     common = ["--teacher-steps", "10", "--student-steps", "4", "--shortlist-k", "0", "--test-limit", "5",
-              "--min-ratio", "0", "--max-ratio", "1000", "--max-repeat", "1000"]  # keep an untrained teacher's output
+              "--min-ratio", "0", "--max-ratio", "1000", "--max-repeat", "1000",  # keep an untrained teacher's output
+              "--min-teacher-bleu", "0", "--min-kept", "0"]
     r = distill(env, "init", *common)
     m = manifest(env, "init")
     assert m["student_init"] == {"mode": "teacher", "from": os.path.realpath(env / "runs" / "init" /

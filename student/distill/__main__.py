@@ -7,7 +7,7 @@ import os
 import sys
 
 from decoder import cliargs
-from decoder.cliargs import MAX_BEAM, int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from decoder.cliargs import MAX_BEAM, float_range, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.machine import device_kind
 from decoder.modeldir import MAX_VOCAB, ModelDirError
 from student.data import DataError
@@ -101,6 +101,12 @@ def _corpus_args(p, d: DistillConfig):
                    help=f"drop outputs repeating a word or n-gram more than N times in a row (default {d.max_repeat})")
     g.add_argument("--mix-original", action=argparse.BooleanOptionalAction, default=None,
                    help="train the student on the distilled pairs plus the original pairs")
+    g.add_argument("--min-kept", type=float_range(0.0, 1.0),
+                   help="stop when cleaning keeps less than this share of the teacher's translations, "
+                        f"unless --mix-original (0 = never; default {d.min_kept:g})")
+    g.add_argument("--min-teacher-bleu", type=float_range(0.0, 100.0),
+                   help="stop when our own teacher's dev BLEU is below this: it did not learn "
+                        f"(0 = never; default {d.min_teacher_bleu:g})")
 
 
 def _student_args(p, d: DistillConfig):

@@ -85,6 +85,13 @@ class DistillConfig:
     max_ratio: float = 2.5
     max_repeat: int = 4
     mix_original: bool = False  # train the student on distilled + original pairs
+    # a stage whose output collapsed stops the run (neither is part of a stage key: the stages stay
+    # cached, and a rerun with a lower floor goes on from them). A teacher below this dev BLEU did
+    # not learn (a 4-minute teacher-tiny: 0.47; the default one-hour run: 28)
+    min_teacher_bleu: float = 1.0
+    # the least share of the distilled pairs that cleaning keeps, without --mix-original (the
+    # default run keeps 98%; the 4-minute teacher's output kept 1 pair of 8,000)
+    min_kept: float = 0.5
     # students
     student_preset: str = "student-tiny"
     student_minutes: float = 40.0
@@ -247,6 +254,16 @@ def _write_pairs(src_path: str, tgt_path: str, pairs) -> int:
     return n[0]
 
 
+class StageCollapsed(ValueError):
+    """A stage's output is too small a part of its input for the next stage to learn from."""
+
+
+def _exported_bleu(result: dict) -> float:
+    """The dev BLEU of the teacher the teacher stage exported."""
+    export = result["export"]
+    return next(c["dev_bleu"] for c in export["candidates"] if c["name"] == export["chosen"])
+
+
 def _training_result(d: str, **more) -> dict:
     with open(f"{d}/train/metrics.json") as fh:
         m = json.load(fh)
@@ -322,7 +339,7 @@ class Pipeline:
         self.runner = Run(os.path.join(cfg.runs_dir, cfg.name), dataclasses.asdict(cfg), self.rank, self.log)
         self.on_gpu = device_kind() == "cuda"
         self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.on_gpu else "cpu"
-        self.teacher = None
+        self.teacher, self.teacher_bleu = None, None
         if cfg.teacher_cmd or cfg.teacher_hf or cfg.teacher_model:  # a plugged-in teacher fails before any work
             self.teacher = make_teacher(cmd=cfg.teacher_cmd, hf_dir=cfg.teacher_hf, model_dirs=cfg.teacher_model,
                                         beam=cfg.teacher_beam, engine=cfg.engine, device=self.device,
@@ -376,6 +393,14 @@ class Pipeline:
         key, d = self._train_stage("teacher", tc, [data_key], finish, average_last=cfg.average_last,
                                    export="best dev BLEU of last.pt and recent averages")
         self.runner.link("teacher-model", f"{d}/model")
+        r = self.runner.manifest["stages"]["teacher"]["result"]
+        self.teacher_bleu = _exported_bleu(r)
+        if self.teacher_bleu < cfg.min_teacher_bleu:
+            raise StageCollapsed(
+                f"the teacher's dev BLEU is {self.teacher_bleu:.2f}, below --min-teacher-bleu "
+                f"{cfg.min_teacher_bleu:g}: it did not learn in {r['step']:,} steps ({r['train_minutes']} "
+                f"minutes); give it a longer budget (--teacher-minutes, --teacher-steps) or plug one in "
+                f"(--teacher-model, --teacher-cmd); the stages done are kept for the rerun")
         return key, f"{d}/model"
 
     def export_best(self, run_dir: str, out_dir: str) -> dict:
@@ -475,14 +500,33 @@ class Pipeline:
                                         cfg.min_ratio, cfg.max_ratio, cfg.max_repeat)
             original = zip(Lines(train_src), (one_line(x) for x in Lines(train_tgt))) if cfg.mix_original else ()
             n = _write_pairs(f"{d}/train.src", f"{d}/train.tgt", itertools.chain(kept, original))
-            if not counts["kept"]:
+            if not n:  # nothing to train on (--min-kept 0); a small share is refused below, naming the way out
                 raise TeacherError(f"nothing left of the distilled corpus after cleaning ({counts}); "
                                    f"look at {ddir}/distilled.txt")
             return {"removed": {k: v for k, v in counts.items() if k != "kept"}, "distilled_kept": counts["kept"],
                     "pairs": n, "mixed_original": cfg.mix_original}
 
-        key, d, _ = self.runner.stage("corpus", opts, [dkey], _no_work, finish)
+        key, d, result = self.runner.stage("corpus", opts, [dkey], _no_work, finish)
+        self.check_kept(result, f"{ddir}/distilled.txt")
         return key, d
+
+    def check_kept(self, result: dict, distilled: str) -> None:
+        """StageCollapsed when cleaning kept less than --min-kept of the teacher's translations and
+        the student would train on them alone."""
+        cfg = self.cfg
+        n = sum(result["removed"].values()) + result["distilled_kept"]
+        if cfg.mix_original or result["distilled_kept"] >= cfg.min_kept * n:
+            return
+        removed = ", ".join(f"{v:,} {k}" for k, v in result["removed"].items() if v)
+        if self.teacher_bleu is not None:  # our own teacher: it had too little time
+            why = (f"the teacher (dev BLEU {self.teacher_bleu:.2f}) did not learn to translate this corpus; "
+                   f"give it a longer budget (--teacher-minutes, --teacher-steps)")
+        else:
+            why = f"the teacher did not translate this corpus (see {distilled}); try another teacher"
+        raise StageCollapsed(
+            f"cleaning kept {result['distilled_kept']:,} of the teacher's {n:,} translations (removed {removed}), "
+            f"below --min-kept {cfg.min_kept:g}: {why}, or train the student on the original pairs too "
+            f"(--mix-original); the stages done are kept for the rerun")
 
     def students(self, jobs: list[tuple]) -> dict[str, tuple[str, str]]:
         """Train and export each (name, train.src, train.tgt, upstream): {name: (key, model dir)}.

@@ -120,12 +120,7 @@ def _model(model_dir: str):
     """(config, SentencePiece model path) of a model dir, checked against each other."""
     cfg = modeldir.read_config(model_dir)
     spath = os.path.join(model_dir, modeldir.SPM)
-    if not os.path.isfile(spath):
-        raise modeldir.ModelDirError(f"{spath}: missing file")
-    n = spm.SentencePieceProcessor(model_file=spath).get_piece_size()
-    if n != cfg.arch.vocab_size:
-        raise modeldir.ModelDirError(f"{spath}: vocabulary has {n} pieces, "
-                                     f"{modeldir.CONFIG} says {cfg.arch.vocab_size}")
+    modeldir.read_spm(spath, cfg.arch.vocab_size)
     return cfg, spath
 
 

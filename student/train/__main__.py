@@ -9,10 +9,11 @@ import os
 import shlex
 import sys
 
-from decoder import cliargs, modeldir
+from decoder import cliargs
 from decoder.cliargs import (HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float,
                              positive_int)
 from decoder.modeldir import MAX_VOCAB, ModelDirError
+from student.checkpoint import CheckpointError
 from student.data import DataError
 from student.model import PRESETS
 from student.train import sizing
@@ -197,25 +198,9 @@ def model_overrides(items: list[str], preset_name: str, vocab_size: int) -> dict
 
 def check_model(preset_name: str, fields: dict, option: str) -> None:
     """ValueError unless `fields` over the preset make a model the decoder can load."""
-    from dataclasses import fields as dc_fields
-
-    from student.model import ModelArgs, preset
-    known = [f.name for f in dc_fields(ModelArgs)]
-    for k in fields:
-        if k not in known:
-            raise ValueError(f"{option} {k}: not a model field (known: {', '.join(known)})")
-    args = preset(preset_name, **fields)
-    for k in ("dropout", "attention_dropout"):
-        v = getattr(args, k)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
-            raise ValueError(f"{option} {k}: must be a number in [0, 1), got {json.dumps(v)[:40]}")
-    cfg = modeldir.ModelConfig(arch=modeldir.Arch(**args.arch_dict()), pad_id=args.pad_id,
-                                  eos_id=args.eos_id, decoder_start_id=args.decoder_start_id,
-                                  bos_id=0, unk_id=0).to_json()
-    try:
-        modeldir.check_config(cfg, where=f"the model of {option} and --vocab-size")
-    except ModelDirError as e:
-        raise ValueError(str(e)) from None
+    from student.model import PRESETS as MODELS
+    from student.modeldir import checked_args
+    checked_args(fields, option, MODELS[preset_name])
 
 
 def main(argv=None) -> int:
@@ -240,7 +225,7 @@ def main(argv=None) -> int:
     created = not os.path.exists(a.out)
     try:
         result = train(cfg)
-    except (DataError, FileNotFoundError, InitError) as e:
+    except (DataError, FileNotFoundError, InitError, CheckpointError) as e:
         return _error(f"{e}{tidy_out(a.out, created)}")
     except BaseException:
         tidy_out(a.out, created)

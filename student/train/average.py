@@ -8,8 +8,7 @@ import re
 
 import torch
 
-from student.export import CheckpointError, load_weights_only, read_checkpoint
-from student.model import ModelArgs, Transformer
+from student.checkpoint import CheckpointError, load_weights_only, model_of, read_checkpoint
 from student.train.evaluate import score, translate_lean
 from student.train.trainer import atomic_save
 
@@ -84,8 +83,7 @@ def materialise(cand: dict, work_dir: str) -> str:
 def dev_bleu(checkpoint: str, src: list[str], ref: list[str], work_dir: str) -> float:
     """The checkpoint's dev BLEU, decoded as the trainer's dev evaluations are (greedy, lean decoder)."""
     ck = read_checkpoint(checkpoint)
-    model = Transformer(ModelArgs(**ck["model_args"]))
-    model.load_state_dict(ck["model"])
+    model = model_of(ck, checkpoint)
     return score(translate_lean(model.eval(), ck["meta"], src, work_dir), ref)["bleu"]
 
 

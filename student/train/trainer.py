@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import glob
 import hashlib
 import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -24,9 +26,11 @@ from tqdm import tqdm
 from decoder import durable
 from decoder.machine import cpu_info, has_native_bf16
 from student import chart
+from student.checkpoint import CheckpointError, newest_checkpoint
 from student.data import indexed, normalise, prepare
 from student.data.pipeline import file_digest
 from student.model import Transformer, preset
+from student.modeldir import checked_args
 from student.train import sizing
 from student.train.batching import collate, make_batches, shard
 from student.train.evaluate import score, translate, translate_lean
@@ -325,9 +329,7 @@ class Trainer:
         if self.rank == 0:
             for f in remove_stale_tmp(cfg.out_dir):
                 print(f"removed {f}: a save cut short by an earlier run", flush=True)
-        if os.path.exists(self.last_path):
-            self.resume()
-        elif cfg.init_from:  # before step 0 only: a resumed run already holds its own weights
+        if not self.resume() and cfg.init_from:  # before step 0 only: a resumed run already holds its own weights
             self.initialise(cfg.init_from)
         self.schedule = lr_schedule(self.opt, cfg, self.state["step"])
         self.net = self.model
@@ -338,7 +340,8 @@ class Trainer:
     def decide_sizes(self, cfg: TrainConfig, device: torch.device, vocab_size: int) -> TrainConfig:
         """cfg resolved by resolve_sizes, said in one line and kept in OUT/sizes.json for a resume."""
         path = os.path.join(cfg.out_dir, "sizes.json")
-        saved = _read_json(path) if os.path.exists(self.last_path) else None
+        resuming = os.path.exists(self.last_path) or glob.glob(os.path.join(cfg.out_dir, "ckpt-*.pt"))
+        saved = _read_json(path) if resuming else None
         cfg, line = resolve_sizes(cfg, device, vocab_size, saved)
         if self.verbose:
             print(line, flush=True)
@@ -346,8 +349,17 @@ class Trainer:
                 durable.write_json(path, {k: getattr(cfg, k) for k in SIZE_FIELDS})
         return cfg
 
-    def resume(self):
-        ck = torch.load(self.last_path, map_location="cpu", weights_only=True)
+    def resume(self) -> bool:
+        """Load the newest checkpoint of the run dir that loads (checkpoint.newest_checkpoint), saying
+        which were skipped and why; False when there is none, CheckpointError when none loads."""
+        path, ck, skipped = newest_checkpoint(self.cfg.out_dir, self.resumable)
+        for why in skipped if self.verbose else ():
+            print(f"warning: not resuming from {why}", file=sys.stderr, flush=True)
+        if path is None and skipped:
+            raise CheckpointError(f"{self.cfg.out_dir}: no checkpoint to resume from loads ({len(skipped)} "
+                                  f"tried, above); move them out of the run dir to start afresh")
+        if path is None:
+            return False
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
         if self.scaler is not None and ck.get("scaler"):
@@ -358,8 +370,24 @@ class Trainer:
             self.state[k] = ck[k]
         if self.verbose:
             st = self.state
-            print(f"resuming from {self.last_path} at step {st['step']} (epoch {st['epoch']}, "
+            print(f"resuming from {path} at step {st['step']} (epoch {st['epoch']}, "
                   f"batch {st['batch_idx']})", flush=True)
+        return True
+
+    def resumable(self, ck: dict, path: str) -> None:
+        """CheckpointError unless `ck` is a checkpoint of this run's model that a run resumes from."""
+        missing = [k for k in (*self.state, "optimizer", "rng_torch", "rng_python") if k not in ck]
+        if missing:
+            raise CheckpointError(f"{path}: not a checkpoint to resume from (no {missing[0]!r})")
+        if not isinstance(ck["step"], int) or isinstance(ck["step"], bool):
+            raise CheckpointError(f"{path}: not a checkpoint to resume from (its step is not an integer)")
+        if not isinstance(ck["optimizer"], dict):  # an average (student.train average) has none
+            raise CheckpointError(f"{path}: not a checkpoint to resume from (no optimizer state: an average?)")
+        mine = self.model.args.arch_dict()
+        theirs = checked_args(ck["model_args"], path).arch_dict()
+        differ = [f"{k} {theirs[k]}, not {mine[k]}" for k in mine if theirs[k] != mine[k]]
+        if differ:
+            raise CheckpointError(f"{path}: a checkpoint of another model ({', '.join(differ)})")
 
     def initialise(self, model_dir: str):
         p = init_from_teacher(self.model, model_dir, spm_model=self.corpus.prep.spm_model)

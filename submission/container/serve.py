@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from submission.container import cgroup
+from decoder import cgroup
 
 
 def settings(hardware: str, model_dir: str, task: str = "throughput") -> dict:
@@ -52,7 +52,7 @@ def hardware_settings(hardware: str, model_dir: str) -> dict:
     # CPU-ALL throughput: one pinned single-thread worker process per core, fed
     # whole batches (decoder/workers.py); 1.2-1.4x faster than one process with
     # a thread per core on 2 cores (docs/container.md), as long as the cgroup's
-    # memory holds a model copy per worker (submission/container/cgroup.py). Latency has
+    # memory holds a model copy per worker (decoder/cgroup.py). Latency has
     # one sentence at a time, nothing to spread over processes: threads.
     if hardware == "CPU-1":
         return dict(device="cpu", precision="auto", threads=1, workers=0)

@@ -11,7 +11,9 @@ embeddings scaled by sqrt(d_model)), so both directions are renames.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import warnings
 
 import torch
 
@@ -193,11 +195,16 @@ def _load_hf_model(cls, hf_dir: str):
     """cls.from_pretrained(hf_dir), or a ValueError naming the weights file: a truncated or
     corrupt file raises SafetensorError (or OSError, RuntimeError, EOFError for a .bin)."""
     from safetensors import SafetensorError
+    names = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))]
+    where = os.path.join(hf_dir, names[0]) if names else hf_dir
     try:
-        return cls.from_pretrained(hf_dir)
+        with warnings.catch_warnings():  # torch warns about a planted pickle's protocol before refusing it
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return cls.from_pretrained(hf_dir)
+    except pickle.UnpicklingError:  # transformers loads a .bin weights-only: a planted pickle stops here
+        raise ValueError(f"{where}: refused: not a weights-only torch checkpoint "
+                         f"(arbitrary pickles are never loaded)") from None
     except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
-        names = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))]
-        where = os.path.join(hf_dir, names[0]) if names else hf_dir
         if modeldir.is_allocation_failure(e):
             raise ValueError(f"{where}: not enough memory to load the weights ({modeldir.first_line(e)})") from None
         raise ValueError(f"{where}: unreadable weights ({modeldir.first_line(e)})") from None

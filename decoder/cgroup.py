@@ -1,6 +1,7 @@
-"""What the container may use: cores (affinity mask and CPU quota) and memory
-(the cgroup limit), read from cgroup v2 or v1 files, and the CPU-ALL worker
-count they allow.
+"""What a process may use: cores (affinity mask and CPU quota) and memory
+(the cgroup limit, else the machine's), read from cgroup v2 or v1 files, and the
+worker count they allow: the container's CPU-ALL count, and the bound on
+`python -m decoder --workers` (workers.usable_workers).
 
 `docker run --cpus N --memory M` sets only the cgroup's quota and limit;
 nproc, torch's default thread count and /proc/meminfo still show the host.
