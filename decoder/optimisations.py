@@ -450,13 +450,14 @@ class Plan:
         relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
                     "int8" if precision == "int8" else "", self.device}
         diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
-                if o.bench in relevant and (o.name in self.runs) != o.default and o.name != "cuda_graphs"]
+                if o.bench in relevant and (o.name in self.runs) != o.default and o.name not in ("cuda_graphs", "shortlist")]
         st = self.states
         reads = "every step" if self.every == 1 else f"every {self.every} steps"
         static = "" if not st.static else (f", fixed-shape state up to {st.graph_rows} rows" if st.graph_rows < MAX_ROWS
                                           else ", fixed-shape state")
         return (f"{self.loop} loop, {st.eager} state" + (", one-row state at 1 sentence" if st.one_row else "")
                 + static + f", CUDA graphs {'on' if st.graphs else 'off'}, host reads {reads}"
+                + (", the model dir's shortlist" if self.shortlist else ", no shortlist")
                 + (f"; {' '.join(diff)}" if diff else "") + self.ops_summary())
 
     def ops_summary(self) -> str:

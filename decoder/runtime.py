@@ -35,6 +35,10 @@ def describe(tr, requested: str | None = None) -> str:
     so that two outputs can be told apart (fp32 and int8 differ on a few lines)."""
     import torch
     precision = tr.precision + (f" ({requested})" if requested and requested != tr.precision else "")
+    if requested is None:  # the fast default, and why it is this one
+        precision += (" (the default on CUDA)" if tr.device.startswith("cuda") else
+                      " (the default: this CPU has an int8 kernel)" if tr.precision == "int8" else
+                      " (the default: no int8 kernel on this CPU)")
     if tr.pool is not None:
         par = f"{tr.opts.workers} worker processes x 1 thread"
     else:

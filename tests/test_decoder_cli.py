@@ -210,3 +210,25 @@ def test_set_switches_reach_the_decode(model_dir):
     from decoder import Translator
     want = Translator(model_dir, precision="fp32", fused_norm=False, kv_half=True, chunk_lines=2).translate(lines)
     assert r.stdout.decode().split("\n")[:-1] == want
+
+
+def test_the_default_is_the_fast_path_and_the_settings_line_says_so(tmp_path):
+    """No --precision, no --shortlist: int8 where this CPU has an int8 kernel (else fp32) and
+    the model dir's shortlist when it has one, as the container runs; --precision fp32
+    --no-shortlist still gives the model's own output."""
+    import torch
+    from decoder import modeldir, quant
+    d = str(tmp_path / "model")
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "bible-tiny", "model"), d)
+    V = modeldir.read_config(d).arch.vocab_size
+    modeldir.write_shortlist(d, torch.arange(V + 1) * 0, torch.zeros(0, dtype=torch.long), torch.arange(V))
+    stdin = b"In the beginning God created the heavens and the earth.\nJesus wept.\n"
+    fast = run_cli(d, stdin)
+    assert fast.returncode == 0, fast.stderr
+    line = fast.stderr.decode().strip().splitlines()[-1]
+    int8 = quant.fbgemm_available() or quant.int_mm_vnni()
+    assert line.startswith("decoder: precision " + ("int8" if int8 else "fp32") + " (the default")
+    assert "the model dir's shortlist" in line
+    plain = run_cli(d, stdin, "--precision", "fp32", "--no-shortlist")
+    assert "precision fp32," in plain.stderr.decode() and "no shortlist" in plain.stderr.decode()
+    assert len(fast.stdout.splitlines()) == len(plain.stdout.splitlines()) == 2

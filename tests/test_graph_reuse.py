@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from decoder import Translator, cache
+from decoder import Translator
+from decoder import state as cache
 from decoder.optimisations import Kernels, Switches, resolve
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
