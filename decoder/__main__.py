@@ -175,7 +175,8 @@ def _translate_all(a, tr: Translator, src) -> int:
         if a.output == "-":
             translate(tr, src, sys.stdout.buffer, flush=True)
             return 0
-        from .durable import atomic_write
+        from .durable import atomic_write, remove_stale_beside
+        remove_stale_beside(a.output)  # the OUT.tmp.PID of a run that was killed
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as out:

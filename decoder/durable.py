@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
 from typing import Callable, Iterable
+
+from .fileerrors import Refused, as_os_error, with_name
 
 _unfinished: set[str] = set()  # temp files being written now
 
@@ -76,6 +80,8 @@ def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        raise with_name(e, path)
     finally:
         os.close(fd)
 
@@ -144,16 +150,23 @@ def publish(tmp: str, path: str) -> None:
     fsync_path(_parent(path))
 
 
-def atomic_write(path: str, write: Callable[[str], object]) -> None:
+def atomic_write(path: str, write: Callable[[str], object], follow: bool = True) -> None:
     """`write(tmp)` creates the temp file; then it replaces `path` (a symlink's
     target). On an exception the temp file goes and `path` keeps its previous
-    contents. A device, a FIFO or /dev/stdout is given to `write` itself."""
-    target, in_place = resolve(path)
+    contents. A device, a FIFO or /dev/stdout is given to `write` itself.
+
+    `follow=False` (a file of a model dir or run dir, a name the user did not
+    give): whatever `path` is, a link included, the new file replaces the name
+    itself; nothing outside the dir is ever written."""
+    target, in_place = resolve(path) if follow else (os.path.abspath(path), False)
     if in_place:
         write(target)
         return
     with temporary(target) as tmp:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:  # a write on a descriptor names no file: name the one the user knows
+            raise with_name(as_os_error(e), target) from None
         publish(tmp, target)
 
 
@@ -198,8 +211,19 @@ def write_lines(path: str, lines: Iterable[str]) -> None:
     atomic_write(path, write)
 
 
+def json_bytes(obj, **kw) -> bytes:
+    return json.dumps(obj, indent=2, ensure_ascii=False, **kw).encode("utf-8")
+
+
 def write_json(path: str, obj, **kw) -> None:
-    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw))
+    write_text(path, json_bytes(obj, **kw).decode("utf-8"))
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """A new file holding `data`, written by Python: a failure is an OSError with its errno
+    and the file's name (safetensors' save_file raises its own error, naming neither)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
 
 
 def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
@@ -215,8 +239,13 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
         old = tmp_name(path.rstrip("/") + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)  # a dir cannot be renamed over a non-empty one
-        os.rename(tmp, path)
-        fsync_path(parent)
+        try:
+            os.rename(tmp, path)
+            fsync_path(parent)
+        except BaseException:
+            if not os.path.lexists(path):
+                os.rename(old, path)  # the previous dir back under its name
+            raise
         shutil.rmtree(old, ignore_errors=True)
         return
     try:
@@ -247,8 +276,103 @@ def write_dir(path: str, write: Callable[[str], object], replace: bool = True) -
     exception the temp dir goes and `path` stays as it was."""
     tmp = make_tmp_dir(path)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:
+            raise with_name(as_os_error(e), path) from None
         publish_dir(tmp, path, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
     return path
+
+
+# -- leftovers of killed writers -------------------------------------------------------
+_TEMP = re.compile(r"^(?P<hidden>\.)?(?P<name>.+)\.tmp\.(?P<pid>\d+)(?P<dir>\.[0-9a-z_]+)?$")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale(directory: str, names: Iterable[str] | None = None) -> list[str]:
+    """Remove the temp files (`NAME.tmp.PID`) and temp dirs (`.NAME.tmp.PID.HEX`) that
+    writers which are gone (a SIGKILL, a power loss) left in `directory`; with `names`,
+    only those of these targets. A live process's temp, this one's included, is left
+    alone. Returns the names removed."""
+    wanted = None if names is None else set(names)
+    gone = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return gone  # not there yet: nothing left over
+    for f in entries:
+        m = _TEMP.match(f)
+        if not m or bool(m["hidden"]) != bool(m["dir"]) or (wanted is not None and m["name"] not in wanted):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        p = os.path.join(directory, f)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+        except FileNotFoundError:
+            continue  # another run cleaned it first
+        gone.append(f)
+    return gone
+
+
+def remove_stale_beside(path: str) -> list[str]:
+    """remove_stale for the temps of one target (a file or a dir) beside it."""
+    target = resolve(path)[0]
+    parent, name = os.path.split(target.rstrip("/"))
+    return remove_stale(parent, [name, name + ".old"])
+
+
+# -- one writer per dir -----------------------------------------------------------------
+LOCK = ".lock"
+
+
+class Busy(Refused):
+    """The dir is locked by a run that is still going."""
+
+
+@contextlib.contextmanager
+def locked(directory: str, what: str = "run dir"):
+    """Hold `directory` for this process (created if missing): an advisory flock on
+    DIR/.lock, which the kernel drops when the process ends however it ends. A second
+    holder gets Busy naming the first one's pid. The lock file goes with the lock."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise Busy(f"{directory}: {what} in use by another run (process {holder}); "
+                       f"wait for it to end, or choose another dir") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder before us removed this file on its way out: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)

@@ -42,7 +42,7 @@ import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from decoder import modeldir, textio
+from decoder import durable, modeldir, textio
 from student.data import DataError, normalise
 from student.data.corpus import Lines
 from student.data.parallel import imap_ordered, workers
@@ -119,9 +119,7 @@ def _lexicon(counted: tuple[int, np.ndarray], p: cooc.Plan, k: int, n_frequent: 
 def _model(model_dir: str):
     """(config, SentencePiece model path) of a model dir, checked against each other."""
     cfg = modeldir.read_config(model_dir)
-    spath = os.path.join(model_dir, modeldir.SPM)
-    if not os.path.isfile(spath):
-        raise modeldir.ModelDirError(f"{spath}: missing file")
+    spath = modeldir.spm_file(os.path.join(model_dir, modeldir.SPM))
     n = spm.SentencePieceProcessor(model_file=spath).get_piece_size()
     if n != cfg.arch.vocab_size:
         raise modeldir.ModelDirError(f"{spath}: vocabulary has {n} pieces, "
@@ -178,7 +176,11 @@ def add_to_model_dir(model_dir: str, src_path: str, tgt_path: str, *, k: int = 1
         raise DataError(f"{tgt_path}: {n_tgt} lines, but {src_path} has {n_src}")
     n = min(n_src, max_lines) if max_lines else n_src
     cfg, spath = _model(model_dir)
-    with tempfile.TemporaryDirectory(prefix=".shortlist-", dir=os.path.dirname(os.path.abspath(model_dir))) as tmp:
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    # what a killed run left: its counting dir beside the model dir, its temp files in it
+    durable.remove_stale(parent, ["shortlist"])
+    durable.remove_stale(model_dir, [modeldir.SHORTLIST, modeldir.CONFIG])
+    with tempfile.TemporaryDirectory(prefix=f".shortlist.tmp.{os.getpid()}.", dir=parent) as tmp:
         p = cooc.plan(cfg.arch.vocab_size, (cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id), BLOCK_MB, tmp)
         counted = _count_files(src_path, tgt_path, n, (spath, _langs(cfg), cfg.normaliser), p, verbose)
         lex = _lexicon(counted, p, k, n_frequent, identity, verbose)

@@ -100,7 +100,10 @@ def dist_info() -> tuple[int, int]:
 
 
 def atomic_save(obj, path: str):
-    durable.atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    def write(tmp):
+        with open(tmp, "wb") as fh:  # through Python: a full disk is an OSError with its errno
+            torch.save(obj, fh)
+    durable.atomic_write(path, write)
 
 
 def remove_stale_tmp(out_dir: str) -> list[str]:
