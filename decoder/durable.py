@@ -143,11 +143,42 @@ def _parent(path: str) -> str:
 
 
 def publish(tmp: str, path: str) -> None:
-    """Rename a finished temp file (or symlink) over `path`, durably."""
+    """Rename a finished temp file (or symlink) over `path`, durably. If the rename or the
+    fsync of the dir after it fails, `path` is put back as it was (its previous file kept
+    meanwhile as a hard link), so a command that fails leaves it as it found it."""
     user_modes(tmp)
     fsync_tree(tmp)
-    os.replace(tmp, path)
-    fsync_path(_parent(path))
+    existed, old = os.path.lexists(path), _keep(path)
+    try:
+        os.replace(tmp, path)
+        fsync_path(_parent(path))
+    except BaseException:
+        with contextlib.suppress(OSError):  # undo what went through; the first error is the one to tell
+            if old:
+                os.replace(old, path)
+            elif not existed and not os.path.lexists(tmp):
+                os.replace(path, tmp)  # the caller's clean-up removes it
+        raise
+    finally:
+        if old:
+            _unfinished.discard(old)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+
+
+def _keep(path: str) -> str | None:
+    """A hard link to the regular file at `path` (None: none there, or no hard links here)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    old = tmp_name(path + ".old")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(old)
+        os.link(path, old)
+    except OSError:
+        return None
+    _unfinished.add(old)
+    return old
 
 
 def atomic_write(path: str, write: Callable[[str], object], follow: bool = True) -> None:
@@ -243,8 +274,10 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
             os.rename(tmp, path)
             fsync_path(parent)
         except BaseException:
-            if not os.path.lexists(path):
-                os.rename(old, path)  # the previous dir back under its name
+            with contextlib.suppress(OSError):  # the previous dir back under its name
+                if not os.path.lexists(tmp):
+                    os.rename(path, tmp)
+                os.rename(old, path)
             raise
         shutil.rmtree(old, ignore_errors=True)
         return
@@ -254,7 +287,12 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
         if replace or not os.path.isdir(path):
             raise
         return  # a concurrent writer published it between the check and the rename
-    fsync_path(parent)
+    try:
+        fsync_path(parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rename(path, tmp)  # not there before, not there after a failure
+        raise
 
 
 def make_tmp_dir(path: str) -> str:

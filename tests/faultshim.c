@@ -1,6 +1,6 @@
 /* Fault injection for tests/faults.py: LD_PRELOAD'ed into a command, it makes the k-th
  * write, fsync, rename or file creation under one directory fail with a chosen errno,
- * and every later one of that kind too (a full disk stays full).
+ * (only that one: what runs after it, a clean-up, must still work).
  *
  * Counting happens below FAULT_UNDER only (the output's dir), so stderr, pipes and the
  * inputs are never touched. The counters and the fault live in FAULT_STATE, a file of
@@ -82,7 +82,7 @@ static int at_in_dir(int dirfd, const char *path) {
 /* whether this event (already known to be under the dir) fails */
 static int fails(int kind) {
     int64_t n = __atomic_add_fetch(&state[kind], 1, __ATOMIC_SEQ_CST);
-    if (state[4] == kind && n >= state[5]) {
+    if (state[4] == kind && n == state[5]) {
         __atomic_add_fetch(&state[7], 1, __ATOMIC_SEQ_CST);
         errno = (int)state[6];
         return 1;
@@ -153,42 +153,46 @@ int renameat2(int da, const char *a, int db, const char *b, unsigned f) {
     if ((at_in_dir(da, a) || at_in_dir(db, b)) && fails(RENAME)) return -1;
     return real_renameat2(da, a, db, b, f);
 }
+/* a creation is a name that does not exist yet (makedirs' mkdir of an existing dir is none) */
+static int new_name(int d, const char *p) { return faccessat(d, p, F_OK, AT_SYMLINK_NOFOLLOW) != 0; }
+
 int mkdir(const char *p, mode_t m) {
     REAL(mkdir);
-    if (in_dir(p) && fails(CREATE)) return -1;
+    if (in_dir(p) && new_name(AT_FDCWD, p) && fails(CREATE)) return -1;
     return real_mkdir(p, m);
 }
 int mkdirat(int d, const char *p, mode_t m) {
     REAL(mkdirat);
-    if (at_in_dir(d, p) && fails(CREATE)) return -1;
+    if (at_in_dir(d, p) && new_name(d, p) && fails(CREATE)) return -1;
     return real_mkdirat(d, p, m);
 }
 
 #define OPEN_MODE(flags) mode_t mode = 0; if ((flags) & (O_CREAT | __O_TMPFILE)) { \
     va_list ap; va_start(ap, flags); mode = va_arg(ap, mode_t); va_end(ap); }
 #define CREATES(flags) ((flags) & (O_CREAT | __O_TMPFILE))
+#define NEW(d, p) new_name(d, p)
 
 int open(const char *p, int flags, ...) {
     REAL(open);
     OPEN_MODE(flags);
-    if (CREATES(flags) && in_dir(p) && fails(CREATE)) return -1;
+    if (CREATES(flags) && in_dir(p) && NEW(AT_FDCWD, p) && fails(CREATE)) return -1;
     return real_open(p, flags, mode);
 }
 int open64(const char *p, int flags, ...) {
     REAL(open64);
     OPEN_MODE(flags);
-    if (CREATES(flags) && in_dir(p) && fails(CREATE)) return -1;
+    if (CREATES(flags) && in_dir(p) && NEW(AT_FDCWD, p) && fails(CREATE)) return -1;
     return real_open64(p, flags, mode);
 }
 int openat(int d, const char *p, int flags, ...) {
     REAL(openat);
     OPEN_MODE(flags);
-    if (CREATES(flags) && at_in_dir(d, p) && fails(CREATE)) return -1;
+    if (CREATES(flags) && at_in_dir(d, p) && NEW(d, p) && fails(CREATE)) return -1;
     return real_openat(d, p, flags, mode);
 }
 int openat64(int d, const char *p, int flags, ...) {
     REAL(openat64);
     OPEN_MODE(flags);
-    if (CREATES(flags) && at_in_dir(d, p) && fails(CREATE)) return -1;
+    if (CREATES(flags) && at_in_dir(d, p) && NEW(d, p) && fails(CREATE)) return -1;
     return real_openat64(d, p, flags, mode);
 }

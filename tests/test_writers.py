@@ -1,0 +1,142 @@
+"""Every command that writes, with its k-th write, fsync, rename or file creation failing
+(ENOSPC, EROFS, EACCES, EIO; tests/faults.py): one `error:` line, a non-zero status, no
+partial output, and what was there before intact. The writers' counterpart of the options'
+Hypothesis suite (tests/test_option_properties.py)."""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.faults import build_shim, error_lines, run_cases
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIBLE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
+ARGS = dict(vocab_size=64, d_model=32, n_heads=4, ffn_dim=48, encoder_layers=1, decoder_layers=1, dropout=0.0)
+
+# What each command meets: a full disk mid-file, a read-only mount at the last fsync, a
+# permission refused at the publishing rename, an I/O error at the first file it creates.
+FAULTS = [("write", "mid", errno.ENOSPC), ("fsync", "last", errno.EROFS),
+          ("rename", "last", errno.EACCES), ("create", "first", errno.EIO)]
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+    so = build_shim(str(tmp_path_factory.mktemp("shim")))
+    if so is None:
+        pytest.skip("no C compiler to build the fault-injection library")
+    return so
+
+
+def faulted(argv: list[str], faults=FAULTS) -> list[dict]:
+    """A count of argv's events (it runs once more, on what the first run left), then argv
+    with each fault."""
+    return [{"argv": argv}] + [{"argv": argv, "kind": kind, "k": k, "errno": e} for kind, k, e in faults]
+
+
+def assert_one_line_and_nothing_lost(results: list[dict], same: bool = True) -> None:
+    """Each faulted case: the fault landed, one error line, non-zero status, no traceback;
+    `same`: the tree under the output's dir is byte for byte what it was."""
+    count = results[0]
+    assert count["code"] in (0, None), count["stderr"][-3000:]
+    for r in results[1:]:
+        what = f"{r['case']['kind']} #{r['k']} ({errno.errorcode[r['case']['errno']]})"
+        assert r["injected"] == 1, f"{what}: no such event (seen {r['seen']})"
+        assert r["code"] not in (0, None, "traceback"), f"{what}: exit {r['code']}\n{r['stderr'][-3000:]}"
+        assert "Traceback" not in r["stderr"], f"{what}:\n{r['stderr'][-3000:]}"
+        assert len(error_lines(r["stderr"])) == 1, f"{what}:\n{r['stderr'][-3000:]}"
+        assert not [n for n in r["after"] if ".tmp." in n], f"{what}: temp left: {sorted(r['after'])}"
+        if same:
+            assert r["after"] == r["before"], f"{what}: {sorted(set(r['after'].items()) ^ set(r['before'].items()))}"
+        else:  # nothing that was there is gone
+            assert set(r["before"]) <= set(r["after"]), f"{what}: lost {set(r['before']) - set(r['after'])}"
+
+
+def checkpoint(path, spm_model: str) -> str:
+    from student.model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    m = Transformer(ModelArgs(**ARGS))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"model": m.state_dict(), "model_args": dataclasses.asdict(m.args), "step": 1,
+                "meta": {"spm_model": spm_model, "src_lang": "en", "tgt_lang": "es"}}, path)
+    return str(path)
+
+
+def test_export_on_a_failing_disk_keeps_the_previous_model_dir(shim, tmp_path, tiny_spm):
+    ckpt = checkpoint(tmp_path / "run" / "best.pt", tiny_spm)
+    out = tmp_path / "w" / "model"
+    argv = ["student.export", ckpt, str(out)]
+    results = run_cases(shim, str(tmp_path / "w"), [{"argv": argv}] + faulted(argv))
+    assert sorted(results[0]["after"]) == ["model", "model/config.json", "model/model.safetensors",
+                                           "model/spm.model"]
+    assert_one_line_and_nothing_lost(results[1:])
+
+
+def test_decoder_output_on_a_failing_disk_keeps_the_previous_file(shim, tmp_path):
+    (tmp_path / "in.txt").write_text("in the beginning\nand the earth\n", encoding="utf-8")
+    out = tmp_path / "w" / "out.txt"
+    out.parent.mkdir()
+    out.write_text("previous\n")
+    argv = ["decoder", "--model", os.path.join(BIBLE, "model"), "-i", str(tmp_path / "in.txt"), "-o", str(out),
+            "--threads", "1", "--quiet"]
+    results = run_cases(shim, str(tmp_path / "w"), faulted(argv))
+    assert_one_line_and_nothing_lost(results)
+
+
+def test_shortlist_on_a_failing_disk_keeps_the_model_dir_as_it_was(shim, tmp_path):
+    model = tmp_path / "w" / "model"
+    shutil.copytree(os.path.join(BIBLE, "model"), model)
+    argv = ["student.shortlist", "--model", str(model), "--src", os.path.join(BIBLE, "test.en"),
+            "--tgt", os.path.join(BIBLE, "test.es"), "--k", "5", "--frequent", "5"]
+    results = run_cases(shim, str(tmp_path / "w"), [{"argv": argv}] + faulted(argv))
+    assert "model/shortlist.safetensors" in results[0]["after"]
+    assert_one_line_and_nothing_lost(results[1:])
+
+
+def test_convert_on_a_failing_disk_keeps_the_previous_output(shim, tmp_path):
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "w" / "ct2"
+    argv = ["tools.convert", "--to", "ct2", os.path.join(BIBLE, "model"), str(out), "--force"]
+    results = run_cases(shim, str(tmp_path / "w"), [{"argv": argv}] + faulted(argv))
+    assert "ct2/model.bin" in results[0]["after"]
+    assert_one_line_and_nothing_lost(results[1:])
+
+
+def test_data_prepare_on_a_failing_disk_leaves_no_partial_cache(shim, tmp_path, toy_files):
+    data = tmp_path / "w"
+
+    def argv(seed):
+        return ["student.data", "prepare", "toy", "--src", str(toy_files / "train.en"), "--tgt",
+                str(toy_files / "train.es"), "--vocab-size", "60", "--data-dir", str(data), "--seed", str(seed), "-q"]
+    cases = [{"argv": argv(1)}, {"argv": argv(2)}]
+    cases += [{"argv": argv(3 + i), "kind": kind, "k": k, "errno": e} for i, (kind, k, e) in enumerate(FAULTS)]
+    results = run_cases(shim, str(data), cases)
+    assert_one_line_and_nothing_lost(results[1:])
+
+
+def test_training_and_averaging_on_a_failing_disk_lose_no_checkpoint(shim, tmp_path, toy_files):
+    """A resumed run whose save fails: the previous checkpoints stay, every file there loads."""
+    run = tmp_path / "w" / "run"
+    env = {**os.environ, "KIT_DATA_DIR": str(tmp_path / "data")}
+
+    def train(steps):
+        return ["student.train", "--out", str(run), "--preset", "student-tiny", "--src", str(toy_files / "train.en"),
+                "--tgt", str(toy_files / "train.es"), "--vocab-size", "320", "--amp", "off", "--max-tokens", "300",
+                "--set", "d_model=32", "--set", "n_heads=2", "--set", "ffn_dim=64", "--set", "encoder_layers=1",
+                "--max-steps", str(steps), "--save-every", "2", "--eval-every", "0", "--no-test"]
+    cases = [{"argv": train(2)}, {"argv": train(4)}]
+    cases += [{"argv": train(6 + 2 * i), "kind": kind, "k": k, "errno": e} for i, (kind, k, e) in enumerate(FAULTS)]
+    avg = ["student.train", "average", "--run", str(run), "--last", "2", "--out", str(tmp_path / "w" / "avg.pt")]
+    cases += [{"argv": avg}] + faulted(avg)[1:]
+    results = run_cases(shim, str(tmp_path / "w"), cases, env=env)
+    assert_one_line_and_nothing_lost(results[1:6], same=False)
+    for name in os.listdir(run):
+        if name.endswith(".pt"):
+            torch.load(run / name, weights_only=True)  # complete, whichever version
+    assert_one_line_and_nothing_lost(results[6:])
