@@ -142,6 +142,28 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
+@contextlib.contextmanager
+def undone_on_failure(*paths: str):
+    """The files at `paths` as they were if the block fails: for a command that replaces
+    several files one after the other (a shortlist and the config that lists it)."""
+    kept = {p: (os.path.lexists(p), _keep(p, ".undo")) for p in paths}
+    try:
+        yield
+    except BaseException:
+        for p, (existed, old) in kept.items():
+            with contextlib.suppress(OSError):
+                if old:
+                    os.replace(old, p)
+                elif not existed and os.path.lexists(p):
+                    os.remove(p)
+        raise
+    finally:
+        for old in (old for _, old in kept.values() if old):
+            _unfinished.discard(old)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+
+
 def publish(tmp: str, path: str) -> None:
     """Rename a finished temp file (or symlink) over `path`, durably. If the rename or the
     fsync of the dir after it fails, `path` is put back as it was (its previous file kept
@@ -166,11 +188,11 @@ def publish(tmp: str, path: str) -> None:
                 os.remove(old)
 
 
-def _keep(path: str) -> str | None:
+def _keep(path: str, suffix: str = ".old") -> str | None:
     """A hard link to the regular file at `path` (None: none there, or no hard links here)."""
     if os.path.islink(path) or not os.path.isfile(path):
         return None
-    old = tmp_name(path + ".old")
+    old = tmp_name(path + suffix)
     try:
         with contextlib.suppress(FileNotFoundError):
             os.remove(old)
@@ -242,6 +264,37 @@ def write_lines(path: str, lines: Iterable[str]) -> None:
     atomic_write(path, write)
 
 
+class _Recorded:
+    """A binary file whose first failed write is kept: a library that catches it and
+    raises its own error instead (torch.save: "unexpected pos") is told by it."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data):
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def write_through(path: str, save: Callable[[object], object]) -> None:
+    """save(file) writes a new file at `path` through Python's writes; a failed write is
+    raised as its own OSError (with its errno), whatever `save` made of it."""
+    with open(path, "wb") as fh:
+        rec = _Recorded(fh)
+        try:
+            save(rec)
+        except Exception:
+            if rec.error is not None:
+                raise rec.error from None
+            raise
+
+
 def json_bytes(obj, **kw) -> bytes:
     return json.dumps(obj, indent=2, ensure_ascii=False, **kw).encode("utf-8")
 
@@ -253,8 +306,7 @@ def write_json(path: str, obj, **kw) -> None:
 def write_bytes(path: str, data: bytes) -> None:
     """A new file holding `data`, written by Python: a failure is an OSError with its errno
     and the file's name (safetensors' save_file raises its own error, naming neither)."""
-    with open(path, "wb") as fh:
-        fh.write(data)
+    write_through(path, lambda fh: fh.write(data))
 
 
 def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
@@ -372,7 +424,7 @@ def remove_stale_beside(path: str) -> list[str]:
     """remove_stale for the temps of one target (a file or a dir) beside it."""
     target = resolve(path)[0]
     parent, name = os.path.split(target.rstrip("/"))
-    return remove_stale(parent, [name, name + ".old"])
+    return remove_stale(parent, [name, name + ".old", name + ".undo"])
 
 
 # -- one writer per dir -----------------------------------------------------------------

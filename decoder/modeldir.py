@@ -549,12 +549,13 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
     # int32: half the bytes, and vocabularies stay far below 2**31
     tensors = {n: x.to(torch.int32).contiguous() for n, x in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    # a link inside the dir is replaced, never followed out of it (follow=False)
-    durable.atomic_write(path, lambda tmp: durable.write_bytes(tmp, save(tensors, metadata=meta)), follow=False)
     cpath = os.path.join(model_dir, CONFIG)
     d = read_json(cpath)
     d.setdefault("files", {})["shortlist"] = SHORTLIST
-    durable.atomic_write(cpath, lambda tmp: durable.write_bytes(tmp, durable.json_bytes(d)), follow=False)
+    # both files or neither; a link inside the dir is replaced, never followed out of it
+    with durable.undone_on_failure(path, cpath):
+        durable.atomic_write(path, lambda tmp: durable.write_bytes(tmp, save(tensors, metadata=meta)), follow=False)
+        durable.atomic_write(cpath, lambda tmp: durable.write_bytes(tmp, durable.json_bytes(d)), follow=False)
     return path
 
 

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -108,7 +109,8 @@ def run_cases(shim: str, under: str, cases: list, env: dict | None = None, timeo
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [x for x in stderr.splitlines() if x.startswith("error:")]
+    """The error lines of stderr (one may follow a progress bar that was cut short)."""
+    return [x for x in stderr.splitlines() if re.search(r"(^|\]|\r)error: ", x)]
 
 
 if __name__ == "__main__":

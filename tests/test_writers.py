@@ -113,7 +113,7 @@ def test_data_prepare_on_a_failing_disk_leaves_no_partial_cache(shim, tmp_path, 
 
     def argv(seed):
         return ["student.data", "prepare", "toy", "--src", str(toy_files / "train.en"), "--tgt",
-                str(toy_files / "train.es"), "--vocab-size", "60", "--data-dir", str(data), "--seed", str(seed), "-q"]
+                str(toy_files / "train.es"), "--vocab-size", "300", "--data-dir", str(data), "--seed", str(seed), "-q"]
     cases = [{"argv": argv(1)}, {"argv": argv(2)}]
     cases += [{"argv": argv(3 + i), "kind": kind, "k": k, "errno": e} for i, (kind, k, e) in enumerate(FAULTS)]
     results = run_cases(shim, str(data), cases)

@@ -179,7 +179,7 @@ def add_to_model_dir(model_dir: str, src_path: str, tgt_path: str, *, k: int = 1
     parent = os.path.dirname(os.path.abspath(model_dir))
     # what a killed run left: its counting dir beside the model dir, its temp files in it
     durable.remove_stale(parent, ["shortlist"])
-    durable.remove_stale(model_dir, [modeldir.SHORTLIST, modeldir.CONFIG])
+    durable.remove_stale(model_dir, [f"{n}{x}" for n in (modeldir.SHORTLIST, modeldir.CONFIG) for x in ("", ".old", ".undo")])
     with tempfile.TemporaryDirectory(prefix=f".shortlist.tmp.{os.getpid()}.", dir=parent) as tmp:
         p = cooc.plan(cfg.arch.vocab_size, (cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id), BLOCK_MB, tmp)
         counted = _count_files(src_path, tgt_path, n, (spath, _langs(cfg), cfg.normaliser), p, verbose)

@@ -100,10 +100,8 @@ def dist_info() -> tuple[int, int]:
 
 
 def atomic_save(obj, path: str):
-    def write(tmp):
-        with open(tmp, "wb") as fh:  # through Python: a full disk is an OSError with its errno
-            torch.save(obj, fh)
-    durable.atomic_write(path, write)
+    # through Python's writes: a full disk is an OSError with its errno, not torch's "unexpected pos"
+    durable.atomic_write(path, lambda tmp: durable.write_through(tmp, lambda fh: torch.save(obj, fh)))
 
 
 def remove_stale_tmp(out_dir: str) -> list[str]:
