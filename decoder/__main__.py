@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from . import cliargs, lifecycle, refill
+from . import cliargs, fileerrors, lifecycle, refill
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
@@ -196,6 +196,7 @@ def _translate_all(a, tr: Translator, src) -> int:
     return 1
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
     a = parse_args(argv)

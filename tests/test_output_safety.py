@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from decoder import durable, fileerrors, modeldir
+from decoder import durable, modeldir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIBLE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
@@ -208,6 +208,8 @@ def test_a_checkpoint_naming_a_device_or_a_huge_file_as_its_spm_model_is_refused
      "no space left on the device"),
 ])
 def test_file_system_failures_and_refused_files_have_one_shared_line(e, line, capsys):
+    from decoder import fileerrors
+
     @fileerrors.one_line
     def main():
         raise e
@@ -216,6 +218,8 @@ def test_file_system_failures_and_refused_files_have_one_shared_line(e, line, ca
 
 
 def test_anything_else_is_left_to_raise():
+    from decoder import fileerrors
+
     @fileerrors.one_line
     def main():
         raise KeyError("a bug")
