@@ -22,9 +22,10 @@ import pickle
 import re
 import sys
 
-# Exit status: a failure while working (1, as the decoder's failed write) and a
-# file or dir refused before it is used (2, as every other refusal of the kit).
+# Exit status: a failure of the disk while working (1, as the decoder's failed write), and
+# a name that leads nowhere or a file refused for what it is (2, as every bad input of the kit).
 FAILED, REFUSED = 1, 2
+BAD_NAME = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG}
 
 WORDS = {
     errno.ENOSPC: "no space left on the device (the disk is full)",
@@ -80,7 +81,7 @@ def describe(e: BaseException) -> tuple[str, int] | None:
                 REFUSED)
     e = as_os_error(e)
     if isinstance(e, OSError):
-        return os_line(e), FAILED
+        return os_line(e), REFUSED if e.errno in BAD_NAME else FAILED
     return None
 
 

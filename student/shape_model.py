@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, metavar="DIR", help="model dir to write")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random weights")
     a = p.parse_args(argv)
+    if why := modeldir.replace_error(a.out):  # a model dir of ours is replaced, nothing else
+        raise fileerrors.Refused(f"--out {a.out}: {why}")
     try:
         print(shape_model(a.preset, a.like, a.out, a.seed))
     except modeldir.ModelDirError as e:
