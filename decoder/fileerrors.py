@@ -81,7 +81,8 @@ def describe(e: BaseException) -> tuple[str, int] | None:
                 REFUSED)
     e = as_os_error(e)
     if isinstance(e, OSError):
-        return os_line(e), REFUSED if e.errno in BAD_NAME else FAILED
+        # no errno: the kit's own words ("RUN: no ckpt-*.pt step checkpoints"), a refusal
+        return os_line(e), REFUSED if e.errno in BAD_NAME or e.errno is None else FAILED
     return None
 
 
