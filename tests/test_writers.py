@@ -140,3 +140,30 @@ def test_training_and_averaging_on_a_failing_disk_lose_no_checkpoint(shim, tmp_p
         if name.endswith(".pt"):
             torch.load(run / name, weights_only=True)  # complete, whichever version
     assert_one_line_and_nothing_lost(results[6:])
+
+
+def test_distillation_on_a_failing_disk_keeps_every_finished_stage(shim, tmp_path):
+    """Reruns of a finished run (they rewrite the manifest, the links, the report) and one
+    whose student stage is new, each on a failing disk: every stage that was done stays done
+    and whole, and a stage cut short has no done.json."""
+    from tests.conftest import toy_parallel
+    from tests.test_distill import TEACHER, TINY
+    src, tgt = toy_parallel(240, seed=3)
+    (tmp_path / "c.en").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (tmp_path / "c.es").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    (tmp_path / "teacher.py").write_text(TEACHER, encoding="utf-8")
+    env = {**os.environ, "KIT_DATA_DIR": str(tmp_path / "data")}
+
+    def distill(steps):
+        return ["student.distill", "--runs-dir", str(tmp_path / "w"), "--name", "up", "--src", str(tmp_path / "c.en"),
+                "--tgt", str(tmp_path / "c.es"), *TINY, "--teacher-cmd", f"{sys.executable} {tmp_path / 'teacher.py'}",
+                "--shard-size", "50", "--student-steps", str(steps), "--shortlist-k", "0"]
+    cases = [{"argv": distill(10)}] + faulted(distill(10))
+    cases.append({"argv": distill(12), "kind": "write", "k": 40, "errno": errno.ENOSPC})
+    results = run_cases(shim, str(tmp_path / "w"), cases, env=env)
+    assert_one_line_and_nothing_lost(results[1:], same=False)
+    done = [n for n in results[1]["after"] if n.endswith("done.json")]
+    for r in results[2:]:
+        assert [n for n in r["after"] if n.endswith("done.json")] == done  # none lost, none for a cut stage
+        assert all(r["after"][n] == results[1]["after"][n] for n in done)
+    json.load(open(tmp_path / "w" / "up" / "manifest.json"))  # whole, whichever version
