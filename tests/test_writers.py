@@ -108,6 +108,14 @@ def test_convert_on_a_failing_disk_keeps_the_previous_output(shim, tmp_path):
     assert_one_line_and_nothing_lost(results[1:])
 
 
+def test_convert_to_hf_on_a_failing_disk_keeps_the_previous_output(shim, tmp_path):
+    pytest.importorskip("transformers")
+    argv = ["tools.convert", "--to", "hf", os.path.join(BIBLE, "model"), str(tmp_path / "w" / "hf"), "--force"]
+    results = run_cases(shim, str(tmp_path / "w"), [{"argv": argv}] + faulted(argv, FAULTS[:3]))
+    assert "hf/model.safetensors" in results[0]["after"]
+    assert_one_line_and_nothing_lost(results[1:])
+
+
 def test_data_prepare_on_a_failing_disk_leaves_no_partial_cache(shim, tmp_path, toy_files):
     data = tmp_path / "w"
 
