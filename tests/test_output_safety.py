@@ -261,3 +261,15 @@ def test_a_killed_export_or_shortlist_leaves_nothing_at_the_next_start(tmp_path,
         d.mkdir()
     export_checkpoint(ckpt, str(tmp_path / "model"))
     assert sorted(os.listdir(tmp_path)) == ["model", "run"]
+
+
+def test_a_killed_distillations_temp_files_are_removed_when_the_next_run_takes_the_dir(tmp_path):
+    from student.distill.__main__ import _locked_and_clean
+    pid = dead_pid()
+    run = tmp_path / "up"
+    (run / "corpus-0123456789ab").mkdir(parents=True)
+    stale = [run / f"manifest.json.tmp.{pid}", run / "corpus-0123456789ab" / f"train.src.tmp.{pid}"]
+    for f in stale + [run / "manifest.json"]:
+        f.write_text("x")
+    with _locked_and_clean(str(run)):
+        assert not any(f.exists() for f in stale) and (run / "manifest.json").exists()

@@ -175,3 +175,11 @@ def test_distillation_on_a_failing_disk_keeps_every_finished_stage(shim, tmp_pat
         assert [n for n in r["after"] if n.endswith("done.json")] == done  # none lost, none for a cut stage
         assert all(r["after"][n] == results[1]["after"][n] for n in done)
     json.load(open(tmp_path / "w" / "up" / "manifest.json"))  # whole, whichever version
+
+
+def test_shape_model_on_a_failing_disk_keeps_the_previous_model_dir(shim, tmp_path):
+    argv = ["student.shape_model", "--preset", "student-tiny", "--like", os.path.join(BIBLE, "model"),
+            "--out", str(tmp_path / "w" / "shape")]
+    results = run_cases(shim, str(tmp_path / "w"), [{"argv": argv}] + faulted(argv))
+    assert "shape/model.safetensors" in results[0]["after"]
+    assert_one_line_and_nothing_lost(results[1:])

@@ -250,7 +250,17 @@ def run_lock(cfg: DistillConfig):
     """runs/<name> held by this run while it writes (rank 0 of a torchrun holds it for all)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext()
-    return durable.locked(os.path.join(cfg.runs_dir, cfg.name), "run dir")
+    return _locked_and_clean(os.path.join(cfg.runs_dir, cfg.name))
+
+
+@contextlib.contextmanager
+def _locked_and_clean(run_dir: str):
+    """The run dir held, and the temp files a killed run left in it and its stage dirs gone."""
+    with durable.locked(run_dir, "run dir"):
+        for d in [run_dir] + [e.path for e in os.scandir(run_dir) if e.is_dir(follow_symlinks=False)]:
+            for f in durable.remove_stale(d):
+                print(f"removed {os.path.join(d, f)}: left by a run that was killed", file=sys.stderr)
+        yield
 
 
 def cli() -> int:
