@@ -261,6 +261,16 @@ def test_a_killed_export_or_shortlist_leaves_nothing_at_the_next_start(tmp_path,
         d.mkdir()
     export_checkpoint(ckpt, str(tmp_path / "model"))
     assert sorted(os.listdir(tmp_path)) == ["model", "run"]
+    from student.shortlist import add_to_model_dir
+    stale = [tmp_path / f".model-shortlist.tmp.{pid}.k2j4_x9q", tmp_path / "model" / f"shortlist.safetensors.tmp.{pid}"]
+    stale[0].mkdir()
+    stale[1].write_bytes(b"half")
+    (tmp_path / "en").write_text("the man\n")
+    (tmp_path / "es").write_text("el hombre\n")
+    add_to_model_dir(str(tmp_path / "model"), str(tmp_path / "en"), str(tmp_path / "es"), k=2, n_frequent=2)
+    assert not any(f.exists() for f in stale)
+    assert sorted(os.listdir(tmp_path / "model")) == ["config.json", "model.safetensors", "shortlist.safetensors",
+                                                      "spm.model"]
 
 
 def test_a_killed_distillations_temp_files_are_removed_when_the_next_run_takes_the_dir(tmp_path):
