@@ -8,10 +8,15 @@ last fsync a power loss can undo it, or keep it while the file's data, never
 flushed, reads back empty. A completion marker (a stage's done.json) is
 written this way only after `fsync_tree` of everything it vouches for.
 
-Temp names are `TARGET.tmp.PID`: a later run can tell a dead writer's leftover
-from a live one's (student/train/trainer.py:remove_stale_tmp). A signal that
-stops a command removes the temp files being written (`remove_unfinished`,
-called by decoder/lifecycle.py's handler).
+Temp names are `TARGET.tmp.PID` (dirs: `.TARGET.tmp.PID.X`): a later run tells a
+dead writer's leftover from a live one's and removes it (`remove_stale`). A
+signal that stops a command removes the temp files being written
+(`remove_unfinished`, called by decoder/lifecycle.py's handler). A rename or a
+dir fsync that fails puts the previous file or dir back: a command that fails
+leaves its target as it found it (`undone_on_failure` for several files).
+
+A run dir has one writer at a time (`locked`: an advisory flock the kernel drops
+when the process ends, however it ends).
 
 What a file name means to a writer (`resolve`): a symlink is followed, so its
 target is replaced and the link stays a link; an existing file that is not a

@@ -193,7 +193,7 @@ def foreign_run_dir(run_dir: str) -> str | None:
     run's manifest: not a run of this command), or None."""
     if not os.path.isdir(run_dir) or os.path.isfile(os.path.join(run_dir, "manifest.json")):
         return None
-    if not (os.listdir(run_dir)):
+    if not [n for n in os.listdir(run_dir) if n != durable.LOCK]:  # a lock: a run killed at its start
         return None
     return f"{run_dir}: exists and is not a student.distill run (no manifest.json); --force writes into it"
 
