@@ -427,7 +427,9 @@ def remove_stale(directory: str, names: Iterable[str] | None = None) -> list[str
 
 def remove_stale_beside(path: str) -> list[str]:
     """remove_stale for the temps of one target (a file or a dir) beside it."""
-    target = resolve(path)[0]
+    target, in_place = resolve(path)
+    if in_place:
+        return []  # a device, a FIFO, /dev/stdout: written in place, never through a temp
     parent, name = os.path.split(target.rstrip("/"))
     return remove_stale(parent, [name, name + ".old", name + ".undo"])
 
