@@ -21,7 +21,7 @@ import difflib
 import os
 import sys
 
-from . import cgroup, cliargs, lifecycle
+from . import cgroup, cliargs, fileerrors, lifecycle
 from .cliargs import (BEAM_MAX_TOKENS, GPU_MAX_SENTENCES, GPU_MAX_TOKENS, MAX_BEAM, MAX_LEN, MAX_LENGTH_PENALTY,
                       MAX_SENTENCES, MAX_THREADS, MAX_TOKENS, float_range, int_range, positive_int)
 from .modeldir import ModelDirError, NoShortlist, first_line, is_allocation_failure
@@ -277,7 +277,8 @@ def _translate_all(a, tr: Translator, src) -> int:
         if a.output == "-":
             translate(tr, src, sys.stdout.buffer, flush=True)
             return 0
-        from .durable import atomic_write
+        from .durable import atomic_write, remove_stale_beside
+        remove_stale_beside(a.output)  # the OUT.tmp.PID of a run that was killed
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as out:
@@ -297,6 +298,7 @@ def _translate_all(a, tr: Translator, src) -> int:
     return 1
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     closed = lifecycle.standard_streams()  # first: before any file takes a closed stream's descriptor
     a = parse_args(argv)

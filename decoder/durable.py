@@ -8,10 +8,15 @@ last fsync a power loss can undo it, or keep it while the file's data, never
 flushed, reads back empty. A completion marker (a stage's done.json) is
 written this way only after `fsync_tree` of everything it vouches for.
 
-Temp names are `TARGET.tmp.PID`: a later run can tell a dead writer's leftover
-from a live one's (student/train/trainer.py:remove_stale_tmp). A signal that
-stops a command removes the temp files being written (`remove_unfinished`,
-called by decoder/lifecycle.py's handler).
+Temp names are `TARGET.tmp.PID` (dirs: `.TARGET.tmp.PID.X`): a later run tells a
+dead writer's leftover from a live one's and removes it (`remove_stale`). A
+signal that stops a command removes the temp files being written
+(`remove_unfinished`, called by decoder/lifecycle.py's handler). A rename or a
+dir fsync that fails puts the previous file or dir back: a command that fails
+leaves its target as it found it (`undone_on_failure` for several files).
+
+A run dir has one writer at a time (`locked`: an advisory flock the kernel drops
+when the process ends, however it ends).
 
 What a file name means to a writer (`resolve`): a symlink is followed, so its
 target is replaced and the link stays a link; an existing file that is not a
@@ -26,12 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
 from typing import Callable, Iterable
+
+from .fileerrors import Refused, as_os_error, with_name
 
 _unfinished: set[str] = set()  # temp files being written now
 
@@ -76,6 +85,8 @@ def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        raise with_name(e, path)
     finally:
         os.close(fd)
 
@@ -136,24 +147,84 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
+@contextlib.contextmanager
+def undone_on_failure(*paths: str):
+    """The files at `paths` as they were if the block fails: for a command that replaces
+    several files one after the other (a shortlist and the config that lists it)."""
+    kept = {p: (os.path.lexists(p), _keep(p, ".undo")) for p in paths}
+    try:
+        yield
+    except BaseException:
+        for p, (existed, old) in kept.items():
+            with contextlib.suppress(OSError):
+                if old:
+                    os.replace(old, p)
+                elif not existed and os.path.lexists(p):
+                    os.remove(p)
+        raise
+    finally:
+        for old in (old for _, old in kept.values() if old):
+            _unfinished.discard(old)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+
+
 def publish(tmp: str, path: str) -> None:
-    """Rename a finished temp file (or symlink) over `path`, durably."""
+    """Rename a finished temp file (or symlink) over `path`, durably. If the rename or the
+    fsync of the dir after it fails, `path` is put back as it was (its previous file kept
+    meanwhile as a hard link), so a command that fails leaves it as it found it."""
     user_modes(tmp)
     fsync_tree(tmp)
-    os.replace(tmp, path)
-    fsync_path(_parent(path))
+    existed, old = os.path.lexists(path), _keep(path)
+    try:
+        os.replace(tmp, path)
+        fsync_path(_parent(path))
+    except BaseException:
+        with contextlib.suppress(OSError):  # undo what went through; the first error is the one to tell
+            if old:
+                os.replace(old, path)
+            elif not existed and not os.path.lexists(tmp):
+                os.replace(path, tmp)  # the caller's clean-up removes it
+        raise
+    finally:
+        if old:
+            _unfinished.discard(old)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
 
 
-def atomic_write(path: str, write: Callable[[str], object]) -> None:
+def _keep(path: str, suffix: str = ".old") -> str | None:
+    """A hard link to the regular file at `path` (None: none there, or no hard links here)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    old = tmp_name(path + suffix)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(old)
+        os.link(path, old)
+    except OSError:
+        return None
+    _unfinished.add(old)
+    return old
+
+
+def atomic_write(path: str, write: Callable[[str], object], follow: bool = True) -> None:
     """`write(tmp)` creates the temp file; then it replaces `path` (a symlink's
     target). On an exception the temp file goes and `path` keeps its previous
-    contents. A device, a FIFO or /dev/stdout is given to `write` itself."""
-    target, in_place = resolve(path)
+    contents. A device, a FIFO or /dev/stdout is given to `write` itself.
+
+    `follow=False` (a file of a model dir or run dir, a name the user did not
+    give): whatever `path` is, a link included, the new file replaces the name
+    itself; nothing outside the dir is ever written."""
+    target, in_place = resolve(path) if follow else (os.path.abspath(path), False)
     if in_place:
         write(target)
         return
     with temporary(target) as tmp:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:  # a write on a descriptor names no file: name the one the user knows
+            raise with_name(as_os_error(e), target) from None
         publish(tmp, target)
 
 
@@ -198,8 +269,49 @@ def write_lines(path: str, lines: Iterable[str]) -> None:
     atomic_write(path, write)
 
 
+class _Recorded:
+    """A binary file whose first failed write is kept: a library that catches it and
+    raises its own error instead (torch.save: "unexpected pos") is told by it."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data):
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def write_through(path: str, save: Callable[[object], object]) -> None:
+    """save(file) writes a new file at `path` through Python's writes; a failed write is
+    raised as its own OSError (with its errno), whatever `save` made of it."""
+    with open(path, "wb") as fh:
+        rec = _Recorded(fh)
+        try:
+            save(rec)
+        except Exception:
+            if rec.error is not None:
+                raise rec.error from None
+            raise
+
+
+def json_bytes(obj, **kw) -> bytes:
+    return json.dumps(obj, indent=2, ensure_ascii=False, **kw).encode("utf-8")
+
+
 def write_json(path: str, obj, **kw) -> None:
-    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw))
+    write_text(path, json_bytes(obj, **kw).decode("utf-8"))
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """A new file holding `data`, written by Python: a failure is an OSError with its errno
+    and the file's name (safetensors' save_file raises its own error, naming neither)."""
+    write_through(path, lambda fh: fh.write(data))
 
 
 def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
@@ -215,8 +327,15 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
         old = tmp_name(path.rstrip("/") + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)  # a dir cannot be renamed over a non-empty one
-        os.rename(tmp, path)
-        fsync_path(parent)
+        try:
+            os.rename(tmp, path)
+            fsync_path(parent)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the previous dir back under its name
+                if not os.path.lexists(tmp):
+                    os.rename(path, tmp)
+                os.rename(old, path)
+            raise
         shutil.rmtree(old, ignore_errors=True)
         return
     try:
@@ -225,7 +344,12 @@ def publish_dir(tmp: str, path: str, replace: bool = True) -> None:
         if replace or not os.path.isdir(path):
             raise
         return  # a concurrent writer published it between the check and the rename
-    fsync_path(parent)
+    try:
+        fsync_path(parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rename(path, tmp)  # not there before, not there after a failure
+        raise
 
 
 def make_tmp_dir(path: str) -> str:
@@ -247,8 +371,105 @@ def write_dir(path: str, write: Callable[[str], object], replace: bool = True) -
     exception the temp dir goes and `path` stays as it was."""
     tmp = make_tmp_dir(path)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:
+            raise with_name(as_os_error(e), path) from None
         publish_dir(tmp, path, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
     return path
+
+
+# -- leftovers of killed writers -------------------------------------------------------
+_TEMP = re.compile(r"^(?P<hidden>\.)?(?P<name>.+)\.tmp\.(?P<pid>\d+)(?P<dir>\.[0-9a-z_]+)?$")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale(directory: str, names: Iterable[str] | None = None) -> list[str]:
+    """Remove the temp files (`NAME.tmp.PID`) and temp dirs (`.NAME.tmp.PID.HEX`) that
+    writers which are gone (a SIGKILL, a power loss) left in `directory`; with `names`,
+    only those of these targets. A live process's temp, this one's included, is left
+    alone. Returns the names removed."""
+    wanted = None if names is None else set(names)
+    gone = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return gone  # not there yet: nothing left over
+    for f in entries:
+        m = _TEMP.match(f)
+        if not m or bool(m["hidden"]) != bool(m["dir"]) or (wanted is not None and m["name"] not in wanted):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        p = os.path.join(directory, f)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+        except FileNotFoundError:
+            continue  # another run cleaned it first
+        gone.append(f)
+    return gone
+
+
+def remove_stale_beside(path: str) -> list[str]:
+    """remove_stale for the temps of one target (a file or a dir) beside it."""
+    target, in_place = resolve(path)
+    if in_place:
+        return []  # a device, a FIFO, /dev/stdout: written in place, never through a temp
+    parent, name = os.path.split(target.rstrip("/"))
+    return remove_stale(parent, [name, name + ".old", name + ".undo"])
+
+
+# -- one writer per dir -----------------------------------------------------------------
+LOCK = ".lock"
+
+
+class Busy(Refused):
+    """The dir is locked by a run that is still going."""
+
+
+@contextlib.contextmanager
+def locked(directory: str, what: str = "run dir"):
+    """Hold `directory` for this process (created if missing): an advisory flock on
+    DIR/.lock, which the kernel drops when the process ends however it ends. A second
+    holder gets Busy naming the first one's pid. The lock file goes with the lock."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise Busy(f"{directory}: {what} in use by another run (process {holder}); "
+                       f"wait for it to end, or choose another dir") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder before us removed this file on its way out: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)

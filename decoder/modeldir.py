@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 
@@ -177,8 +178,34 @@ def _one_of(*values) -> Field:
     return Field(type(values[0]), lambda v: v in values, names[0] if len(names) == 1 else "one of " + ", ".join(names))
 
 
+# A language code becomes part of file names (student.data's train.<lang>): letters, digits,
+# '-' and '_', at most 35 characters, as BCP 47 tags are. "e/n" or "/../x" would be a path.
+LANGUAGE_CODE = re.compile(r"[A-Za-z0-9_-]{1,35}")
+LANGUAGE_WANT = "a language code (letters, digits, '-', '_', at most 35 characters)"
+
+
+# A name the user gives that becomes one folder (a corpus under prepared/, a run under
+# --runs-dir): no '/', not '.' or '..' nor hidden, and short enough for any file system.
+FOLDER_NAME = re.compile(r"(?!\.)[A-Za-z0-9_.-]{1,100}")
+FOLDER_WANT = "a folder name (letters, digits, '.', '-', '_', at most 100 characters, not starting with '.')"
+
+
+def folder_name_error(name) -> str | None:
+    """Why `name` is no folder name, in words, or None."""
+    if isinstance(name, str) and FOLDER_NAME.fullmatch(name):
+        return None
+    return f"must be {FOLDER_WANT}, got {_show(name)}"
+
+
+def language_error(code) -> str | None:
+    """Why `code` is no language code, in words, or None."""
+    if isinstance(code, str) and LANGUAGE_CODE.fullmatch(code):
+        return None
+    return f"must be {LANGUAGE_WANT}, got {_show(code)}"
+
+
 def _language(required: bool = True) -> Field:
-    return Field(str, lambda v: bool(v.strip()), "a language code", required)
+    return Field(str, lambda v: language_error(v) is None, LANGUAGE_WANT, required)
 
 
 def _file_name(default: str) -> Field:
@@ -352,8 +379,8 @@ def load(model_dir: str, device: str = "cpu"):
 
     cfg = read_config(model_dir)
     wpath, spath = os.path.join(model_dir, WEIGHTS), os.path.join(model_dir, SPM)
-    for p in (wpath, spath):
-        _regular_file(p)
+    _regular_file(wpath)
+    spm_file(spath)  # SentencePiece reads the whole file into memory
     try:
         weights = load_file(wpath, device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
@@ -379,9 +406,7 @@ def load(model_dir: str, device: str = "cpu"):
 def read_spm(spath: str, vocab_size: int):
     """The SentencePiece model of a model dir, checked against its config's vocabulary, or a
     ModelDirError naming the file (random bytes, a size past MAX_SPM_BYTES, another vocabulary)."""
-    _regular_file(spath)
-    if os.path.getsize(spath) > MAX_SPM_BYTES:  # SentencePiece reads the whole file into memory
-        raise ModelDirError(f"{spath}: larger than {MAX_SPM_BYTES:,} bytes, not a SentencePiece model")
+    spm_file(spath)
     try:
         import sentencepiece as spm
         sp = spm.SentencePieceProcessor(model_file=spath)
@@ -392,13 +417,45 @@ def read_spm(spath: str, vocab_size: int):
     return sp
 
 
-def _regular_file(p: str) -> None:
-    """ModelDirError unless p is a regular file: a FIFO or a device (a link to /dev/zero)
-    would block or never end."""
+def _regular_file(p: str, limit: int | None = None, what: str = "") -> None:
+    """ModelDirError unless p is a regular file (of at most `limit` bytes): a FIFO or a
+    device (a link to /dev/zero) would block or never end."""
     if not os.path.lexists(p):
         raise ModelDirError(f"{p}: missing file")
     if not os.path.isfile(p):
         raise ModelDirError(f"{p}: not a regular file")
+    if limit is not None and os.path.getsize(p) > limit:
+        raise ModelDirError(f"{p}: larger than {limit:,} bytes, not a {what}")
+
+
+def spm_file(p: str) -> str:
+    """`p`, checked as a SentencePiece model file to read by name (from a checkpoint, a
+    config, a model dir): a regular file of at most MAX_SPM_BYTES; else ModelDirError."""
+    _regular_file(p, MAX_SPM_BYTES, "SentencePiece model")
+    return p
+
+
+# The files a model dir of ours holds; an output dir holding anything else is not one
+# to replace (it may be a run dir, or the user's own).
+MODEL_FILES = frozenset((CONFIG, WEIGHTS, SPM, SHORTLIST))
+
+
+def replace_error(out: str) -> str | None:
+    """Why writing a model dir at `out` would delete or overwrite what no command of
+    the kit wrote (it exists and is not a dir, or holds more than a model dir's files),
+    in words, or None: it is new, empty, or a model dir of ours."""
+    if not os.path.lexists(out):
+        return None
+    if os.path.islink(out) or not os.path.isdir(out):
+        return "exists and is not a directory"
+    try:
+        extra = sorted(set(os.listdir(out)) - MODEL_FILES)
+    except OSError as e:
+        return (e.strerror or str(e)).lower()
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        return f"exists and holds {extra[0]!r}{more}, not only a model dir's files"
+    return None
 
 
 def first_line(e: BaseException) -> str:
@@ -490,7 +547,7 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
     The tensors are checked before anything is written; config.json is rewritten
     with only files.shortlist changed, so fields this version does not know survive."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     cfg = read_config(model_dir)
     path = os.path.join(model_dir, SHORTLIST)
@@ -499,11 +556,13 @@ def write_shortlist(model_dir: str, offsets, ids, frequent, metadata: dict | Non
     # int32: half the bytes, and vocabularies stay far below 2**31
     tensors = {n: x.to(torch.int32).contiguous() for n, x in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    durable.atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     cpath = os.path.join(model_dir, CONFIG)
     d = read_json(cpath)
     d.setdefault("files", {})["shortlist"] = SHORTLIST
-    durable.write_json(cpath, d)
+    # both files or neither; a link inside the dir is replaced, never followed out of it
+    with durable.undone_on_failure(path, cpath):
+        durable.atomic_write(path, lambda tmp: durable.write_bytes(tmp, save(tensors, metadata=meta)), follow=False)
+        durable.atomic_write(cpath, lambda tmp: durable.write_bytes(tmp, durable.json_bytes(d)), follow=False)
     return path
 
 

@@ -20,7 +20,6 @@ them); the searches map picks back at once, so histories and outputs are real id
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -135,9 +134,10 @@ class Greedy:
                 for i in range(t, min(t + every, T)):
                     self.step(i)
             return run
-        if self.replay is None:
-            self.replay = replayed(self.state, graphs.Captured(self.block, self.state.m, every)) \
-                if self.state.graphs else partial(self.block, every)
+        if not self.state.graphs:  # not kept on self: a bound method there would be a cycle
+            return lambda t, T: self.block(every)
+        if self.replay is None:  # Captured holds `block` weakly
+            self.replay = replayed(self.state, graphs.Captured(self.block, self.state.m, every))
         return lambda t, T: self.replay()
 
     def block(self, every: int):
@@ -273,10 +273,10 @@ class Beam:
         at its device position, replayed from one of two CUDA graphs (forced or not) where it has them."""
         if not self.state.static:
             return self.step
-        if self.replay is None:
-            make = (lambda f: replayed(self.state, graphs.Captured(self.block, self.state.m, f))) \
-                if self.state.graphs else (lambda f: partial(self.block, f))
-            self.replay = {f: make(f) for f in (False, True)}
+        if not self.state.graphs:  # not kept on self: a bound method there would be a cycle
+            return lambda t, forced, reorder: self.block(forced)
+        if self.replay is None:  # Captured holds `block` weakly
+            self.replay = {f: replayed(self.state, graphs.Captured(self.block, self.state.m, f)) for f in (False, True)}
         return lambda t, forced, reorder: self.replay[forced]()
 
     def block(self, forced: bool):

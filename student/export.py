@@ -15,18 +15,32 @@ import sys
 
 import torch
 
-from decoder import modeldir
+from decoder import durable, fileerrors, modeldir
 from decoder.cliargs import ArgumentParser, add_version
 from student.checkpoint import CheckpointError, model_of, read_checkpoint
 from student.modeldir import write_model_dir
 from student.train.trainer import TrainConfig
 
 
-def export_checkpoint(ckpt_path: str, out_dir: str) -> str:
+def export_checkpoint(ckpt_path: str, out_dir: str, force: bool = False) -> str:
+    """The model dir of a checkpoint, written at out_dir. An out_dir that holds more than a
+    model dir's files (a run dir given by mistake) is refused unless `force`; one holding
+    the checkpoint, always."""
+    check_out_dir(ckpt_path, out_dir, force)
+    durable.remove_stale_beside(out_dir)  # the temp dirs of an export that was killed
     ckpt = read_checkpoint(ckpt_path)
     model = model_of(ckpt, ckpt_path)
     meta = ckpt["meta"]
     return write_model_dir(model, meta["spm_model"], out_dir, meta, provenance(ckpt_path, ckpt))
+
+
+def check_out_dir(ckpt_path: str, out_dir: str, force: bool) -> None:
+    out = os.path.realpath(out_dir)
+    if os.path.realpath(ckpt_path).startswith(out.rstrip(os.sep) + os.sep):
+        raise fileerrors.Refused(f"{out_dir}: holds the checkpoint {ckpt_path}; write the model dir elsewhere")
+    why = modeldir.replace_error(out_dir)
+    if why and not force:
+        raise fileerrors.Refused(f"{out_dir}: {why} (--force replaces it)")
 
 
 # TrainConfig fields naming files: recorded relative to the run dir, never as host paths
@@ -68,16 +82,19 @@ def _training_cwd(run_dir: str, out_dir: str) -> str | None:
     return None
 
 
+@fileerrors.one_line
 def main(argv=None):
     p = ArgumentParser(prog="python -m student.export",
                        description="Write a model dir (config.json, model.safetensors, "
                                             "spm.model) from a student.train checkpoint.")
     add_version(p)
     p.add_argument("checkpoint", help="checkpoint written by student.train (best.pt / last.pt)")
-    p.add_argument("out_dir", help="model dir to create (replaced atomically if it exists)")
+    p.add_argument("out_dir", help="model dir to create (a model dir there is replaced atomically; "
+                                   "a dir holding other files is refused)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR even if it holds other files")
     a = p.parse_args(argv)
     try:
-        out = export_checkpoint(a.checkpoint, a.out_dir)
+        out = export_checkpoint(a.checkpoint, a.out_dir, a.force)
     except (CheckpointError, FileNotFoundError, KeyError, modeldir.ModelDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

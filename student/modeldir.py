@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from decoder import durable, modeldir
 from student.model import ModelArgs, Transformer
@@ -40,8 +40,8 @@ def write_model_dir(model: Transformer, spm_path: str, out_dir: str, meta: dict,
             json.dump(cfg.to_json(), fh, indent=2, ensure_ascii=False)
         # contiguous fp32 copies: tied weights share storage, safetensors refuses aliases
         sd = {k: v.detach().float().contiguous().clone() for k, v in model.state_dict().items()}
-        save_file(sd, os.path.join(tmp, modeldir.WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(spm_path, os.path.join(tmp, modeldir.SPM))
+        durable.write_bytes(os.path.join(tmp, modeldir.WEIGHTS), save(sd, metadata={"format": "pt"}))
+        shutil.copyfile(modeldir.spm_file(spm_path), os.path.join(tmp, modeldir.SPM))
         modeldir.load(tmp)  # refuse to publish a dir the decoder cannot read
     return durable.write_dir(os.path.abspath(out_dir), write)
 

@@ -21,7 +21,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from decoder import durable, modeldir
+from decoder import durable, fileerrors, modeldir
 from decoder.cliargs import ArgumentParser, add_version, nonneg_int, run
 from student.model import PRESETS, preset
 
@@ -74,6 +74,7 @@ def shape_model(name: str, like: str, out: str, seed: int = 0) -> str:
     return durable.write_dir(os.path.abspath(out), write)
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m student.shape_model", description=__doc__.split("\n\n")[1])
     add_version(p)
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, metavar="DIR", help="model dir to write")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random weights")
     a = p.parse_args(argv)
+    if why := modeldir.replace_error(a.out):  # a model dir of ours is replaced, nothing else
+        raise fileerrors.Refused(f"--out {a.out}: {why}")
     try:
         print(shape_model(a.preset, a.like, a.out, a.seed))
     except modeldir.ModelDirError as e:

@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 import torch
 from safetensors import safe_open
 
-from decoder import cliargs, modeldir, ops, textio
+from decoder import cliargs, fileerrors, modeldir, ops, textio
 from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
@@ -350,6 +350,7 @@ def model_facts(model_dir: str) -> dict:
             "shortlist": os.path.exists(os.path.join(model_dir, modeldir.SHORTLIST))}
 
 
+@fileerrors.one_line
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from decoder import fileerrors
 from decoder.cliargs import (ArgumentParser, HelpFormatter, add_version, int_range, nonneg_float, nonneg_int,
                              positive_float, positive_int)
 from decoder.modeldir import MAX_VOCAB
@@ -10,6 +11,7 @@ from decoder.modeldir import MAX_VOCAB
 from . import DataError, prepare
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m student.data",
                         description="Prepare a parallel corpus: clean, split, normalise, SentencePiece.")

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 
+from decoder import fileerrors
 from decoder.cliargs import ArgumentParser, add_version, positive_int
 from student.data import indexed
 
@@ -140,6 +141,7 @@ def parse_args(argv=None):
     return a
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     a = parse_args(argv)
     for path in (a.src, a.tgt):

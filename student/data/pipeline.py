@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from decoder import durable
 from decoder.cliargs import out_dir_error
+from decoder.modeldir import folder_name_error, language_error
 
 from . import dedup
 from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings
@@ -93,6 +94,7 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
     data_dir = os.path.abspath(data_dir or default_data_dir())
     if why := out_dir_error("--data-dir", data_dir):
         raise DataError(why)
+    check_names(corpus, src_lang, tgt_lang)
     held_out = _held_out_files(dev_src, dev_tgt, test_src, test_tgt)
     if src or tgt:
         inputs = _user_inputs(corpus, src, tgt, src_lang, tgt_lang, held_out)
@@ -108,6 +110,10 @@ def prepare(corpus: str = "bible-en-es", *, src: str | None = None, tgt: str | N
         [options, {role: file_digest(p) for role, p in files.items()}], sort_keys=True).encode())
     out = os.path.join(data_dir, "prepared", f"{name}-{key.hexdigest()[:12]}")
 
+    for f in durable.remove_stale(os.path.dirname(out)):
+        log(f"removed {f}: left by a prepare that was killed")
+    if os.path.lexists(out) and not os.path.isfile(os.path.join(out, "prepared.json")):
+        raise DataError(f"{out}: exists and is not a prepared corpus (no prepared.json); remove it")
     if not os.path.isfile(os.path.join(out, "prepared.json")):
         t0 = time.time()
         # a concurrent run that got there first wins
@@ -131,6 +137,16 @@ def summary(prep: Prepared) -> str:
             f"splits: train {c['train']}, dev {c['dev']}, test {c['test']}\n"
             + "".join(f"{k}: {v}\n" for k, v in prep.held_out.items()) +
             f"sentencepiece: {prep.spm_model}")
+
+
+def check_names(corpus: str | None, src_lang: str | None, tgt_lang: str | None) -> None:
+    """DataError for a name that becomes part of a path and could leave its dir: a language
+    code (train.<lang>) or a corpus name (prepared/<corpus>-...)."""
+    for option, code in (("--src-lang", src_lang), ("--tgt-lang", tgt_lang)):
+        if code is not None and (why := language_error(code)):
+            raise DataError(f"{option} {why}")
+    if corpus is not None and (why := folder_name_error(corpus)):
+        raise DataError(f"corpus name {why}")
 
 
 def _user_inputs(corpus, src, tgt, src_lang, tgt_lang, held_out):

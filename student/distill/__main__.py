@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
-from decoder import cliargs
+from decoder import cliargs, durable, fileerrors
 from decoder.cliargs import MAX_BEAM, float_range, int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from decoder.machine import device_kind
-from decoder.modeldir import MAX_VOCAB, ModelDirError
+from decoder.modeldir import MAX_VOCAB, ModelDirError, folder_name_error
 from student.data import DataError
 from student.distill.pipeline import AUTO_TEACHER, DEVICE_DEFAULTS, PRESETS, DistillConfig, run, teacher_choice
 from student.train import sizing
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
                    help="default: embedded Bible en-es on CPU; wmt: the GPU-scale recipe")
     p.add_argument("--name", help="run name: everything goes to RUNS_DIR/NAME (default: the preset's name)")
     p.add_argument("--runs-dir", help=f"(default {d.runs_dir})")
+    p.add_argument("--force", action="store_true", default=None,
+                   help="write into RUNS_DIR/NAME even if it is not a run of this command")
     for add in (_data_args, _teacher_args, _corpus_args, _student_args, _training_args):
         add(p, d)
     return p
@@ -176,7 +179,7 @@ def options(argv) -> DistillConfig:
     in order, the teacher model dirs exist); a bad one is one `error:` line and exit 2
     (SystemExit), as argparse's own errors."""
     a = parser().parse_args(argv)
-    opts = {k: v for k, v in vars(a).items() if v is not None and k != "preset"}
+    opts = {k: v for k, v in vars(a).items() if v is not None and k not in ("preset", "force")}
     opts.setdefault("name", a.preset)
     try:
         for k in ("teacher_set", "student_set"):
@@ -184,9 +187,21 @@ def options(argv) -> DistillConfig:
                 opts[k] = _kv(opts[k], "--" + k.replace("_", "-"))
         cfg = DistillConfig.from_preset(a.preset, **opts)
         check(cfg)
+        if not a.force and (why := foreign_run_dir(os.path.join(cfg.runs_dir, cfg.name))):
+            raise ValueError(why)
     except (ValueError, ModelDirError) as e:
         cliargs.refuse(e)
     return cfg
+
+
+def foreign_run_dir(run_dir: str) -> str | None:
+    """Why the pipeline may not write into `run_dir` (a dir holding files, none of them a
+    run's manifest: not a run of this command), or None."""
+    if not os.path.isdir(run_dir) or os.path.isfile(os.path.join(run_dir, "manifest.json")):
+        return None
+    if not [n for n in os.listdir(run_dir) if n != durable.LOCK]:  # a lock: a run killed at its start
+        return None
+    return f"{run_dir}: exists and is not a student.distill run (no manifest.json); --force writes into it"
 
 
 def check(cfg: DistillConfig) -> None:
@@ -212,19 +227,22 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")
     if cfg.teacher_cmd is not None and not cfg.teacher_cmd.strip():  # "" would train a teacher instead
         raise ValueError("--teacher-cmd: an empty command")
-    if cfg.name in ("", ".", "..") or "/" in cfg.name or (os.altsep and os.altsep in cfg.name):
-        raise ValueError(f"--name {cfg.name!r}: a folder name under --runs-dir, without '/'")
+    if folder_name_error(cfg.name):
+        raise ValueError(f"--name {cfg.name[:40]!r}: a folder name under --runs-dir, without '/' "
+                         f"(letters, digits, '.', '-', '_', at most 100 characters, not starting with '.')")
     if why := cliargs.out_dir_error("--runs-dir", cfg.runs_dir):
         raise ValueError(why)
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     try:
         cfg = options(argv)
     except cliargs.Refused:
         return 2
     try:
-        rep = run(cfg)
+        with run_lock(cfg):
+            rep = run(cfg)
     except (TeacherError, DataError, ModelDirError, ValueError, FileNotFoundError, StudentTrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -232,6 +250,23 @@ def main(argv=None) -> int:
         with open(os.path.join(cfg.runs_dir, cfg.name, "report.md"), encoding="utf-8") as fh:
             print(fh.read(), end="")
     return 0
+
+
+def run_lock(cfg: DistillConfig):
+    """runs/<name> held by this run while it writes (rank 0 of a torchrun holds it for all)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return _locked_and_clean(os.path.join(cfg.runs_dir, cfg.name))
+
+
+@contextlib.contextmanager
+def _locked_and_clean(run_dir: str):
+    """The run dir held, and the temp files a killed run left in it and its stage dirs gone."""
+    with durable.locked(run_dir, "run dir"):
+        for d in [run_dir] + [e.path for e in os.scandir(run_dir) if e.is_dir(follow_symlinks=False)]:
+            for f in durable.remove_stale(d):
+                print(f"removed {os.path.join(d, f)}: left by a run that was killed", file=sys.stderr)
+        yield
 
 
 def cli() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from decoder import fileerrors
 from decoder.cliargs import (ArgumentParser, HelpFormatter, add_version, file_error, model_dir_error, nonneg_int,
                              positive_int)
 from decoder.modeldir import ModelDirError
@@ -30,6 +31,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     a = parse_args(argv)
     why = (model_dir_error("--model", a.model, shortlist=False)  # the file it writes need not be there

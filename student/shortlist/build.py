@@ -42,7 +42,7 @@ import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from decoder import modeldir, textio
+from decoder import durable, modeldir, textio
 from student.data import DataError, normalise
 from student.data.corpus import Lines
 from student.data.parallel import imap_ordered, workers
@@ -173,7 +173,12 @@ def add_to_model_dir(model_dir: str, src_path: str, tgt_path: str, *, k: int = 1
         raise DataError(f"{tgt_path}: {n_tgt} lines, but {src_path} has {n_src}")
     n = min(n_src, max_lines) if max_lines else n_src
     cfg, spath = _model(model_dir)
-    with tempfile.TemporaryDirectory(prefix=".shortlist-", dir=os.path.dirname(os.path.abspath(model_dir))) as tmp:
+    parent, name = os.path.split(os.path.abspath(model_dir))
+    name += "-shortlist"  # the counting dir beside the model dir, named for it in an error line
+    # what a killed run left: its counting dir, its temp files in the model dir
+    durable.remove_stale(parent, [name])
+    durable.remove_stale(model_dir, [f"{n}{x}" for n in (modeldir.SHORTLIST, modeldir.CONFIG) for x in ("", ".old", ".undo")])
+    with tempfile.TemporaryDirectory(prefix=f".{name}.tmp.{os.getpid()}.", dir=parent) as tmp:
         p = cooc.plan(cfg.arch.vocab_size, (cfg.bos_id, cfg.pad_id, cfg.eos_id, cfg.unk_id), BLOCK_MB, tmp)
         counted = _count_files(src_path, tgt_path, n, (spath, _langs(cfg), cfg.normaliser), p, verbose)
         lex = _lexicon(counted, p, k, n_frequent, identity, verbose)

@@ -4,12 +4,13 @@ python -m student.train average --run DIR --last N --out FILE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 
-from decoder import cliargs
+from decoder import cliargs, durable, fileerrors
 from decoder.cliargs import (HelpFormatter, float_range, int_range, nonneg_float, nonneg_int, positive_float,
                              positive_int)
 from decoder.modeldir import MAX_VOCAB, ModelDirError
@@ -126,7 +127,7 @@ def average_main(argv) -> int:
             print(f"note: {a.run} has {len(paths)} step checkpoint{'s' * (len(paths) != 1)}, not {a.last}; "
                   f"averaging {', '.join(os.path.basename(x) for x in paths)}", file=sys.stderr)
         out = average(paths, a.out)
-    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+    except ValueError as e:  # CheckpointError; a failing disk is main's one line (fileerrors)
         return _error(e)
     print(out)
     return 0
@@ -203,6 +204,7 @@ def check_model(preset_name: str, fields: dict, option: str) -> None:
     checked_args(fields, option, MODELS[preset_name])
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["average"]:
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
                       test_at_end=not a.no_test, init_from=a.init_from)
     created = not os.path.exists(a.out)
     try:
-        result = train(cfg)
+        with run_lock(a.out):
+            result = train(cfg)
     except (DataError, FileNotFoundError, InitError, CheckpointError) as e:
         return _error(f"{e}{tidy_out(a.out, created)}")
     except BaseException:
@@ -233,6 +236,14 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(final_words(cfg.out_dir, result), flush=True)
     return 0
+
+
+def run_lock(out: str):
+    """The run dir held by this run while it writes (rank 0 of a DDP run holds it for all):
+    a second run on it is one line naming this one's pid, not two runs' checkpoints mixed."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return durable.locked(out, "run dir")
 
 
 def tidy_out(out: str, created: bool) -> str:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from decoder import cliargs, durable, machine
+from decoder import cliargs, durable, fileerrors, machine
 from student.train.batching import make_batches
 from student.train.trainer import Corpus, TrainConfig, Trainer
 
@@ -101,6 +101,7 @@ def batch_list(text: str) -> list[int | None]:
     return out
 
 
+@fileerrors.one_line
 def main(argv=None):
     p = cliargs.ArgumentParser(prog="python -m student.train.speed", description=__doc__.split("\n")[0])
     cliargs.add_version(p)

@@ -104,27 +104,14 @@ def dist_info() -> tuple[int, int]:
 
 
 def atomic_save(obj, path: str):
-    durable.atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    # through Python's writes: a full disk is an OSError with its errno, not torch's "unexpected pos"
+    durable.atomic_write(path, lambda tmp: durable.write_through(tmp, lambda fh: torch.save(obj, fh)))
 
 
 def remove_stale_tmp(out_dir: str) -> list[str]:
     """Delete the half-written `X.tmp.PID` files of atomic_save whose process is
     gone (a run killed inside a save); returns their names."""
-    gone = []
-    for f in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        pid = f.rsplit(".tmp.", 1)[-1] if ".tmp." in f else ""
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # still running: not ours to touch
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        os.remove(os.path.join(out_dir, f))
-        gone.append(f)
-    return gone
+    return durable.remove_stale(out_dir)
 
 
 def release_memory():

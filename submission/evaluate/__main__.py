@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from decoder import cliargs
+from decoder import cliargs, fileerrors
 from decoder.cliargs import (BEAM_MAX_TOKENS, GPU_MAX_TOKENS, MAX_BEAM, MAX_THREADS, MAX_TOKENS, float_range, int_list,
                              nonneg_int, positive_float, positive_int)
 
@@ -186,6 +186,7 @@ def load_testset(a, models):
     return ts.head(a.lines)
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     try:
         a = options(argv)

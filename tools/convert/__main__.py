@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from decoder import cliargs
+from decoder import cliargs, durable, fileerrors
 from decoder.modeldir import ModelDirError
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int16", "float16", "bfloat16")
@@ -39,6 +39,12 @@ def parse_args(argv=None):
     return a
 
 
+def _within(path: str, out: str) -> bool:
+    """Whether `path` is `out` or lies inside it (replacing out would delete it)."""
+    p, o = os.path.realpath(path), os.path.realpath(out)
+    return p == o or p.startswith(o.rstrip(os.sep) + os.sep)
+
+
 def options(argv) -> argparse.Namespace:
     """The parsed options, checked before any work (IN_DIR a directory, OUT_DIR new unless
     --force and not IN_DIR itself); a bad one is one `error:` line and exit 2 (SystemExit),
@@ -47,7 +53,7 @@ def options(argv) -> argparse.Namespace:
     why = None
     if not os.path.isdir(a.src):
         why = f"{a.src}: no such directory"
-    elif os.path.realpath(a.src) == os.path.realpath(a.out):
+    elif _within(a.src, a.out):
         why = f"{a.out}: the output would replace the input"
     elif os.path.lexists(a.out) and not a.force:
         why = f"{a.out}: exists (--force replaces it)"
@@ -60,6 +66,7 @@ def options(argv) -> argparse.Namespace:
     return a
 
 
+@fileerrors.one_line
 def main(argv=None) -> int:
     try:
         a = options(argv)
@@ -71,6 +78,7 @@ def main(argv=None) -> int:
     except ImportError:  # --to ct2 needs only ctranslate2; the HF directions say so below
         pass
     from tools.convert import from_hf, save_hf, to_ctranslate2
+    durable.remove_stale_beside(a.out)  # the temp dirs of a conversion that was killed
     try:
         if a.from_hf:
             from_hf(a.src, a.out, spm_path=a.spm, src_lang=a.src_lang, tgt_lang=a.tgt_lang)
@@ -81,7 +89,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"error: this conversion needs {e.name or e} (pip install ctranslate2 transformers)", file=sys.stderr)
         return 2
-    except (ModelDirError, ValueError, OSError) as e:
+    except (ModelDirError, ValueError) as e:  # a failing disk: fileerrors' one line
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     print(a.out)
