@@ -155,11 +155,17 @@ def test_cli_and_library_share_the_default_precision():
     assert cli.parse_args(["--model", "m"]).precision is library is None  # the device's, resolved once
 
 
-def test_the_default_precision_is_fp32_on_cpu_and_fp16_on_cuda(monkeypatch, capsys):
-    """`python -m decoder --device cuda` ran fp32 (TF32): 72k words/s on the H100 where fp16 went 107k."""
+def test_the_default_precision_is_the_fast_path_int8_on_cpu_with_an_int8_kernel_and_fp16_on_cuda(monkeypatch,
+                                                                                              capsys):
+    """`python -m decoder --device cuda` ran fp32 (TF32): 72k words/s on the H100 where fp16 went 107k;
+    on CPU the default ran fp32, 4.0x slower than the container's int8 on an AVX2-only CPU."""
     import torch
+    from decoder import translator
     from decoder.translator import resolve_device_precision
-    assert resolve_device_precision("cpu", None) == ("cpu", "fp32")
+    for kernel, want in ((True, "int8"), (False, "fp32")):
+        monkeypatch.setattr(translator, "fbgemm_available", lambda: kernel)
+        monkeypatch.setattr(translator, "int_mm_vnni", lambda: kernel)
+        assert resolve_device_precision("cpu", None) == ("cpu", want)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device_precision("cuda", None) == ("cuda", "fp16")
     assert resolve_device_precision("cuda:1", "fp32") == ("cuda:1", "fp32")  # asked for: kept
@@ -176,10 +182,12 @@ def test_cli_default_output_is_the_library_default_output_and_says_what_ran(mode
     r = subprocess.run([sys.executable, "-m", "decoder", "--model", str(model_dir), "--threads", "1"],
                        input="".join(x + "\n" for x in lines).encode(), capture_output=True, env=ENV, cwd=ROOT,
                        timeout=300)
-    assert r.stdout.decode().split("\n")[:-1] == Translator(model_dir, precision="fp32").translate(lines)
+    default = Translator(model_dir, threads=1)
+    assert r.stdout.decode().split("\n")[:-1] == default.translate(lines)
     isa = torch.backends.cpu.get_cpu_capability()
     err = r.stderr.decode().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"decoder: precision fp32, 1 thread, cpu ISA {isa}; {fused.describe()}; "), err
+    assert len(err) == 1 and err[0].startswith(f"decoder: precision {default.precision} (the default"), err
+    assert f"1 thread, cpu ISA {isa}" in err[0] and fused.describe() in err[0], err
     # the plan as resolved for the CPU, and the CPU's batch sizes
     assert "; greedy loop, incremental state, one-row state at 1 sentence, CUDA graphs off, host reads every " \
            "step" in err[0] and err[0].endswith("; batches 1536 tokens x 512"), err
