@@ -156,7 +156,10 @@ class Greedy:
             nxt = self.vocab[nxt]
         nxt = torch.where(self.limits <= t + 1, s.eos_id, nxt)
         nxt = torch.where(self.done, s.pad_id, nxt)
-        self.out[self.sent, t] = nxt  # t a tensor (1,): broadcast against sent (rows,)
+        if isinstance(t, int):
+            self.out[self.sent, t] = nxt
+        else:  # the fixed-shape state keeps its rows: row r is sentence r
+            put_column(self.out, t, nxt)
         self.done |= nxt == s.eos_id
         self.tokens.copy_(nxt)
 
