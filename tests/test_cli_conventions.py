@@ -293,7 +293,7 @@ USAGE_ERRORS = {**{m: [m, "--no-such-option"] for m in PARSERS if m != "decoder.
                 "decoder --max-batch-tokens 0": ["decoder", "--model", "m", "--max-batch-tokens", "0"],
                 "decoder --set fused_nrom=on": ["decoder", "--model", "m", "--set", "fused_nrom=on"]}
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
-TOOLS = ("tools.bench", "tools.bench_fused", "tools.bench_workers", "tools.decode_steps", "tools.bench_gil")
+TOOLS = ("tools.bench", "tools.bench_fused", "tools.bench_workers", "tools.bench_gil")
 
 
 def test_every_command_parses_its_arguments_with_the_kits_parser():

@@ -115,7 +115,7 @@ def test_int8_vnni_int_mm_off_leaves_what_cpus_without_vnni_run(model_dir, monke
     assert off.model.out_proj.gemv is not None or not ops.available()
     assert off.translate(["the dog runs", "a cat"]) and off.plan.int8_kernel == "fbgemm"
     machine(monkeypatch, False)
-    assert off.plan == resolve(Switches(), no_repeat_ngram=0)
+    assert off.plan == resolve(Switches(), no_repeat_ngram=0, has_shortlist=False)
     assert type(Translator(model_dir, precision="int8", fbgemm_int8=False).model.out_proj) is Int8Linear
 
 
@@ -254,7 +254,7 @@ def test_container_turns_on_the_model_dirs_shortlist(model_dir, tmp_path, monkey
     modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
     s = serve.settings(hardware, d, task)
     assert s["shortlist"] is True and s["precision"] == "auto"
-    tr = Translator(d, precision="fp32", **{**s, "workers": 0})
+    tr = Translator(d, **{**s, "workers": 0})
     assert tr.shortlist is not None
     if task == "latency":
         assert (s["max_sentences"], s["workers"]) == (1, 0) and tr.probe.rows == 1
