@@ -134,11 +134,13 @@ class Greedy:
                 for i in range(t, min(t + every, T)):
                     self.step(i)
             return run
-        if not self.state.graphs:  # not kept on self: a bound method there would be a cycle
-            return lambda t, T: self.block(every)
-        if self.replay is None:  # Captured holds `block` weakly
+        if self.state.graphs and self.replay is None:  # Captured holds `block` weakly: no cycle
             self.replay = replayed(self.state, graphs.Captured(self.block, self.state.m, every))
-        return lambda t, T: self.replay()
+        return lambda t, T: self.run_block()
+
+    def run_block(self):
+        """A block of `every` steps on the fixed-shape state, replayed where it has graphs."""
+        return self.block(self.s.every) if self.replay is None else self.replay()
 
     def block(self, every: int):
         pos = self.state.cache.pos
@@ -276,11 +278,13 @@ class Beam:
         at its device position, replayed from one of two CUDA graphs (forced or not) where it has them."""
         if not self.state.static:
             return self.step
-        if not self.state.graphs:  # not kept on self: a bound method there would be a cycle
-            return lambda t, forced, reorder: self.block(forced)
-        if self.replay is None:  # Captured holds `block` weakly
+        if self.state.graphs and self.replay is None:  # Captured holds `block` weakly: no cycle
             self.replay = {f: replayed(self.state, graphs.Captured(self.block, self.state.m, f)) for f in (False, True)}
-        return lambda t, forced, reorder: self.replay[forced]()
+        return lambda t, forced, reorder: self.run_block(forced)
+
+    def run_block(self, forced: bool):
+        """A step on the fixed-shape state, replayed where it has graphs (two: </s> forced or not)."""
+        return self.block(forced) if self.replay is None else self.replay[forced]()
 
     def block(self, forced: bool):
         pos = self.state.cache.pos

@@ -49,7 +49,7 @@ from collections import Counter
 
 import torch
 
-from decoder import cliargs, machine, modeldir
+from decoder import cliargs, machine, modeldir, search
 from decoder.__main__ import knob_type
 from decoder.optimisations import BY_NAME
 from decoder.pipeline import normalise_processes, shares
@@ -237,9 +237,9 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
     slows the host that feeds the GPU; the fixed-shape loops' steps, greedy blocks or beam steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .decode_steps import counted_beam_steps, counted_blocks, steps_of
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counted_blocks() as blocks, \
-            counted_beam_steps() as beam_steps:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+            counted(search.Greedy, lambda g: (g.tokens.shape[0], g.s.every)) as blocks, \
+            counted(search.Beam, lambda b: (b.tokens.shape[0], 1)) as beam_steps:
         t = time.perf_counter()
         with torch.profiler.record_function(PASS):
             go(lines)
@@ -258,6 +258,23 @@ def profile_busy(go, lines: list[str], wall_s: float) -> dict:
 
 
 PASS = "kit.bench_pass"  # the profiled pass's own range, in the kernels' clock
+
+
+@contextlib.contextmanager
+def counted(cls, what):
+    """`what(search)` of each block of steps a fixed-shape search (decoder/search.py Greedy, Beam)
+    runs meanwhile, eager or replayed, in a list: (rows, steps)."""
+    seen, run = [], cls.run_block
+    cls.run_block = lambda self, *a: (seen.append(what(self)), run(self, *a))[1]
+    try:
+        yield seen
+    finally:
+        cls.run_block = run
+
+
+def steps_of(blocks: list[tuple[int, int]]) -> dict:
+    return {"steps": sum(s for _, s in blocks), "row_steps": sum(r * s for r, s in blocks),
+            "rows": sorted({r for r, _ in blocks})}
 
 
 def host_timeline(go, lines: list[str], clock=time.perf_counter) -> dict:
@@ -658,7 +675,7 @@ def profile_line(prof: dict, group: str = "throughput") -> str:
 
 def steps_words(prof: dict, per_step: bool = False) -> str:
     """', 168 greedy steps of 4096 rows' (with `per_step`: and the kernels' ms a step); '' where the
-    fixed-shape loops (tools.decode_steps' counts) did not run."""
+    fixed-shape searches did not run."""
     if not prof.get("steps"):
         return ""
     return (f", {prof['steps']:,} {prof.get('loop', 'greedy')} steps of {'/'.join(map(str, prof['rows']))} rows"
