@@ -295,7 +295,7 @@ class Beam:
     def step(self, t, forced: bool, reorder: bool):
         """Step t (an int, or the fixed-shape state's position tensor (1,)); `forced`: some sentence
         is at its limit; `reorder`: the state's rows reordered here, else by the caller (`leave`)."""
-        K, s = self.K, self.s
+        K = self.K
         top_s, top_i = scored_step(self, t, forced)  # (nb, n_top)
         src_beam, col = top_i // self.V, top_i % self.V
         is_eos = col == self.eos_c  # the shortlist maps columns to ids in ascending order
