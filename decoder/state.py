@@ -37,7 +37,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import graphs
 from .fused import heads, merge
 from .model import Model
 from .quant import GemvLinear
