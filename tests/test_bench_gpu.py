@@ -261,7 +261,7 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
                                                   for e, sizes in by.items()} for g, by in bench_gpu.SWEEPS.items()})
     monkeypatch.setattr(bench_gpu, "GROUPS", ("throughput", "batch1"))  # beam 4 is the same code, another beam
     a = argparse.Namespace(model=str(model), engines=engines, passes=1, beam_lines=4, batch1_lines=2,
-                           ablate=["fast_normaliser", "kv_half", "sync_every=2"], chunked=2, processes=0,
+                           ablate=["fast_normaliser", "fused_norm", "sync_every=2"], chunked=2, processes=0,
                            ct2_types=["float16"])  # int8_float16: one more compute type string
     loaded, load = [], bench_gpu.ours_go
     monkeypatch.setattr(bench_gpu, "ours_go", lambda *args, **kw: loaded.append(kw) or load(*args, **kw))
@@ -271,9 +271,9 @@ def test_every_engine_runs_its_sweep_on_cpu(tmp_path, monkeypatch):
     names = {r["engine"] for r in rows}
     assert "ours fp16" in names and all(r["src_words_per_s"] > 0 for r in rows)
     assert all(r["row_s"] >= r["seconds"] for r in rows)  # each row's whole time, loading and warm-up too
-    # --ablate: each switch flipped from its default (fast_normaliser on, kv_half off), and a setting,
+    # --ablate: each switch flipped from its default (fast_normaliser, fused_norm), and a setting,
     # a row at our best throughput and batch-1 sizes, never taken for ours' best
-    for label in ("without fast_normaliser", "with kv_half", "sync_every=2"):
+    for label in ("without fast_normaliser", "without fused_norm", "sync_every=2"):
         ablated = [r for r in rows if r["engine"] == f"{bench_gpu.ABLATION} {label}"]
         assert [(r["group"], r["batch"]) for r in ablated] == [
             ("throughput", bench_gpu.best(rows, "throughput", "ours")["batch"]), ("batch1", 1)]
