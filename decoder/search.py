@@ -252,7 +252,8 @@ class Beam:
         self.eos_c = eos_column(vocab, s.eos_id)
         self.tokens = torch.empty(B * K, dtype=torch.long, device=dev)  # (rows,)
         self.scores = torch.empty(B, K, device=dev)  # (sentences, beam) summed log-probs
-        self.hist = torch.empty(B * K, T, dtype=torch.long, device=dev)  # (rows, T) tokens by position
+        # (rows, t) the tokens so far; the fixed-shape state's at a fixed address, (rows, T) by position
+        self.hist = torch.empty(B * K, T if state.static else 0, dtype=torch.long, device=dev)
         self.first = torch.arange(B, device=dev)[:, None] * K  # (sentences, 1) each one's first row
         self.sent = torch.arange(B, device=dev)  # (sentences,) input sentence of each live one
         self.rank = torch.arange(self.n_top, device=dev)  # (n_top,) </s> ranked after the rest:
@@ -306,8 +307,11 @@ class Beam:
         scores, rows, tokens = pick(top_s, col, src_beam, torch.where(is_eos, self.rank_eos, self.rank),
                                     self.first[:nb], self.vocab, K)
         self.scores.copy_(scores)
-        self.hist.copy_(self.hist.index_select(0, rows))
-        put_column(self.hist, t, tokens)
+        if self.state.static:
+            self.hist.copy_(self.hist.index_select(0, rows))
+            put_column(self.hist, t, tokens)
+        else:  # only the columns so far: a copy of the whole width every step would cost more
+            self.hist = torch.cat([self.hist.index_select(0, rows), tokens[:, None]], 1)
         self.tokens.copy_(tokens)
         self.rows = rows
         if reorder:
