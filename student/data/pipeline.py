@@ -350,7 +350,7 @@ def _train_spm(out, sample, s_lang, t_lang, options, verbose):
     del sample
     _logger(verbose)(f"training SentencePiece ({options['spm']['model_type']}, vocab {options['spm']['vocab_size']})")
     spm.set_random_generator_seed(options["seed"])
-    try:
+    try:  # 2 threads whatever the cores: the model depends on the count (its E-step sums per thread)
         spm.SentencePieceTrainer.train(input=path, model_prefix=f"{out}/spm", num_threads=2,
                                        minloglevel=2, **options["spm"])
     except RuntimeError as e:
