@@ -18,7 +18,7 @@ from decoder import durable
 from decoder.cliargs import out_dir_error
 
 from . import dedup
-from .clean import Cleaner, Limits, normalise, normalise_pairs, normaliser_settings, screen
+from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings, screen
 from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, Lines, Parallel,
                      count_nonempty_pairs, decode_line, extract_bible, has_text, read_lines, read_parallel,
                      write_lines)
