@@ -1,6 +1,7 @@
 """The data benchmark (`python -m student.data.bench`) runs end to end on a tiny corpus: a
 benchmark nobody runs in CI breaks silently (its train phase once lost the batch sizes)."""
 import json
+import os
 
 import pytest
 
@@ -18,6 +19,27 @@ def test_data_bench_reports_every_phase_on_a_tiny_corpus(tmp_path, capsys, monke
     assert prep["wall_s"] > 0 and prep["peak_tree_rss_gb"] > 0
     assert train["pairs"] == 540 and train["batches"] >= 1  # 600 less the 30-pair dev and test draws
     assert train["loss"] > 0 and train["peak_tree_rss_gb"] > 0
+    assert out["machine"]["cpu"] and out["machine"]["date"]  # where and when it ran
+
+
+def test_data_bench_builds_the_shortlist_of_the_prepared_train_split(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))
+    src, tgt = generate(600, str(tmp_path / "synth"), "en", "de", seed=1, verbose=False)
+    work = str(tmp_path / "work")
+    assert bench.main(["--src", src, "--tgt", tgt, "--work", work, "--vocab-size", "500", "--shortlist"]) == 0
+    short = json.loads(capsys.readouterr().out)["shortlist"]
+    assert short["lines"] == 540 and short["source_tokens_with_list"] > 100 and short["peak_tree_rss_gb"] > 0
+    assert os.path.isfile(short["path"]) and short["path"].startswith(work)
+
+
+def test_data_bench_speedup_prepares_pinned_and_on_every_core_with_the_same_bytes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KIT_DATA_DIR", str(tmp_path / "data"))
+    src, tgt = generate(600, str(tmp_path / "synth"), "en", "de", seed=1, verbose=False)
+    assert bench.main(["--src", src, "--tgt", tgt, "--work", str(tmp_path / "work"), "--vocab-size", "500",
+                       "--speedup"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical"] and out["one_core"]["digest"] == out["all_cores"]["digest"]
+    assert out["speedup"] > 0 and "encode_and_first_step" not in out
 
 
 @pytest.mark.parametrize("args, says", [

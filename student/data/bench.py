@@ -17,10 +17,21 @@ thread a process (torchrun's default), so equal means bit-equal. The JSON's "ran
 says whether the encoded shards are byte-identical (sha256 of the shard files), the
 losses equal step by step and rank by rank, and the parameters after the steps equal
 (sha256 of the state dict; the largest difference), with the phase's wall and peak RSS.
+
+With --shortlist, the first step's model is written to a model dir and the shortlist of the
+whole prepared train split is built into it (python -m student.shortlist), timed the same way.
+
+With --speedup, only prepare, twice on the same corpus, each into a data dir of its own: once
+pinned to one core (as `taskset -c` would: its workers inherit the pin) and once on every usable
+core. The JSON gives both phases, the ratio of their wall times and whether the two prepared
+dirs hold the same bytes (every file but spm.model, whose trainer spec names a temp path;
+spm.vocab holds every piece and score it learned). The machine (decoder/machine.py) heads
+every report.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -30,7 +41,7 @@ import sys
 import threading
 import time
 
-from decoder import fileerrors
+from decoder import fileerrors, machine
 from decoder.cliargs import ArgumentParser, add_version, positive_int
 from student.data import indexed
 
@@ -58,13 +69,15 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def measure(cmd: list[str], log: str, env: dict | None = None) -> dict:
-    """Run cmd (stderr to log); wall seconds, peak tree RSS and peak single-process RSS."""
+def measure(cmd: list[str], log: str, env: dict | None = None, cores: set[int] | None = None) -> dict:
+    """Run cmd (stderr to log), on `cores` if given; wall seconds, peak tree RSS and peak
+    single-process RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     peak, t0 = [0], time.time()
     start = os.path.getsize(log) if os.path.exists(log) else 0
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, env=env, preexec_fn=pin)
         done = threading.Event()
 
         def sample():
@@ -112,8 +125,14 @@ def first_step(a) -> None:
     t2 = time.time()
     ntok, loss, _ = trainer.step(batches[0:1])
     t3 = time.time()
+    model = None
+    if a.shortlist:  # a model dir for the shortlist phase: the model after its step
+        from student.modeldir import write_model_dir
+        model = write_model_dir(trainer.model, trainer.meta["spm_model"], os.path.join(cfg.out_dir, "model"),
+                                trainer.meta)
     print(json.dumps({"encode_s": round(t1 - t0, 1), "batches_s": round(t2 - t1, 1), "step_s": round(t3 - t2, 1),
-                      "pairs": len(corpus.train), "batches": len(batches), "loss": round(loss, 3)}))
+                      "pairs": len(corpus.train), "batches": len(batches), "loss": round(loss, 3),
+                      "model": model, "train": corpus.prep.splits["train"]}))
 
 
 def parse_args(argv=None):
@@ -132,6 +151,11 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=positive_int, default=3, help="training steps compared under --ranks")
     ap.add_argument("--shard-pairs", type=positive_int, default=indexed.SHARD,
                     help="pairs a shard of the encoded corpus (ranks encode shards i %% R == r)")
+    ap.add_argument("--shortlist", action="store_true",
+                    help="also build the shortlist of the prepared train split into the first step's model dir")
+    ap.add_argument("--speedup", action="store_true",
+                    help="only prepare, pinned to one core and on every usable core: the ratio, and "
+                         "whether the outputs are byte-identical")
     ap.add_argument("--child", choices=("first", "replicas", "ddp"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--dump", help=argparse.SUPPRESS)
@@ -157,16 +181,52 @@ def main(argv=None) -> int:
     log = os.path.join(a.work, "bench.log")
     data = os.path.join(a.work, "data")
     os.environ["KIT_DATA_DIR"] = data
-    prep = measure([sys.executable, "-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt,
-                    "--data-dir", data, "--vocab-size", str(a.vocab_size)], log)
+    out = {"machine": machine.describe(), "cores": len(os.sched_getaffinity(0))}
+    if a.speedup:
+        print(json.dumps({**out, **speedup_phase(a, log)}, indent=2))
+        return 0
+    prep = measure(prepare_cmd(a, data), log)
     train = measure(child(a, "first", os.path.join(a.work, "run")), log)
     steps = json.loads(train.pop("stdout").splitlines()[-1])
     prep.pop("stdout")
-    out = {"prepare": prep, "encode_and_first_step": {**train, **steps}}
+    out.update(prepare=prep, encode_and_first_step={**train, **steps})
+    if a.shortlist:
+        out["shortlist"] = measure([sys.executable, "-m", "student.shortlist", "--model", steps["model"],
+                                    "--src", steps["train"][0], "--tgt", steps["train"][1]], log)
+        out["shortlist"].update(json.loads(out["shortlist"].pop("stdout").splitlines()[-1]))
     if a.ranks > 1:
         out["ranks"] = ranks_phase(a, log)
-    print(json.dumps({**out, "cores": len(os.sched_getaffinity(0))}, indent=2))
+    print(json.dumps(out, indent=2))
     return 0
+
+
+def prepare_cmd(a, data: str) -> list[str]:
+    return [sys.executable, "-m", "student.data", "prepare", "--src", a.src, "--tgt", a.tgt,
+            "--data-dir", data, "--vocab-size", str(a.vocab_size)]
+
+
+def speedup_phase(a, log: str) -> dict:
+    """prepare pinned to one core, then on every usable core, each into a fresh data dir."""
+    runs = {}
+    for name, cores in (("one_core", {min(os.sched_getaffinity(0))}), ("all_cores", None)):
+        data = os.path.join(a.work, f"data-{name}")
+        shutil.rmtree(data, ignore_errors=True)  # a cache hit would time nothing
+        runs[name] = measure(prepare_cmd(a, data), log, cores=cores)
+        runs[name]["digest"] = prepared_digest(runs[name].pop("stdout").splitlines()[-1])
+    one, all_ = runs["one_core"], runs["all_cores"]
+    return {**runs, "speedup": round(one["wall_s"] / all_["wall_s"], 2), "identical": one["digest"] == all_["digest"]}
+
+
+def prepared_digest(prepared: str) -> str:
+    """sha256 over a prepared dir's files, names and bytes, but spm.model (its trainer spec names
+    the temp path it was trained in; spm.vocab holds every piece and score it learned)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(prepared)):
+        if name != "spm.model":
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(prepared, name), "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
 
 
 def child(a, kind: str, out: str, dump: str | None = None) -> list[str]:
@@ -175,6 +235,7 @@ def child(a, kind: str, out: str, dump: str | None = None) -> list[str]:
            "--preset", a.preset, "--vocab-size", str(a.vocab_size), "--ranks", str(a.ranks), "--steps", str(a.steps),
            "--shard-pairs", str(a.shard_pairs)]
     cmd += ["--max-tokens", str(a.max_tokens)] if a.max_tokens else []
+    cmd += ["--shortlist"] if a.shortlist else []
     cmd += ["--dump", dump] if dump else []
     if kind == "ddp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import re
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,35 +33,11 @@ def clean_pairs(pairs, max_words: int = 200, min_ratio: float = 0.3, max_ratio: 
     return kept, cleaner.counts
 
 
-class Cleaner:
-    """clean_pairs over a stream, chunk by chunk, with counts over the whole stream.
-    Duplicates are exact pairs (after strip), found by hash in bounded memory (dedup.py)."""
-
-    def __init__(self, max_words: int, min_ratio: float, max_ratio: float, spill_dir: str,
-                 bound: int = dedup.BOUND):
-        self.max_words, self.min_ratio, self.max_ratio = max_words, min_ratio, max_ratio
-        self.counts = {**dict.fromkeys(RULES, 0), "kept": 0}
-        self.dedup = dedup.Dedup(spill_dir, bound)
-
-    def chunk(self, pairs) -> tuple[list[tuple[str, str]], list[int]]:
-        """(kept pairs, their sizes in UTF-8 bytes) of the next pairs of the stream."""
-        cand, sizes, hashes = [], [], []
-        counts = self.counts
-        for src, tgt in pairs:
-            src, tgt = src.strip(), tgt.strip()
-            rule = self.rule(src, tgt)
-            if rule:
-                counts[rule] += 1
-                continue
-            s, t = src.encode(errors="surrogatepass"), tgt.encode(errors="surrogatepass")
-            cand.append((src, tgt))
-            sizes.append(len(s) + len(t))
-            hashes.append(dedup.pair_hash(s, t))
-        new = self.dedup.first_seen(np.array(hashes, np.uint64)).tolist()
-        kept = [p for p, n in zip(cand, new) if n]
-        counts["duplicate"] += len(cand) - len(kept)
-        counts["kept"] += len(kept)
-        return kept, [x for x, n in zip(sizes, new) if n]
+class Limits(NamedTuple):
+    """The cleaning rules' bounds (picklable: they travel with each pool task)."""
+    max_words: int
+    min_ratio: float
+    max_ratio: float
 
     def rule(self, src: str, tgt: str) -> str | None:
         """The first rule (RULES order, duplicates aside) that rejects the pair, or None."""
@@ -74,6 +51,59 @@ class Cleaner:
         if not self.min_ratio <= ns / nt <= self.max_ratio:
             return "ratio"
         return None
+
+
+class Screened(NamedTuple):
+    """A chunk's pairs through every rule but `duplicate`: the per-pair half of cleaning,
+    which a pool worker does (screen); the duplicate filter sees the whole stream (Cleaner.keep)."""
+    src: list          # the pairs that passed, stripped, as UTF-8 bytes
+    tgt: list
+    hashes: np.ndarray  # (n,) uint64: their pair hashes
+    removed: dict       # rule -> pairs it rejected
+
+
+def screen(pairs, limits: Limits) -> Screened:
+    """Strip each (source, target) text pair and apply the rules (module docstring)."""
+    src, tgt, hashes, removed = [], [], [], dict.fromkeys(RULES, 0)
+    for s, t in pairs:
+        s, t = s.strip(), t.strip()
+        rule = limits.rule(s, t)
+        if rule:
+            removed[rule] += 1
+            continue
+        s, t = s.encode(errors="surrogatepass"), t.encode(errors="surrogatepass")
+        src.append(s)
+        tgt.append(t)
+        hashes.append(dedup.pair_hash(s, t))
+    return Screened(src, tgt, np.array(hashes, np.uint64), removed)
+
+
+class Cleaner:
+    """clean_pairs over a stream, chunk by chunk, with counts over the whole stream.
+    Duplicates are exact pairs (after strip), found by hash in bounded memory (dedup.py)."""
+
+    def __init__(self, max_words: int, min_ratio: float, max_ratio: float, spill_dir: str,
+                 bound: int = dedup.BOUND):
+        self.limits = Limits(max_words, min_ratio, max_ratio)
+        self.counts = {**dict.fromkeys(RULES, 0), "kept": 0}
+        self.dedup = dedup.Dedup(spill_dir, bound)
+
+    def chunk(self, pairs) -> tuple[list[tuple[str, str]], list[int]]:
+        """(kept pairs, their sizes in UTF-8 bytes) of the next pairs of the stream."""
+        src, tgt, sizes = self.keep(screen(pairs, self.limits))
+        return [(s.decode(errors="surrogatepass"), t.decode(errors="surrogatepass")) for s, t in zip(src, tgt)], sizes
+
+    def keep(self, screened: Screened) -> tuple[list[bytes], list[bytes], list[int]]:
+        """(kept sources, targets, their sizes in bytes) of the next screened chunk of the stream:
+        its pairs not seen before; the counts take in the chunk's."""
+        for rule, n in screened.removed.items():
+            self.counts[rule] += n
+        new = self.dedup.first_seen(screened.hashes).tolist()
+        src = [x for x, n in zip(screened.src, new) if n]
+        tgt = [x for x, n in zip(screened.tgt, new) if n]
+        self.counts["duplicate"] += len(new) - len(src)
+        self.counts["kept"] += len(src)
+        return src, tgt, [len(s) + len(t) for s, t in zip(src, tgt)]
 
     def close(self):
         self.dedup.close()
@@ -94,9 +124,10 @@ def normalise(text: str, lang: str, settings: dict) -> str:
 
 
 def normalise_pairs(task) -> list[str]:
-    """(pairs, src_lang, tgt_lang, settings) -> source, target, source, ... normalised: one pool task."""
+    """(UTF-8 pairs, src_lang, tgt_lang, settings) -> source, target, source, ... normalised: one pool task."""
     pairs, s_lang, t_lang, settings = task
-    return [normalise(x, lang, settings) for pair in pairs for x, lang in zip(pair, (s_lang, t_lang))]
+    return [normalise(x.decode(errors="surrogatepass"), lang, settings)
+            for pair in pairs for x, lang in zip(pair, (s_lang, t_lang))]
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,7 +37,7 @@ def read_lines(path: str) -> tuple[list[str], int]:
 
 class Lines:
     """read_lines as a stream: iterate for the stripped lines; `bad` counts those with invalid
-    UTF-8 read so far, `n` all of them."""
+    UTF-8 read so far, `n` all of them. raw() gives the lines undecoded (a pool decodes them)."""
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
@@ -45,20 +45,44 @@ class Lines:
         self.path, self.bad, self.n = path, 0, 0
 
     def __iter__(self):
+        for raw in self.raw():
+            line, bad = decode_line(raw)
+            self.bad += bad
+            yield line
+
+    def raw(self):
+        """The lines as bytes, without their line ending, neither decoded nor stripped."""
         gz = False
         try:
             with open(self.path, "rb") as fh:
                 gz = fh.read(2) == b"\x1f\x8b"  # only to name the failure; open_binary sniffs too
             with textio.open_binary(self.path) as fh:
                 for raw in textio.split_lines(fh):
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError:
-                        line, self.bad = textio.decode(raw), self.bad + 1
                     self.n += 1
-                    yield line.strip()
+                    yield raw
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise DataError(f"{self.path}: {'truncated or corrupt gzip' if gz else 'unreadable'} ({e})") from None
+
+
+def decode_line(raw: bytes) -> tuple[str, bool]:
+    """(the line's text, stripped; whether it held invalid UTF-8, replaced by U+FFFD)."""
+    try:
+        return raw.decode("utf-8").strip(), False
+    except UnicodeDecodeError:
+        return textio.decode(raw).strip(), True
+
+
+# the ASCII characters str.strip() removes (str.isspace): a line of only these is empty
+_ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+
+
+def has_text(raw: bytes) -> bool:
+    """Whether decode_line(raw) is non-empty, mostly without decoding: a line whose first byte
+    past the ASCII spaces is ASCII starts with a character strip() keeps."""
+    raw = raw.strip(_ASCII_SPACE)
+    if not raw:
+        return False
+    return raw[0] < 0x80 or bool(decode_line(raw)[0])
 
 
 def read_parallel(src: str, tgt: str) -> tuple[list[tuple[str, str]], int]:
@@ -82,7 +106,13 @@ class Parallel:
         return self.src.bad + self.tgt.bad
 
     def __iter__(self):
-        s, t = iter(self.src), iter(self.tgt)
+        return self._zip(iter(self.src), iter(self.tgt))
+
+    def raw(self):
+        """The pairs as raw lines (Lines.raw); `bad` counts none of them."""
+        return self._zip(self.src.raw(), self.tgt.raw())
+
+    def _zip(self, s, t):
         for a in s:
             b = next(t, None)
             if b is None:
@@ -103,10 +133,10 @@ class Parallel:
 def count_nonempty_pairs(src: str, tgt: str, verbose: bool = False) -> tuple[int, int]:
     """(pairs, pairs with both sides non-empty) of two files, streamed: the seeded split's first pass."""
     n = ok = 0
-    for a, b in tqdm(Parallel(src, tgt), desc="counting", unit="pair", unit_scale=True, miniters=10_000, delay=1,
-                     disable=not verbose):
+    for a, b in tqdm(Parallel(src, tgt).raw(), desc="counting", unit="pair", unit_scale=True, miniters=10_000,
+                     delay=1, disable=not verbose):
         n += 1
-        ok += bool(a and b)
+        ok += has_text(a) and has_text(b)
     return n, ok
 
 

@@ -12,10 +12,13 @@ import multiprocessing as mp
 import os
 from typing import Callable, Iterable, Iterator
 
+from decoder import cgroup
+
 
 def workers() -> int:
-    """Cores for this process: its CPU affinity, shared among the torchrun ranks of the machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """Cores for this process: its CPU affinity capped by the cgroup's CPU quota, as the
+    container's CPU-ALL counts them, shared among the torchrun ranks of the machine."""
+    cores = cgroup.usable_cores() if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 

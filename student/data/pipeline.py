@@ -19,9 +19,10 @@ from decoder.cliargs import out_dir_error
 from decoder.modeldir import folder_name_error, language_error
 
 from . import dedup
-from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings
+from .clean import Cleaner, normalise, normalise_pairs, normaliser_settings, screen
 from .corpus import (BIBLE_DEV_BOOK, BIBLE_MODULES, BIBLE_TEST_BOOK, DataError, Lines, Parallel,
-                     count_nonempty_pairs, extract_bible, read_lines, read_parallel, write_lines)
+                     count_nonempty_pairs, decode_line, extract_bible, has_text, read_lines, read_parallel,
+                     write_lines)
 from .parallel import imap_ordered, workers
 from .sample import Sample
 
@@ -32,7 +33,8 @@ FORMAT = 1  # bump when the output changes for the same inputs, so old caches ar
 SEEDED_DRAW = "random.sample"
 SPLITS = ("train", "dev", "test")
 HELD_OUT_MAX = 1000  # dev and test size for a seeded split: 5% of the corpus, at most this
-CHUNK = 20_000       # pairs cleaned and deduplicated at a time
+CHUNK = 20_000       # pairs cleaned and deduplicated at a time (a pool task)
+POOL_BYTES = 16 << 20  # smaller corpora clean in-process: starting workers would cost more
 DEDUP_BOUND = dedup.BOUND  # pair hashes held in memory before a sorted run spills to disk
 NORM_CHUNK = 2_000   # sample pairs per normalisation task
 # SentencePiece's sample: the pairs spm_options' input_sentence_size (2M sentences) allows, and a
@@ -235,11 +237,12 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
                       DEDUP_BOUND)
     sample = Sample(SPM_SAMPLE_PAIRS, SPM_SAMPLE_BYTES, options["seed"])
     routes, total = _routes(pairs, files, held, options["seed"], verbose)
-    _clean_train(out, (s_lang, t_lang), routes, total, own, cleaner, sample, verbose)
+    n_workers = workers() if os.path.getsize(files["src"]) > POOL_BYTES else 1
+    bad += _clean_train(out, (s_lang, t_lang), routes, total, own, cleaner, sample, n_workers, verbose)
     cleaner.close()
     n_own = sum(map(len, own.values()))
     held.update(own)
-    n_pairs, bad = pairs.src.n, bad + pairs.bad
+    n_pairs = pairs.src.n
 
     n_held = sum(map(len, held.values()))
     # dev/test stay raw so BLEU is computed against the real references
@@ -272,30 +275,46 @@ def _build(out: str, files: dict, s_lang: str, t_lang: str, options: dict, verbo
 
 
 def _clean_train(out: str, langs: tuple, routes, total: int, own: dict, cleaner: Cleaner, sample: Sample,
-                 verbose: bool) -> None:
-    """The routed pairs a chunk at a time: the train ones cleaned, written and sampled for
-    SentencePiece, the corpus' own dev/test ones kept in `own`."""
+                 n_workers: int, verbose: bool) -> int:
+    """The routed raw pairs a chunk at a time, decoded and screened over n_workers processes
+    (results in order, so the output does not depend on their number): the train ones
+    deduplicated, written and sampled for SentencePiece, the corpus' own dev/test ones kept in
+    `own`. Returns the lines with invalid UTF-8."""
     s_lang, t_lang = langs
-    with open(f"{out}/train.{s_lang}", "w", encoding="utf-8", newline="\n") as fs, \
-            open(f"{out}/train.{t_lang}", "w", encoding="utf-8", newline="\n") as ft, \
+    bad = 0
+    tasks = ((chunk, cleaner.limits) for chunk in _chunks(routes, CHUNK))
+    with open(f"{out}/train.{s_lang}", "wb") as fs, open(f"{out}/train.{t_lang}", "wb") as ft, \
             tqdm(total=total, desc="cleaning", unit="pair", unit_scale=True, delay=1,
                  disable=not verbose) as bar:
-        for chunk in _chunks(routes, CHUNK):
-            train = []
-            for split, p in chunk:
-                if split == "train":
-                    train.append(p)
-                elif split:
-                    own[split].append(p)
-            kept, sizes = cleaner.chunk(train)
-            fs.writelines(x + "\n" for x, _ in kept)
-            ft.writelines(y + "\n" for _, y in kept)
-            sample.add(kept, sizes)
-            bar.update(len(chunk))
+        for n, b, screened, held in imap_ordered(_screen_chunk, tasks, n_workers):
+            bad += b
+            for split, p in held:
+                own[split].append(p)
+            src, tgt, sizes = cleaner.keep(screened)
+            fs.writelines(x + b"\n" for x in src)
+            ft.writelines(y + b"\n" for y in tgt)
+            sample.add(list(zip(src, tgt)), sizes)
+            bar.update(n)
+    return bad
+
+
+def _screen_chunk(task):
+    """A pool task: (routed raw pairs, limits) -> (pairs, lines with invalid UTF-8, the train
+    pairs screened (clean.screen), the dev/test ones as (split, stripped text pair))."""
+    chunk, limits = task
+    bad, train, held = 0, [], []
+    for split, (a, b) in chunk:
+        (s, bad_s), (t, bad_t) = decode_line(a), decode_line(b)
+        bad += bad_s + bad_t
+        if split == "train":
+            train.append((s, t))
+        elif split:
+            held.append((split, (s, t)))
+    return len(chunk), bad, screen(train, limits), held
 
 
 def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
-    """(iterator of (split or None, pair) over the corpus, pair count if known already).
+    """(iterator of (split or None, raw pair) over the corpus, pair count if known already).
 
     The Bible is split by book, so test verses are unseen (a book whose split the user gave
     goes nowhere); other corpora give dev/test a seeded random draw of non-empty pairs for
@@ -304,10 +323,10 @@ def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
         split_of = {BIBLE_DEV_BOOK: "dev", BIBLE_TEST_BOOK: "test"}
         books = iter(Lines(files["book"]))
         return ((None if split_of.get(b) in held else split_of.get(b, "train"), p)
-                for p, b in zip(pairs, books)), None
+                for p, b in zip(pairs.raw(), books)), None
     todo = [s for s in ("test", "dev") if s not in held]
     if not todo:
-        return (("train", p) for p in pairs), None
+        return (("train", p) for p in pairs.raw()), None
     n, candidates = count_nonempty_pairs(files["src"], files["tgt"], verbose)
     size = min(HELD_OUT_MAX, max(1, n // 20))
     picks = random.Random(seed).sample(range(candidates), min(candidates, size * len(todo)))
@@ -317,9 +336,9 @@ def _routes(pairs, files: dict, held: dict, seed: int, verbose: bool):
 
     def routes():
         rank = 0  # among the non-empty pairs
-        for s, t in pairs:
+        for s, t in pairs.raw():
             split = "train"
-            if s and t:
+            if has_text(s) and has_text(t):
                 split, rank = split_of.get(rank, "train"), rank + 1
             yield split, (s, t)
     return routes(), n
@@ -347,7 +366,7 @@ def _train_spm(out, sample, s_lang, t_lang, options, verbose):
     del sample
     _logger(verbose)(f"training SentencePiece ({options['spm']['model_type']}, vocab {options['spm']['vocab_size']})")
     spm.set_random_generator_seed(options["seed"])
-    try:
+    try:  # 2 threads whatever the cores: the model depends on the count (its E-step sums per thread)
         spm.SentencePieceTrainer.train(input=path, model_prefix=f"{out}/spm", num_threads=2,
                                        minloglevel=2, **options["spm"])
     except RuntimeError as e:
