@@ -400,9 +400,10 @@ def test_the_profiled_pass_counts_the_greedy_steps_it_ran(monkeypatch, tiny_tran
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles none
         prof = bench_gpu.profile_busy(tr.translate, lines, 1.0)
-    assert prof["rows"] == [60] and prof["steps"] > 0 and prof["steps"] % 4 == 0
+    assert prof["steps"] > 0 and prof["steps"] % 4 == 0  # blocks of sync_every steps, a state per batch
+    assert sum(prof["rows"]) <= 60 and min(prof["rows"]) > 0
     assert prof["idle_before_s"] > 0 and prof["idle_between_s"] == prof["idle_after_s"] == 0  # no kernels on CPU
-    assert prof["row_steps"] == 60 * prof["steps"]
+    assert min(prof["rows"]) * prof["steps"] <= prof["row_steps"] <= max(prof["rows"]) * prof["steps"]
 
 
 class FakeClock:

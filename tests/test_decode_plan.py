@@ -242,7 +242,7 @@ def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
     beam = resolve(Switches(), device="cpu", beam=4, no_repeat_ngram=3, kernels=BOTH).summary()
     assert "; kernels: " in beam and {"topk", "block"} <= set(beam.split("; kernels: ")[1].split(", "))
     assert "argmax" not in beam and "attend_one" not in beam  # greedy's and the one-row state's
-    bare = resolve(Switches(), device="cpu", kernels=NONE).summary()
+    bare = resolve(Switches(), device="cpu", kernels=NONE, has_shortlist=False).summary()
     assert bare.endswith("; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step, attend_one, "
                          "write_kv_one"), bare
     # CUDA: the static state attends through the decode-step kernel (graph_attention), with the layer

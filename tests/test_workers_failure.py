@@ -78,7 +78,7 @@ def test_last_worker_killed_parent_finishes_in_process(model_dir, lines, want, c
 def test_batches_queued_on_a_killed_worker_are_resubmitted(model_dir, lines, want):
     one = Translator(model_dir, precision="fp32", threads=1)
     batches = [one.text.encode(lines[i:i + 5]) for i in range(0, len(lines), 5)]
-    pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
+    pool = WorkerPool(partial(Translator, model_dir, precision="fp32", threads=1), 2)
     try:
         assert [pool.submit(b).result() for b in batches[:1]] == [one.translate_ids(batches[0])]
         jobs = [pool.submit(b) for b in batches]  # all queued before any comes back
@@ -99,7 +99,7 @@ def test_workers_module_does_not_import_the_translator():
 def test_workers_are_the_oom_killers_first_choice(model_dir):
     if not os.path.exists("/proc/self/oom_score_adj"):
         pytest.skip("no /proc/self/oom_score_adj")
-    pool = WorkerPool(partial(Translator, model_dir, threads=1), 2)
+    pool = WorkerPool(partial(Translator, model_dir, precision="fp32", threads=1), 2)
     try:
         scores = lambda: [int(open(f"/proc/{p}/oom_score_adj").read()) for p in pool.pids()]  # noqa: E731
         deadline = time.time() + 120  # each worker sets it when it starts
