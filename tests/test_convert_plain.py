@@ -70,7 +70,7 @@ def test_ct2_one_batch_call_gives_decoder_output_below_the_cap(converted, lines,
                                            pre_replace_unicode_punct=True, post_remove_control_chars=True)
     tokens = [sp.encode(norm.normalize(s), out_type=str) for s in lines]
     caps = [max_decoding_length(len(t), 1024) for t in tokens]
-    tr = ctranslate2.Translator(str(converted / "ct2"), precision="fp32", device="cpu", intra_threads=1)
+    tr = ctranslate2.Translator(str(converted / "ct2"), device="cpu", intra_threads=1)
     res = tr.translate_batch(tokens, beam_size=1, max_decoding_length=max(caps), min_decoding_length=0)
     below = [i for i, r in enumerate(res) if len(r.hypotheses[0]) < caps[i]]
     assert len(below) >= N_LINES - 3

@@ -245,18 +245,18 @@ def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
     bare = resolve(Switches(), device="cpu", kernels=NONE, has_shortlist=False).summary()
     assert bare.endswith("; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step, attend_one, "
                          "write_kv_one"), bare
-    # CUDA: the static state attends through the decode-step kernel (graph_attention), with the layer
-    # norms and the argmax; without graph_attention through SDPA
+    # CUDA: the static state of small batches attends through the decode-step kernel (graph_attention),
+    # the eager state of large ones writes its cache and attends through it too; without the kernels
+    # their references
     cuda = resolve(Switches(), device="cuda", kernels=BOTH).summary("fp16")
-    assert cuda.endswith("; kernels: add_norm, attend, argmax_in_step"), cuda
-    assert resolve(Switches(graph_attention=False), device="cuda", kernels=BOTH).summary("fp16").endswith(
-        "; kernels: add_norm, argmax_in_step")
+    assert cuda.endswith("; kernels: add_norm, attend, write_kv, argmax_in_step"), cuda
     assert resolve(Switches(), device="cuda", kernels=Kernels(True, False)).summary("fp16").endswith(
-        "; kernels: none; reference: add_norm, argmax_in_step")
+        "; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step")
     assert "; kernels: none" in resolve(Switches(**opt.all_off()), kernels=BOTH).summary()
     # the shortlist's candidates: the C++ op on CPU, the reference on CUDA (no kernel there)
     assert "shortlist" in resolve(Switches(shortlist=True), kernels=BOTH).summary().split("; kernels: ")[1]
-    assert resolve(Switches(shortlist=True), device="cuda", kernels=BOTH).summary("fp16").endswith(
+    # on CUDA the graphs take precedence over a shortlist; without graphs it runs, through its reference
+    assert resolve(Switches(cuda_graphs=False), device="cuda", kernels=BOTH).summary("fp16").endswith(
         "; reference: shortlist")
 
 

@@ -24,7 +24,7 @@ def setup(request, tmp_path_factory):
 def test_ctranslate2_greedy_gives_our_tokens(setup, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     d, tr, srcs, ours, caps = setup
-    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), precision="fp32", device="cpu", intra_threads=1)
+    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     for s, o, cap in zip(srcs, ours, caps):
         hyp = ct.translate_batch([[piece(i) for i in s[:-1]]], beam_size=1, max_decoding_length=cap,
@@ -35,7 +35,7 @@ def test_ctranslate2_greedy_gives_our_tokens(setup, tmp_path):
 def test_ctranslate2_batch_with_padding_gives_our_tokens(setup, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     d, tr, srcs, ours, caps = setup
-    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), precision="fp32", device="cpu", intra_threads=1)
+    ct = ctranslate2.Translator(to_ctranslate2(d, str(tmp_path / "ct2")), device="cpu", intra_threads=1)
     piece = tr.text.sp.id_to_piece
     ended = [i for i, (o, c) in enumerate(zip(ours, caps)) if len(o) < c]  # not cut by our cap
     res = ct.translate_batch([[piece(t) for t in srcs[i][:-1]] for i in ended], beam_size=1, max_decoding_length=1024,
