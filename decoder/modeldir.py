@@ -490,6 +490,12 @@ def check_weights(weights: dict, where: str) -> None:
             raise ModelDirError(f"{where}: tensor {name} holds NaN or infinite values")
 
 
+def has_shortlist(model_dir: str, cfg: ModelConfig) -> bool:
+    """Whether the dir lists a shortlist and holds its file: where the decoder and the
+    container run it by default (a listed file may be left out, as an image's copy was)."""
+    return bool(cfg.shortlist) and os.path.isfile(os.path.join(model_dir, cfg.shortlist))
+
+
 def read_shortlist(model_dir: str, cfg: ModelConfig):
     """(offsets (V+1,), ids (nnz,), frequent (N,)), int64, of the model dir's shortlist.
 

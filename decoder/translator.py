@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -147,12 +146,11 @@ class Translator:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         cfg, weights, spm_path = modeldir.load(model_dir)
         # the shortlist where the dir lists and has one (as the container); asked for by name, it must
-        listed = cfg.shortlist is not None and os.path.isfile(os.path.join(model_dir, cfg.shortlist))
+        listed = modeldir.has_shortlist(model_dir, cfg)
         if options.get("shortlist") and not listed:
             modeldir.read_shortlist(model_dir, cfg)  # the error that names what is missing
         self.probe = self.probe_for(cfg) if precision == "auto" else None
         self.device, self.precision = resolve_device_precision(device, precision, self.probe)
-        self.asked_precision = precision
         self.plan = resolve(o.switches, device=self.device, beam=o.beam, no_repeat_ngram=o.no_repeat_ngram,
                             static_shapes=o.static_shapes, sync_every=o.sync_every, precision=self.precision,
                             has_shortlist=listed)

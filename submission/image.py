@@ -260,7 +260,7 @@ def default_model() -> str:
 
 
 def stage_model(model_dir: str, device: str = "cpu") -> None:
-    from decoder.modeldir import ModelDirError, load
+    from decoder.modeldir import ModelDirError, has_shortlist, load
     try:
         cfg = load(model_dir)[0]  # refuse to bake a broken model into an image
     except ModelDirError as e:
@@ -269,7 +269,7 @@ def stage_model(model_dir: str, device: str = "cpu") -> None:
     shutil.rmtree(model, ignore_errors=True)
     os.makedirs(model)
     # the shortlist too where the dir lists and has one: the container turns it on (serve.py)
-    extra = (cfg.shortlist,) if cfg.shortlist and os.path.isfile(os.path.join(model_dir, cfg.shortlist)) else ()
+    extra = (cfg.shortlist,) if has_shortlist(model_dir, cfg) else ()
     for f in MODEL_FILES + extra:
         shutil.copyfile(os.path.join(model_dir, f), os.path.join(model, f))
         os.chmod(os.path.join(model, f), 0o644)  # the image runs as a non-root user

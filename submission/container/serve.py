@@ -34,7 +34,7 @@ def has_shortlist(model_dir: str) -> bool:
         cfg = modeldir.read_config(model_dir)
     except (modeldir.ModelDirError, OSError):
         return False  # the Translator names what is wrong with the dir
-    return bool(cfg.shortlist) and os.path.isfile(os.path.join(model_dir, cfg.shortlist))
+    return modeldir.has_shortlist(model_dir, cfg)
 
 
 def hardware_settings(hardware: str, model_dir: str) -> dict:
