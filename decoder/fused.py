@@ -45,13 +45,11 @@ def log_softmax_topk_reference(logits, scores, K: int, n: int, normalized: bool 
 def decode_attention_reference(q, k, v, mask=None, rows=None):
     """q (B, H, Q, D) against k, v (B, H, T, D); mask (B, 1, 1, T) bool, True = attend.
     rows (B, T) long: key and value j of row b are those of k's and v's row rows[b, j]
-    (beam search's row table, decoder/cache.py `RowTableCache`); k, v are then (N, H, T, D)."""
+    (beam search's row table, decoder/state.py); k, v are then (N, H, T, D)."""
     if rows is not None:
         pos = torch.arange(k.shape[2], device=k.device)  # (T,)
         # (N, T, H, D)[rows, pos] -> (B, T, H, D)
         k, v = (t.transpose(1, 2)[rows, pos].transpose(1, 2) for t in (k, v))
-    if k.dtype != q.dtype:  # a half-precision cache (switch kv_half): fp32 arithmetic, as the kernel
-        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -76,15 +74,6 @@ def encoder_attention_reference(qkv, mask, heads: int):
     """The encoder's self-attention from the fused q|k|v product qkv (B, S, 3d); mask
     (B, 1, 1, S) bool, True = attend -> (B, S, d), the heads merged."""
     return attention_heads(*qkv.chunk(3, dim=-1), mask, heads)
-
-
-def qkv_to_cache_reference(kc, vc, qkv, t: int):
-    """qkv (N, 1, 3d) -> q (N, 1, d); k and v written to kc, vc (N, H, T, D) at position t."""
-    N, H, _, D = kc.shape
-    q, k, v = qkv.chunk(3, dim=-1)
-    kc[:, :, t] = k.reshape(N, H, D)
-    vc[:, :, t] = v.reshape(N, H, D)
-    return q
 
 
 def ngram_block_reference(logits, hist, n: int, vocab=None):
@@ -340,14 +329,6 @@ def cross_store_reference(k, v, mask=None):
     return CrossAttention(k, v, mask, kernel=False)
 
 
-def qkv_to_cache_kernel(kc, vc, qkv, t: int):
-    require(kc.dim() == 4 and vc.shape == kc.shape, "qkv_to_cache_: caches must be (N, H, T, D)")
-    N, H, T, D = kc.shape
-    require(qkv.numel() == N * 3 * H * D, lambda: f"qkv_to_cache_: qkv must be ({N}, 1, {3 * H * D})")
-    require(0 <= t < T, lambda: f"qkv_to_cache_: position {t} outside the cache of {T}")
-    return torch.ops.decoder_ops.qkv_to_cache_(kc, vc, qkv, t)
-
-
 _ARGMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels compare in fp32
 
 
@@ -377,7 +358,6 @@ class Ops:
     decode_attention: Callable
     encoder_attention: Callable
     cross_store: Callable       # (k, v, mask) -> a batch's cross K/V store, store(q (B, Q, d)) -> (B, Q, d)
-    qkv_to_cache_: Callable
     argmax_rows: Callable
     linear_argmax: Callable
     shortlist_candidates: Callable  # (src, offsets, ids, always) -> (C,): decoder/shortlist.py
@@ -390,10 +370,10 @@ class Ops:
 
 REFERENCE = Ops(add_bias_residual_layernorm_reference, _log_softmax_topk_checked, _ngram_block_checked,
                 decode_attention_reference, encoder_attention_reference, cross_store_reference,
-                qkv_to_cache_reference, argmax_rows_reference, linear_argmax_reference,
+                argmax_rows_reference, linear_argmax_reference,
                 shortlist_candidates_reference)
 CPU_KERNELS = Ops(add_bias_residual_layernorm_kernel, log_softmax_topk_kernel, ngram_block_kernel,
-                  decode_attention_kernel, encoder_attention_kernel, cross_store_kernel, qkv_to_cache_kernel,
+                  decode_attention_kernel, encoder_attention_kernel, cross_store_kernel,
                   argmax_rows_kernel, linear_argmax_kernel, shortlist_candidates_kernel)
 # csrc/fused_cuda.cu has no encoder attention, cross-attention store or shortlist
 CUDA_KERNELS = dataclasses.replace(CPU_KERNELS, log_softmax_topk=log_softmax_topk_cuda,
@@ -439,10 +419,6 @@ def decode_attention(q, k, v, mask=None, rows=None):
 
 def encoder_attention(qkv, mask, heads: int):
     return _ops(qkv).encoder_attention(qkv, mask, heads)
-
-
-def qkv_to_cache_(kc, vc, qkv, t: int):
-    return _ops(qkv).qkv_to_cache_(kc, vc, qkv, t)
 
 
 def argmax_rows(logits):
@@ -507,14 +483,6 @@ def _check_decode_attention_rows(p):
             p.agree("decode_attention_rows", [got], [want])
 
 
-def _check_qkv_to_cache(p):
-    cache = torch.zeros(2, 3, 2, 5, 8, device=p.device, dtype=p.dt)
-    ref = torch.zeros(2, 3, 2, 5, 8, device=p.device)
-    qkv = p.rnd(3, 1, 48)
-    q_got = p.call("qkv_to_cache_", cache[0], cache[1], qkv, 2)
-    p.agree("qkv_to_cache_", [q_got, cache], [qkv_to_cache_reference(ref[0], ref[1], qkv.float(), 2), ref])
-
-
 def _check_log_softmax_topk(p):
     logits = p.rnd(8, 301) * 4
     scores = -torch.rand(8, generator=p.g).to(p.device)
@@ -554,7 +522,7 @@ def self_check(device, call=None) -> list[str]:
     a kernel that went wrong on some GPU is never used there. `call(name, *args)`
     runs an op (default: torch.ops.decoder_ops), which lets the tests plant a bad one."""
     call = call or (lambda name, *a: getattr(torch.ops.decoder_ops, name)(*a))
-    checks = (_check_norm, _check_decode_attention, _check_decode_attention_rows, _check_qkv_to_cache,
+    checks = (_check_norm, _check_decode_attention, _check_decode_attention_rows,
               _check_log_softmax_topk, _check_ngram_block, _check_argmax)
     half = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     g = torch.Generator().manual_seed(11)

@@ -246,10 +246,6 @@ def _register_fakes() -> None:
     def _(q, kt, va, lens):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("decoder_ops::qkv_to_cache_")
-    def _(kc, vc, qkv, t):
-        return qkv.new_empty((kc.shape[0], 1, kc.shape[1] * kc.shape[3]))
-
     @torch.library.register_fake("decoder_ops::ngram_block_")
     def _(logits, hist, n, vocab):
         return None

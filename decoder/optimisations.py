@@ -133,21 +133,6 @@ def cross_fused(ops):
     return lambda k, v, mask, attend: ops.cross_store(k, v, mask)
 
 
-def write_kv_plain(attn, y, kc, vc, t: int):
-    """q of y (N, 1, d); k, v written into the cache kc, vc (N, h, T, hd) at position t."""
-    q, k, v = attn.project_qkv(y)
-    N, h = kc.shape[:2]
-    kc[:, :, t] = k.view(N, h, -1)
-    vc[:, :, t] = v.view(N, h, -1)
-    return q
-
-
-def write_kv_fused(ops, attn, y, kc, vc, t: int):
-    if attn.qkv is None:  # the C++ split needs the one q|k|v product
-        return write_kv_plain(attn, y, kc, vc, t)
-    return ops.qkv_to_cache_(kc, vc, attn.qkv(y), t)
-
-
 def normalise_greedy(logits):
     return torch.log_softmax(logits.float(), -1)  # same argmax: the naive baseline pays for it
 
@@ -260,10 +245,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  Bound(cross_fused, ("cross_store",)), CrossPlain,
                  "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
                  worth="1.03x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2 1.15x; int8 beam 4 1.06x"),
-    Optimisation("fused_cache", True, "fused q/k/v split into the K/V cache (C++)", "write_kv",
-                 with_ops(write_kv_fused, "qkv_to_cache_"),
-                 write_kv_plain, "`write_kv_plain`: chunk, two strided cache writes", "step",
-                 worth="0.96x throughput fp32, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 0.87x"),
     Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
                  False, "`F.linear`, then the argmax", "greedy",
                  needs=lambda o: o.softmax_free and not o.no_repeat_ngram,
@@ -285,9 +266,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "buffer: read and written twice a step)", "beam",
                  needs=lambda o: o.fused_attention and o.cache,
                  worth="0.96x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (earlier AVX-512 1-thr 1.27x); GPU n/m"),
-    Optimisation("kv_half", False, "fp16 self-attention K/V cache", "kv_half", True, False,
-                 "the fp32 K/V cache", "beam", needs=lambda o: o.fused_attention and o.cache,
-                 worth="0.96x beam 4, EPYC AVX-512, 2026-11-28 (AVX2 1.01x); 2026-11-26 shipped: 1.08x/1.02x"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  worth="not measured"),
@@ -313,12 +291,6 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("one_row", True, "one-row greedy loop (latency)", "one_row", True, False,
                  "the batch loop at one row: tensor bookkeeping, `emb[ids]`, a padding mask", "batch1",
                  worth="1.11x batch 1, AMD EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.03x"),
-    Optimisation("one_row_attention", True, "one-row attention (C++)", "attend_one", op("decode_attention"),
-                 attend_sdpa, "`scaled_dot_product_attention` at one row", "batch1",
-                 worth="1.01x batch 1, EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.04x (11-26: 1.05x/1.01x)"),
-    Optimisation("one_row_cache", True, "one-row q/k/v split into the K/V cache (C++)", "write_kv_one",
-                 with_ops(write_kv_fused, "qkv_to_cache_"), write_kv_plain, "`write_kv_plain` at one row", "batch1",
-                 worth="1.01x batch 1, EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.06x (11-26: 1.04x/1.01x)"),
     Optimisation("one_row_layer", True, "one-row decoder layer in one C++ call", "one_row_layer", True, False,
                  "the layer's ~25 ops at one row (gemv products, cache write, attention, norms)", "batch1",
                  row={"fused_norm": True}, needs=lambda o: o.one_row and o.fused_norm and o.fused_qkv,
@@ -377,7 +349,6 @@ class StateOptions:
     graphs: bool = False        # ... its steps replayed from CUDA graphs
     keep_states: int = 0        # fixed-shape states kept for later batches of their shape (graph_reuse)
     every: int = 1              # greedy: the steps of a block (the host reads after each)
-    half_kv: bool = False       # batch caches: an fp32 model's self-attention K/V in fp16
     row_table: bool = False     # the fixed-shape beam state reorders a row table, not its K/V
     masked_attend: bool = False  # the fixed-shape state attends through the plan's kernel (a bool mask)
     one_row_layer: bool = False  # one-row state: each decoder layer one C++ call
@@ -412,7 +383,6 @@ class Plan:
     add_norm: Callable          # (x, lin, inp, norm) -> (x + lin(inp), norm(...))
     hidden: Callable            # (ffn, y) -> act(fc1(y))
     attend: Callable            # decode-step attention (q, k, v, mask=None)
-    write_kv: Callable          # (attn, y, kc, vc, t) -> q; k, v written at t
     cross_kv: Callable          # (k, v, mask, attend) -> a batch's cross K/V, kv(q (B, Q, d)) -> (B, Q, d)
     encoder_attend: Callable    # encoder self-attention (attn, y, heads, mask) -> (B, S, d)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
@@ -421,8 +391,6 @@ class Plan:
     block: Callable             # n-gram blocking, in place
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
-    attend_one: Callable        # the one-row state's attention (q, k, v)
-    write_kv_one: Callable      # the one-row state's write_kv
     shortlist: bool
     states: StateOptions        # which state a batch runs on, and its options
     search: Callable            # (state, limits, Search, lims, vocab) -> Outputs: decoder/search.py's loop
@@ -485,8 +453,7 @@ def loaded_kernels(device: str) -> Kernels:
 
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "kv_half",
-                      "one_row_layer", "one_row_step", "fused_project_topk"})
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step", "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer",
                               "one_row_step", "fused_project_topk"})
@@ -551,7 +518,7 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)
     bound = bind(slots, ops, step_slots(slots, st, loop, no_repeat_ngram))
-    for name in ("state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "kv_half", "one_row",
+    for name in ("state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "one_row",
                  "one_row_layer", "one_row_step"):
         del slots[name]  # in `states` now
     run = search.beam if loop == "beam" else (greedy_or_one if st.one_row else search.greedy)
@@ -578,7 +545,7 @@ def state_options(slots: dict, runs: set, loop: str, device: str, k: Kernels, st
     return StateOptions(
         eager=eager, one_row=one_row, static=static, graph_rows=MAX_ROWS if static_shapes or loop == "beam"
         else GRAPH_ROWS, graphs=graphs and device == "cuda", keep_states=slots["static_keep"] if static else 0,
-        every=every, half_kv=slots["kv_half"], row_table=table and masked, masked_attend=masked,
+        every=every, row_table=table and masked, masked_attend=masked,
         one_row_layer=one_row and slots["one_row_layer"], one_row_step=one_row and slots["one_row_step"])
 
 
@@ -614,11 +581,11 @@ def step_slots(slots: dict, st: StateOptions, loop: str, no_repeat_ngram: int) -
     attends with SDPA itself (unless masked_attend), the recompute state through the whole prefix."""
     calls = {"add_norm", "hidden", "encoder_attend"}
     if st.eager in ("incremental", "row_table"):
-        calls |= {"attend", "write_kv", "cross_kv"}
+        calls |= {"attend", "cross_kv"}
     if st.masked_attend:
         calls.add("attend")
     if st.one_row:
-        calls |= {"attend_one", "write_kv_one"}
+        calls.add("attend")
     if loop == "beam":
         calls.add("topk")
     else:

@@ -45,9 +45,17 @@ from .quant import GemvLinear
 _UNTIMED = contextlib.nullcontext()
 
 
+def write_kv(attn, y, kc, vc, t: int):
+    """q of y (N, 1, d); k, v written into the cache kc, vc (N, h, T, hd) at position t."""
+    q, k, v = attn.project_qkv(y)
+    N, h = kc.shape[:2]
+    kc[:, :, t] = k.view(N, h, -1)
+    vc[:, :, t] = v.view(N, h, -1)
+    return q
+
+
 class IncrementalCache:
     can_shrink = True
-    half_kv = True  # switch kv_half may store the self-attention K/V in fp16 (the kernels convert)
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int, cross: list | None = None):
         """enc (B, S, d) the encoder's output, mask (B, 1, 1, S) its keys; `cross`: the (B, h, S, hd)
@@ -61,10 +69,7 @@ class IncrementalCache:
         self.cross = cross if cross is not None else \
             [tuple(heads(t, h) for t in L.cross.project_kv(enc)) for L in model.dec_layers]
         self.cross_kv = None
-        dtype = model.dtype
-        if self.half_kv and model.plan.states.half_kv and dtype == torch.float32:
-            dtype = torch.float16  # switch kv_half: the kernels convert on write and on read
-        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, dtype, mask.device)
+        self.kv = self.new_kv(len(model.dec_layers), B * beam, h, max_len, hd, model.dtype, mask.device)
         self.t, self.max_len = 0, max_len
 
     @staticmethod
@@ -78,7 +83,7 @@ class IncrementalCache:
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
-        q = self.plan.write_kv(attn, y, kc, vc, self.t - 1)
+        q = write_kv(attn, y, kc, vc, self.t - 1)
         return merge(self.plan.attend(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t]))
 
     def cross_attend(self, i: int, attn, y):
@@ -131,7 +136,7 @@ class RowTableCache(IncrementalCache):
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (N, h, T, hd)
-        q = self.plan.write_kv(attn, y, kc, vc, self.t - 1)
+        q = write_kv(attn, y, kc, vc, self.t - 1)
         t = self.t
         return merge(self.plan.attend(heads(q, kc.shape[1]), kc[:, :, :t], vc[:, :, :t],
                                       rows=self.table[:, :t]))
@@ -142,7 +147,7 @@ class RowTableCache(IncrementalCache):
 
     def new_kv(self, L: int, N: int, h: int, T: int, hd: int, dtype, device):
         # stored position-major (L, 2, T, rows, h, hd): a step's keys and values are one
-        # contiguous block (the write misses no more lines than it fills: qkv_to_cache_
+        # contiguous block (the write misses no more lines than it fills: the split write
         # 209 -> 124 us at ~180 rows), and a shrink's gather through the table is one
         # index_select of h*hd rows. The view is (L, 2, rows, h, T, hd) as everywhere
         # else: the kernels take any strides but the last.
@@ -186,7 +191,6 @@ def _attend_mask(positions, pos, x):
 
 class StaticCache(IncrementalCache):
     can_shrink = False  # the graph's shapes are fixed: finished rows stay
-    half_kv = False  # SDPA reads the cache: its dtype must be the queries'
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int, graphs: bool = True,
                  cross: list | None = None):
@@ -278,12 +282,11 @@ class StaticCache(IncrementalCache):
 class OneRowCache(IncrementalCache):
     """One sentence, greedy: the latency mode (decoder/search.py `greedy_one`).
 
-    The token arrives as a Python int and its embedding is a row lookup; k and v
-    are written by `plan.write_kv_one` (one_row_cache), attention is
-    `plan.attend_one` (one_row_attention) for the one query, and
+    The token arrives as a Python int and its embedding is a row lookup, and
     cross-attention takes no mask: one sentence has no padding. At batch 1 a step
-    is bound by dispatch, so every op saved here is time saved."""
-    half_kv = False  # one_row_layer reads an fp32 cache (one row's cache is small anyway)
+    is bound by dispatch, so every op saved here is time saved: where the model runs
+    int8 gemv products a layer is one C++ call (switch one_row_layer), the whole step
+    another (one_row_step)."""
 
     def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
         super().__init__(model, enc, mask, beam, max_len)
@@ -330,13 +333,13 @@ class OneRowCache(IncrementalCache):
 
     def self_attend(self, i: int, attn, y):
         kc, vc = self.kv[i, 0], self.kv[i, 1]  # (1, h, T, hd)
-        q = self.plan.write_kv_one(attn, y, kc, vc, self.t - 1)  # (1, 1, d)
-        o = self.plan.attend_one(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t])  # (1, h, 1, hd)
+        q = write_kv(attn, y, kc, vc, self.t - 1)  # (1, 1, d)
+        o = self.plan.attend(heads(q, kc.shape[1]), kc[:, :, :self.t], vc[:, :, :self.t])  # (1, h, 1, hd)
         return o.view(1, 1, -1)  # one query: (1, h, 1, hd) is (1, 1, d) in memory
 
     def cross_attend(self, i: int, attn, y):
         ck, cv = self.cross[i]  # (1, h, S, hd)
-        return self.plan.attend_one(heads(attn.q(y), ck.shape[1]), ck, cv).view(1, 1, -1)
+        return self.plan.attend(heads(attn.q(y), ck.shape[1]), ck, cv).view(1, 1, -1)
 
     def reorder(self, rows):
         raise RuntimeError("OneRowCache holds one greedy row; beams use IncrementalCache")

@@ -13,7 +13,7 @@ from fixture_model import make_model_dir, synthetic_corpus
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 TRAINED, TRAINED_SRC = os.path.join(HERE, "model"), os.path.join(HERE, "test.en")
-BATCH_PATH = dict(one_row=False, one_row_attention=False, one_row_cache=False)
+BATCH_PATH = dict(one_row=False)
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,10 @@ def one_by_one(tr, srcs):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("switches", [dict(one_row=True, one_row_attention=False, one_row_cache=False,
-                                           one_row_layer=False),
-                                      dict(one_row=True, one_row_attention=True, one_row_cache=False,
-                                           one_row_layer=False),
-                                      dict(one_row=True, one_row_attention=False, one_row_cache=True,
-                                           one_row_layer=False),
+@pytest.mark.parametrize("switches", [dict(one_row=True, one_row_layer=False, fused_attention=False),
+                                      dict(one_row=True, one_row_layer=False),
                                       dict(one_row=True, fused_project_argmax=False)],
-                         ids=["loop", "loop+attention", "loop+cache", "all+full_logits"])
+                         ids=["loop", "loop+attention", "all+full_logits"])
 def test_one_row_greedy_gives_the_batch_greedy_tokens(model_dir, srcs, precision, switches):
     ref = one_by_one(Translator(model_dir, precision=precision, **BATCH_PATH), srcs)
     assert one_by_one(Translator(model_dir, precision=precision, **switches), srcs) == ref

@@ -1,5 +1,6 @@
 """tools/bench_gpu.py without a GPU: the sweep, the best rows, the summary's keys and ratios from
 fake rows, the GPU-busy arithmetic, the table, the refusal without CUDA and --help."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -566,13 +567,16 @@ def test_the_files_say_partial_until_the_run_ends(tmp_path, monkeypatch):
     assert not (tmp_path / "summary.json").exists()  # the summary is the finished run's
 
 
-def test_an_ablation_entry_flips_switches_or_sets_settings_together():
+def test_an_ablation_entry_flips_switches_or_sets_settings_together(monkeypatch):
     assert bench_gpu.ablation("fast_normaliser") == ("without fast_normaliser", {"fast_normaliser": False})
-    assert bench_gpu.ablation("kv_half") == ("with kv_half", {"kv_half": True})
     assert bench_gpu.ablation("sync_every = 4") == ("sync_every=4", {"sync_every": 4})
-    assert bench_gpu.ablation("kv_half+sync_every=16") == (
-        "with kv_half + sync_every=16", {"kv_half": True, "sync_every": 16})
-    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "kv_half+", "sync_every=2+sync_every=4"):
+    assert bench_gpu.ablation("kv_row_table+sync_every=16") == (
+        "without kv_row_table + sync_every=16", {"kv_row_table": False, "sync_every": 16})
+    off = dataclasses.replace(bench_gpu.BY_NAME["kv_row_table"], default=False)  # a switch off by default
+    monkeypatch.setitem(bench_gpu.BY_NAME, "kv_row_table", off)
+    assert bench_gpu.ablation("kv_row_table") == ("with kv_row_table", {"kv_row_table": True})
+    for bad in ("sync_every=", "sync_every=-1", "warp_speed=2", "warp_speed", "kv_row_table+",
+                "sync_every=2+sync_every=4"):
         with pytest.raises(ValueError):
             bench_gpu.ablation(bad)
 

@@ -134,14 +134,14 @@ FUSED_ARGMAX = dict(fused_project_argmax=False)  # the argmax on written logits,
 
 def bound_ops(p) -> set:
     """The fused.Ops each slot that calls fused ops was bound to."""
-    return {p.add_norm.args[0], p.write_kv.args[0], p.write_kv_one.args[0], p.topk.args[0]}
+    return {p.add_norm.args[0], p.topk.args[0]}
 
 
 def test_plan_binds_the_references_where_the_kernels_are_absent():
     for device, kernels in (("cpu", NONE), ("cuda", Kernels(cpu=True, cuda=False))):  # CUDA: its own kernels
         p = resolve(Switches(**FUSED_ARGMAX), device=device, beam=1, kernels=kernels)
         assert p.ops is fused.REFERENCE and bound_ops(p) == {fused.REFERENCE}
-        assert p.attend is p.attend_one is fused.decode_attention_reference
+        assert p.attend is fused.decode_attention_reference
         assert p.ops.argmax_rows is fused.argmax_rows_reference and p.ops.linear_argmax is fused.linear_argmax_reference
         # the references keep the kernels' argument checks where the public wrappers had them
         with pytest.raises(ops.OpArgumentError, match="same rows"):
@@ -193,7 +193,7 @@ def test_plan_binds_the_references_where_the_cpp_ops_are_switched_off(monkeypatc
 def test_plan_binds_the_kernels_of_its_device_where_they_are_loaded():
     cpu = resolve(Switches(**FUSED_ARGMAX), device="cpu", beam=4, kernels=BOTH)
     assert cpu.ops is fused.CPU_KERNELS and bound_ops(cpu) == {fused.CPU_KERNELS}
-    assert cpu.attend is cpu.attend_one is fused.decode_attention_kernel and cpu.ops.argmax_rows is fused.argmax_rows_kernel
+    assert cpu.attend is fused.decode_attention_kernel and cpu.ops.argmax_rows is fused.argmax_rows_kernel
     assert cpu.block is fused.ngram_block_kernel and cpu.encoder_attend.args[0] is fused.CPU_KERNELS
     cuda = resolve(Switches(**FUSED_ARGMAX), device="cuda", beam=4, kernels=BOTH, precision="fp16")
     assert cuda.ops is fused.CUDA_KERNELS and bound_ops(cuda) == {fused.CUDA_KERNELS}
@@ -216,9 +216,9 @@ def test_argmax_kernels_are_bound_only_for_the_dtypes_they_compare_in():
 @pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4), dict(beam=1, max_sentences=1),
                                 dict(beam=2, no_repeat_ngram=2), dict(beam=1, no_repeat_ngram=2, **FUSED_ARGMAX),
                                 dict(beam=1, precision="int8"), dict(beam=1, max_sentences=1, precision="int8"),
-                                dict(beam=1, kv_half=True), dict(beam=4, kv_half=True)],
+                                dict(beam=4, kv_row_table=False)],
                          ids=["greedy", "beam", "one-row", "beam-ngram", "greedy-ngram-argmax", "int8", "int8-one-row",
-                              "greedy-16bit-kv", "beam-16bit-kv"])
+                              "beam-moved-kv"])
 def test_the_step_never_asks_whether_a_kernel_is_loaded(lines, monkeypatch, kw):
     """After the plan is resolved no call of the decode loop or step asks which kernel
     runs: the availability checks raise, and the outputs are those of an unpatched run."""
@@ -237,21 +237,19 @@ def test_the_step_never_asks_whether_a_kernel_is_loaded(lines, monkeypatch, kw):
 
 def test_settings_line_says_which_ops_run_kernels_and_which_the_reference():
     cpu = resolve(Switches(), device="cpu", beam=1, kernels=BOTH, has_shortlist=False).summary()
-    assert cpu.endswith("; kernels: add_norm, attend, encoder_attend, cross_kv, write_kv, argmax_in_step, "
-                        "attend_one, write_kv_one"), cpu
+    assert cpu.endswith("; kernels: add_norm, attend, encoder_attend, cross_kv, argmax_in_step"), cpu
     beam = resolve(Switches(), device="cpu", beam=4, no_repeat_ngram=3, kernels=BOTH).summary()
     assert "; kernels: " in beam and {"topk", "block"} <= set(beam.split("; kernels: ")[1].split(", "))
-    assert "argmax" not in beam and "attend_one" not in beam  # greedy's and the one-row state's
+    assert "argmax" not in beam  # greedy's
     bare = resolve(Switches(), device="cpu", kernels=NONE, has_shortlist=False).summary()
-    assert bare.endswith("; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step, attend_one, "
-                         "write_kv_one"), bare
+    assert bare.endswith("; kernels: none; reference: add_norm, attend, argmax_in_step"), bare
     # CUDA: the static state of small batches attends through the decode-step kernel (graph_attention),
     # the eager state of large ones writes its cache and attends through it too; without the kernels
     # their references
     cuda = resolve(Switches(), device="cuda", kernels=BOTH).summary("fp16")
-    assert cuda.endswith("; kernels: add_norm, attend, write_kv, argmax_in_step"), cuda
+    assert cuda.endswith("; kernels: add_norm, attend, argmax_in_step"), cuda
     assert resolve(Switches(), device="cuda", kernels=Kernels(True, False)).summary("fp16").endswith(
-        "; kernels: none; reference: add_norm, attend, write_kv, argmax_in_step")
+        "; kernels: none; reference: add_norm, attend, argmax_in_step")
     assert "; kernels: none" in resolve(Switches(**opt.all_off()), kernels=BOTH).summary()
     # the shortlist's candidates: the C++ op on CPU, the reference on CUDA (no kernel there)
     assert "shortlist" in resolve(Switches(shortlist=True), kernels=BOTH).summary().split("; kernels: ")[1]

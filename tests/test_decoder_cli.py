@@ -148,10 +148,10 @@ def handed(monkeypatch):
 
 
 def test_set_turns_switches_on_and_off_and_leaves_the_others_to_the_library(handed):
-    kw = handed("--set", "fused_norm=off", "--set", "kv_half=on", "--set", "shortlist=on", "--set", "chunk_lines=7")
-    assert (kw["fused_norm"], kw["kv_half"], kw["shortlist"], kw["chunk_lines"]) == (False, True, True, 7)
+    kw = handed("--set", "fused_norm=off", "--set", "kv_row_table=on", "--set", "shortlist=on", "--set", "chunk_lines=7")
+    assert (kw["fused_norm"], kw["kv_row_table"], kw["shortlist"], kw["chunk_lines"]) == (False, True, True, 7)
     assert "cache" not in handed()  # not given: the library's default, whatever it is
-    assert handed("--set", "kv_half=on", "--set", "kv_half=off")["kv_half"] is False  # the last one counts
+    assert handed("--set", "fused_qkv=on", "--set", "fused_qkv=off")["fused_qkv"] is False  # the last one counts
     # --shortlist is the user's own option for the same switch; --chunk-lines the old name of the setting
     assert handed("--no-shortlist")["shortlist"] is False and "shortlist" not in handed()
     assert handed("--chunk-lines", "9")["chunk_lines"] == 9 == handed("--set", "chunk-lines=9")["chunk_lines"]
@@ -205,10 +205,10 @@ def test_set_switches_reach_the_decode(model_dir):
     """The whole command with switches and a setting: the library takes them and the lines come out."""
     lines = ["the dog", "", "the man sees a dog"]
     r = run_cli(model_dir, "\n".join(lines).encode() + b"\n", "--precision", "fp32", "--set", "fused_norm=off",
-                "--set", "kv_half=on", "--set", "chunk_lines=2")
+                "--set", "fused_qkv=off", "--set", "chunk_lines=2")
     assert r.returncode == 0, r.stderr.decode()
     from decoder import Translator
-    want = Translator(model_dir, precision="fp32", fused_norm=False, kv_half=True, chunk_lines=2).translate(lines)
+    want = Translator(model_dir, precision="fp32", fused_norm=False, fused_qkv=False, chunk_lines=2).translate(lines)
     assert r.stdout.decode().split("\n")[:-1] == want
 
 

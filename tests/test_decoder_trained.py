@@ -58,7 +58,7 @@ def test_model_translates_better_than_chance(data, fp32):
 
 
 def test_greedy_with_fused_kernels_equals_greedy_without_on_trained_model(data, fp32):
-    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_attention=True, fused_cache=True)
+    fused = Translator(MODEL, precision="fp32", fused_norm=True, fused_attention=True)
     assert fused.translate(data[0]) == fp32
 
 
@@ -102,7 +102,7 @@ def beam4(data):
 
 
 def test_beam_with_fused_topk_equals_beam_without_on_trained_model(data, beam4):
-    fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_attention=True, fused_cache=True)
+    fused = Translator(MODEL, precision="fp32", beam=4, fused_topk=True, fused_attention=True)
     assert fused.translate(data[0]) == beam4
 
 
@@ -206,25 +206,3 @@ def test_bench_fused_against_shipped_times_each_switch_that_ships_off_where_it_a
     names = [r.split(" | ")[0][2:] for r in out.splitlines() if r.startswith("| ") and "configuration" not in r]
     assert names[0] == "shipped (greedy)" and "shipped (beam 4)" in names
     assert "x shipped" in out and "one thread, shortlist absent" in out
-
-
-def test_beam_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data):
-    # switch kv_half (numeric): fp16 K/V flips near ties. Measured: these 150 lines 36 differ, BLEU
-    # 4.92 -> 4.87 (AVX2 EPYC: 38, 4.89 -> 4.82; a model that repeats itself: many near ties); the KD
-    # student's 1,003 test lines at
-    # int8 + shortlist 94 differ, BLEU 22.33 -> 22.35. More lines than the house's few %: off by default.
-    ref = exact("int8", beam=4, kv_half=False).translate(data[0])
-    half = exact("int8", beam=4, kv_half=True).translate(data[0])
-    assert sum(a != b for a, b in zip(half, ref)) <= len(ref) // 3
-    assert abs(bleu(half, data[1]) - bleu(ref, data[1])) < 0.2
-
-
-@pytest.mark.parametrize("precision,most", [("fp32", 3), ("int8", 30)])
-def test_greedy_with_an_fp16_kv_cache_stays_within_the_bound_on_trained_model(data, precision, most):
-    # switch kv_half on the greedy batch cache. Measured on these 150 lines (AVX-512 EPYC): fp32
-    # no line differs; int8 17 (BLEU 3.45 -> 3.46; AVX2 EPYC 17, 3.45 -> 3.42: each activation row quantised on its own scale
-    # carries a last-bit change into other rounding steps)
-    ref = exact(precision, kv_half=False).translate(data[0])
-    half = exact(precision, kv_half=True).translate(data[0])
-    assert sum(a != b for a, b in zip(half, ref)) <= most
-    assert abs(bleu(half, data[1]) - bleu(ref, data[1])) < 0.2

@@ -104,7 +104,7 @@ def kernels_unreachable(monkeypatch):
 
 
 OP_NAMES = ("add_bias_residual_layernorm", "log_softmax_topk", "ngram_block_", "decode_attention",
-            "decode_attention_rows", "encoder_attention", "cross_arrange", "cross_attention", "qkv_to_cache_",
+            "decode_attention_rows", "encoder_attention", "cross_arrange", "cross_attention",
             "argmax_rows", "linear_argmax", "int8_linear", "int8_linear_quantized", "int8_linear_prequantized",
             "int8_gemm_pack", "int8_gemm", "int8_gemv", "shortlist_candidates")
 
@@ -252,8 +252,6 @@ BAD_CALLS = [
      "rows must be long"),
     ("encoder heads", lambda: fused.encoder_attention(torch.ones(2, 3, 10), None, 4), "encoder_attention"),
     ("cross k v", lambda: fused.CrossAttention(torch.ones(2, 4, 5, 8), torch.ones(2, 4, 6, 8)), "cross_arrange"),
-    ("cache position", lambda: fused.qkv_to_cache_(torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 5, 8),
-                                                   torch.ones(2, 1, 96), 5), "position 5 outside the cache of 5"),
     ("argmax empty rows", lambda: fused.argmax_rows(torch.ones(3, 0)), "argmax_rows"),
     ("linear_argmax shapes", lambda: fused.linear_argmax(torch.ones(2, 4), torch.ones(5, 3)), "linear_argmax"),
     ("linear_argmax chunk", lambda: fused.linear_argmax(torch.ones(2, 4), torch.ones(5, 4), None, 0), "chunk"),
@@ -614,52 +612,6 @@ def test_a_beam_wider_than_the_cuda_top_k_kernel_takes_the_reference():
     v_ref, i_ref = fused.log_softmax_topk_reference(logits, scores, 9, n)
     torch.testing.assert_close(v, v_ref)
     assert torch.equal(i, i_ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,H,D,T,t", [(1, 1, 1, 1, 0), (3, 4, 16, 9, 5), (64, 8, 64, 40, 39), (5, 3, 7, 4, 0)])
-def test_qkv_to_cache_matches_reference(dtype, N, H, D, T, t):
-    g = torch.Generator().manual_seed(N + T)
-    qkv = torch.randn(N, 1, 3 * H * D, generator=g).to(dtype)
-    cache = torch.randn(2, 2, N, H, T, D, generator=g).to(dtype)  # (layers, k|v, ...): strided views per layer
-    want_cache = cache.clone()
-    q = torch.ops.decoder_ops.qkv_to_cache_(cache[1, 0], cache[1, 1], qkv, t)
-    q_ref = fused.qkv_to_cache_reference(want_cache[1, 0], want_cache[1, 1], qkv, t)
-    assert torch.equal(q, q_ref) and torch.equal(cache, want_cache)
-
-
-@pytest.mark.parametrize("N,H,D,T,t", [(1, 1, 1, 1, 0), (3, 4, 16, 9, 5), (64, 8, 64, 40, 39), (5, 3, 7, 4, 0)])
-def test_qkv_to_cache_into_an_fp16_cache_rounds_as_tensor_to(N, H, D, T, t):
-    # switch kv_half: an fp32 q|k|v into the fp16 cache, rounded to nearest even as `Tensor.to`
-    g = torch.Generator().manual_seed(N + T)
-    qkv = torch.randn(N, 1, 3 * H * D, generator=g) * 3
-    qkv.view(-1)[::5] = 1 + 2.0 ** -11  # halfway between two fp16 values: ties go to even
-    qkv.view(-1)[1::7] = 7e4  # beyond fp16's range: inf
-    cache = torch.randn(2, 2, T, N, H, D, generator=g).half().permute(0, 1, 3, 4, 2, 5)  # position-major
-    want_cache = cache.clone()
-    q = torch.ops.decoder_ops.qkv_to_cache_(cache[1, 0], cache[1, 1], qkv, t)
-    q_ref = fused.qkv_to_cache_reference(want_cache[1, 0], want_cache[1, 1], qkv, t)
-    assert q.dtype == torch.float32 and torch.equal(q, q_ref) and torch.equal(cache, want_cache)
-
-
-@pytest.mark.parametrize("B,T,D", [(1, 1, 64), (8, 13, 64), (12, 40, 64), (3, 5, 20)])
-def test_decode_attention_rows_reads_an_fp16_cache_as_its_values(B, T, D):
-    # switch kv_half: fp32 queries against an fp16 cache, arithmetic in fp32
-    g = torch.Generator().manual_seed(B * 10 + T)
-    q = torch.randn(B, 4, 1, D, generator=g)
-    cache = torch.randn(2, B, 4, T + 3, D, generator=g).half()
-    k, v = cache[0, :, :, :T], cache[1, :, :, :T]
-    rows = torch.randint(0, B, (B, T), generator=g)
-    got = torch.ops.decoder_ops.decode_attention_rows(q, k, v, rows)
-    assert got.dtype == torch.float32
-    want = fused.decode_attention_reference(q, k.float(), v.float(), rows=rows)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused.decode_attention_reference(q, k, v, rows=rows), want, atol=1e-6, rtol=1e-6)
-
-
-def test_qkv_to_cache_passes_opcheck():
-    cache = torch.zeros(2, 3, 4, 6, 8)
-    _opcheck(torch.ops.decoder_ops.qkv_to_cache_.default, (cache[0], cache[1], torch.randn(3, 1, 96), 2))
 
 
 # argmax: the same index as torch.argmax, whatever the dtype (no tolerance:

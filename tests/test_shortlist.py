@@ -419,7 +419,7 @@ def test_bench_precision_rows_are_alternatives_to_the_best_fp32_row():
     assert not any(kw.get("shortlist") for _, kw in cumulative + variants)
     last = cumulative[-1][1]
     assert last["precision"] == "fp32"
-    fused = {"fused_norm", "fused_attention", "fused_cache", "fused_project_argmax", "fused_encoder_attention",
+    fused = {"fused_norm", "fused_attention", "fused_project_argmax", "fused_encoder_attention",
              "fused_cross_attention"}
     int8 = {"fbgemm_int8", "fused_ops", "int8_gemv", "int8_vnni_int_mm", "int8_quantized_hidden", "int8_packed_gemm"}
     for _, kw in variants:  # each differs from the last fp32 row in precision (and its int8 kernel) or fused kernels only

@@ -14,8 +14,6 @@
 //   cross_arrange, cross_attention  the decoder's cross-attention: the cross K/V laid
 //                                out once per batch for the encoder op's register
 //                                blocks, then each step's queries (a sentence's beams)
-//   qkv_to_cache_                the fused q|k|v projection of one step split:
-//                                k and v written into the cache at position t, q returned
 //   ngram_block_                 in place: -inf for every token that would repeat
 //                                an n-gram of the row's history (no_repeat_ngram_size)
 //   argmax_rows                  greedy's argmax over each row of the logits
@@ -35,9 +33,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 
 #include "exp.h"
@@ -210,48 +205,9 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// The same over an fp16 cache (uint16_t bits): F16C converts 8 at a time (GCC 12
-// does not vectorise _Float16 conversions), so these are only called from
-// attend_heads_f16, compiled for AVX2+FMA+F16C and run where the CPU has them.
-#if defined(__x86_64__)
-#define F16C_TARGET __attribute__((target("avx2,fma,f16c")))
-F16C_TARGET inline __m256 load_f16(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-F16C_TARGET inline float dot(const float* a, const uint16_t* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_f16(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_f16(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_f16(b + i), s0);
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-  for (; i < n; ++i) s += a[i] * _cvtsh_ss(b[i]);
-  return s;
-}
-
-F16C_TARGET inline void axpy(float a, const uint16_t* x, float* y, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load_f16(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * _cvtsh_ss(x[i]);
-}
-
-bool has_f16c() {  // x86-64-v3 has AVX2, FMA and F16C; DECODER_MAX_CPU_ISA=default caps it off
-  return decoder_isa::level() >= 1;
-}
-#else
-bool has_f16c() { return false; }
-#endif
-
 struct AttendArgs {
   const float* q;
-  const void *k, *v;    // float, or fp16 bits (uint16_t: a half-precision cache)
+  const float *k, *v;
   const bool* mask;     // (B, T) or null
   const int64_t* rows;  // (B, T) or null: key j of row b is in k's row rows[b, j], else in row b
   float* out;
@@ -262,10 +218,9 @@ struct AttendArgs {
 // The (b, h) pairs [lo, hi): Q*T dot products of length D, a softmax over T,
 // and T axpys each. p is T floats of scratch.
 // always_inline: its body must be compiled in each ISA clone below, not once for baseline x86
-template <typename KV>
 inline __attribute__((always_inline)) void attend_heads_of(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
   const int64_t H = a.H, Q = a.Q, D = a.D, T = a.T;
-  const KV *k = static_cast<const KV*>(a.k), *v = static_cast<const KV*>(a.v);
+  const float *k = a.k, *v = a.v;
   for (int64_t bh = lo; bh < hi; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     const bool* mb = a.mask ? a.mask + b * T : nullptr;
@@ -294,15 +249,7 @@ inline __attribute__((always_inline)) void attend_heads_of(const AttendArgs& a, 
 }
 
 MULTIVERSION(void, attend_heads, (const AttendArgs& a, int64_t lo, int64_t hi, float* p),
-             (a, lo, hi, p)) { attend_heads_of<float>(a, lo, hi, p); }
-
-#if defined(__x86_64__)
-F16C_TARGET void attend_heads_f16(const AttendArgs& a, int64_t lo, int64_t hi, float* p) {
-  attend_heads_of<uint16_t>(a, lo, hi, p);
-}
-#else
-void attend_heads_f16(const AttendArgs&, int64_t, int64_t, float*) {}
-#endif
+             (a, lo, hi, p)) { attend_heads_of(a, lo, hi, p); }
 
 // q (B, H, Q, D), k and v (N, H, T, D) with any strides but the last (the cache
 // slice [:, :, :t+1] is not contiguous), mask (B, 1, 1, T) bool, True = attend;
@@ -329,24 +276,20 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "decode_attention_rows: a row index is outside the cache's ", N, " rows");
   }
   auto qf = q.to(at::kFloat).contiguous();
-  // a half-precision cache is read as it is (half the bytes of a bandwidth-bound loop)
-  const bool f16 = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf &&
-                   v.scalar_type() == at::kHalf && has_f16c();
-  auto kf = f16 ? k : k.to(at::kFloat), vf = f16 ? v : v.to(at::kFloat);
+  auto kf = k.to(at::kFloat), vf = v.to(at::kFloat);
   if (kf.stride(3) != 1) kf = kf.contiguous();
   if (vf.stride(3) != 1) vf = vf.contiguous();
   at::Tensor m;
   if (mask.has_value()) m = mask->reshape({B, T}).contiguous();
   auto out = at::empty({B, H, Q, D}, qf.options());
-  const AttendArgs args{qf.data_ptr<float>(), kf.data_ptr(), vf.data_ptr(),
+  const AttendArgs args{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
                         mask.has_value() ? m.data_ptr<bool>() : nullptr,
                         rows.has_value() ? r.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
                         H, Q, D, T, kf.stride(0), kf.stride(1), kf.stride(2), vf.stride(0), vf.stride(1),
                         vf.stride(2), 1.f / std::sqrt(static_cast<float>(D))};
   at::parallel_for(0, B * H, 4, [&](int64_t lo, int64_t hi) {
     std::vector<float> p(T);
-    if (f16) attend_heads_f16(args, lo, hi, p.data());
-    else attend_heads(args, lo, hi, p.data());
+    attend_heads(args, lo, hi, p.data());
   });
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
@@ -780,69 +723,6 @@ std::tuple<at::Tensor, at::Tensor> one_row_layer(const at::Tensor& x, const at::
   return {xo, yo};
 }
 
-// k or v of one head (n floats) into the fp16 cache, rounded to nearest even as
-// Tensor.to(torch.float16): vcvtps2ph where the CPU has F16C, c10::Half elsewhere.
-#if defined(__x86_64__)
-F16C_TARGET void to_f16_f16c(const float* x, uint16_t* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
-}
-#endif
-
-inline void to_f16(const float* x, uint16_t* y, int64_t n) {
-#if defined(__x86_64__)
-  if (has_f16c()) return to_f16_f16c(x, y, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) y[i] = c10::Half(x[i]).x;
-}
-
-// qkv (N, 1, 3*H*D) -> q (N, 1, H*D); k and v of row r, head h go to
-// kc[r, h, t, :] and vc[r, h, t, :] of the (N, H, T, D) cache views, whose
-// rows and heads may be strided (a slice of the preallocated cache). The caches
-// have qkv's dtype, or are fp16 for an fp32 qkv (a half-precision cache).
-at::Tensor qkv_to_cache_(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
-  KIT_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes(), "qkv_to_cache_: caches must be (N, H, T, D)");
-  const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3), d = H * D;
-  KIT_CHECK(qkv.numel() == N * 3 * d, "qkv_to_cache_: qkv must be (N, 1, 3*H*D)");
-  KIT_CHECK(t >= 0 && t < T, "qkv_to_cache_: position ", t, " outside the cache of ", T);
-  const bool f16 = qkv.scalar_type() == at::kFloat && kc.scalar_type() == at::kHalf &&
-                   vc.scalar_type() == at::kHalf;
-  KIT_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && (f16 || (kc.scalar_type() == qkv.scalar_type() &&
-              vc.scalar_type() == qkv.scalar_type())),
-              "qkv_to_cache_: caches must match qkv's dtype (or be fp16 for fp32), last dim dense");
-  auto src = qkv.reshape({N, 3 * d}).contiguous();
-  auto q = at::empty({N, 1, d}, src.options());
-  const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2);
-  const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2);
-  // q to its own rows, k and v of each head into the caches through write(from, to, D)
-  auto split = [&](const auto* sp, auto* qp, auto* kp, auto* vp, auto write) {
-    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const auto* row = sp + r * 3 * d;
-        std::copy(row, row + d, qp + r * d);
-        for (int64_t h = 0; h < H; ++h) {
-          write(row + d + h * D, kp + r * k0 + h * k1 + t * k2, D);
-          write(row + 2 * d + h * D, vp + r * v0 + h * v1 + t * v2, D);
-        }
-      }
-    });
-  };
-  if (f16) {
-    split(src.data_ptr<float>(), q.data_ptr<float>(), reinterpret_cast<uint16_t*>(kc.data_ptr<at::Half>()),
-          reinterpret_cast<uint16_t*>(vc.data_ptr<at::Half>()),
-          [](const float* from, uint16_t* to, int64_t n) { to_f16(from, to, n); });
-    return q;
-  }
-  KIT_DISPATCH_FLOATS(src.scalar_type(), "qkv_to_cache_", [&] {
-    split(src.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-          [](const scalar_t* from, scalar_t* to, int64_t n) { std::copy(from, from + n, to); });
-  });
-  return q;
-}
-
 // logits (R, C) in place; hist (R, T) token ids; vocab (C,) ascending ids of the
 // columns when the logits cover a shortlist. For each row, every earlier
 // position whose n-1 tokens equal the row's last n-1 bans the token after them.
@@ -1002,7 +882,6 @@ TORCH_LIBRARY_FRAGMENT(decoder_ops, m) {
   m.def("encoder_attention(Tensor qkv, Tensor? mask, int heads) -> Tensor");
   m.def("cross_arrange(Tensor k, Tensor v, Tensor? mask) -> (Tensor, Tensor, Tensor)");
   m.def("cross_attention(Tensor q, Tensor kt, Tensor va, Tensor lens) -> Tensor");
-  m.def("qkv_to_cache_(Tensor(a!) kc, Tensor(b!) vc, Tensor qkv, int t) -> Tensor");
   m.def("ngram_block_(Tensor(a!) logits, Tensor hist, int n, Tensor? vocab) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("linear_argmax(Tensor x, Tensor weight, Tensor? bias, int chunk) -> Tensor");
@@ -1022,7 +901,6 @@ TORCH_LIBRARY_IMPL(decoder_ops, CPU, m) {
   m.impl("encoder_attention", &encoder_attention);
   m.impl("cross_arrange", &cross_arrange);
   m.impl("cross_attention", &cross_attention);
-  m.impl("qkv_to_cache_", &qkv_to_cache_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("linear_argmax", &linear_argmax);
   m.impl("one_row_layer", &one_row_layer);

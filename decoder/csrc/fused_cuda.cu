@@ -202,19 +202,6 @@ __global__ void residual_norm_warp_kernel(const T* x, const T* h, const T* b, co
   }
 }
 
-// one thread per element of q|k|v
-template <typename T>
-__global__ void qkv_to_cache_kernel(const T* qkv, T* q, T* kc, T* vc, int64_t N, int64_t H, int64_t D, int64_t t,
-                                    int64_t k0, int64_t k1, int64_t k2, int64_t v0, int64_t v1, int64_t v2) {
-  const int64_t d = H * D, total = N * 3 * d;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / (3 * d), c = i % (3 * d), part = c / d, h = (c % d) / D, e = c % D;
-    if (part == 0) q[r * d + c] = qkv[i];
-    else if (part == 1) kc[r * k0 + h * k1 + t * k2 + e] = qkv[i];
-    else vc[r * v0 + h * v1 + t * v2 + e] = qkv[i];
-  }
-}
-
 // one thread per row
 template <typename T>
 __global__ void ngram_block_kernel(T* logits, const int64_t* hist, const int64_t* vocab, int64_t R, int64_t Tn,
@@ -494,24 +481,6 @@ at::Tensor decode_attention_rows_cuda(const at::Tensor& q, const at::Tensor& k, 
   return attention_cuda(q, k, v, mask, rows, "decode_attention_rows");
 }
 
-at::Tensor qkv_to_cache_cuda(at::Tensor& kc, at::Tensor& vc, const at::Tensor& qkv, int64_t t) {
-  KIT_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.stride(3) == 1 && vc.stride(3) == 1,
-              "qkv_to_cache_: caches must be (N, H, T, D), last dim dense");
-  const int64_t N = kc.size(0), H = kc.size(1), T = kc.size(2), D = kc.size(3);
-  KIT_CHECK(qkv.numel() == N * 3 * H * D && t >= 0 && t < T, "qkv_to_cache_: qkv (N, 1, 3*H*D), 0 <= t < T");
-  const c10::cuda::CUDAGuard guard(qkv.device());
-  auto src = qkv.contiguous();
-  auto q = at::empty({N, 1, H * D}, src.options());
-  if (N == 0) return q;
-  KIT_DISPATCH_FLOATS(src.scalar_type(), "qkv_to_cache_", [&] {
-    qkv_to_cache_kernel<scalar_t><<<blocks_for(src.numel()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        src.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), N, H, D,
-        t, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2));
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return q;
-}
-
 void ngram_block_cuda(at::Tensor& logits, const at::Tensor& hist, int64_t n, const std::optional<at::Tensor>& vocab) {
   KIT_CHECK(logits.dim() == 2 && hist.dim() == 2 && hist.size(0) == logits.size(0) && logits.is_contiguous(),
               "ngram_block_: logits (R, C) contiguous and hist (R, T)");
@@ -603,7 +572,6 @@ TORCH_LIBRARY_IMPL(decoder_ops, CUDA, m) {
   m.impl("decode_attention", &decode_attention_cuda);
   m.impl("decode_attention_rows", &decode_attention_rows_cuda);
   m.impl("ngram_block_", &ngram_block_cuda);
-  m.impl("qkv_to_cache_", &qkv_to_cache_cuda);
   m.impl("log_softmax_topk", &log_softmax_topk_cuda);
   m.impl("argmax_rows", &argmax_rows_cuda);
   m.impl("linear_argmax", &linear_argmax_cuda);
