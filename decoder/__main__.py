@@ -145,8 +145,7 @@ def add_user_options(p) -> None:
                    help="translations; - = stdout. A file appears whole when the run ends, never half-written")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16", "int8", "fp16"],
-                   help="default: the device's fast default, int8 on a CPU with an int8 kernel else fp32, fp16 on "
-                        "CUDA; auto: int8 on a CPU only where it beats fp32 here (measured at start)")
+                   help="default (or auto): int8 on a CPU with an int8 kernel, else fp32; fp16 on CUDA")
     cliargs.alias(p, "--beam", p.add_argument(
         "--beam-size", dest="beam", metavar="N", type=int_range(1, MAX_BEAM), default=1,
         help=f"beam size, 1 to {MAX_BEAM}; 1 = greedy"))

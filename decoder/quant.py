@@ -14,16 +14,12 @@ Either way calls of at most 4 rows run our gemv kernel
 (`GemvLinear`, switch `int8_gemv`): at batch 1 the big kernels' fixed costs
 dominate. The measurements behind the choices are in docs/bench/decoder.md
 ("int8 on every x86 CPU", "VNNI", "Batch 1").
-`auto` times int8 against fp32 at the model's own step shapes (`Probe`).
 """
 from __future__ import annotations
 
 import functools
 import os
-import sys
-import time
 import warnings
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -418,91 +414,3 @@ def describe_int8(kernel: str) -> str:
     if kernel == "fbgemm" and fbgemm_available():
         return "fbgemm, 8-bit activations" if fbgemm_vnni() else "fbgemm, 7-bit activations (no VNNI)"
     return "_int_mm, 8-bit activations"
-
-
-def int8_available() -> bool:
-    try:
-        torch._int_mm(torch.ones(17, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
-        return True
-    except RuntimeError:
-        return False
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The products `auto` times: those of one decode step of a model of width d
-    (a q|k|v linear, d -> 3d, and the output projection, d -> vocab) at `rows`
-    rows: 1 for batch-1 latency, a batch for throughput. One probe shape
-    mis-picks for the other: fbgemm at 1 row and 8000 columns was 9x fp32, at
-    (1, 256, 256) half of it (docs/bench/decoder.md "int8 on every x86 CPU")."""
-    rows: int = 64
-    kernel: str = "fbgemm"  # "fbgemm" | "int_mm" | "gemv": the kernel the plan runs at these rows
-    d: int = 256
-    vocab: int = 8000
-
-    def describe(self, int8_s: float, fp32_s: float) -> str:
-        return (f"{self.rows}-row step probe, int8 ({self.kernel}) {int8_s * 1e6:.0f} us "
-                f"vs fp32 {fp32_s * 1e6:.0f} us")
-
-
-_probes: dict = {}
-
-
-def probe(p: Probe) -> tuple[float, float]:
-    """(int8 seconds, fp32 seconds) for the products of `p`, measured once per
-    process and shape, one thread: on a busy machine a 2-thread fp32 product
-    waits on its slowest thread (16 ms instead of 0.5 ms measured), which hides
-    the gap. Without VNNI `_int_mm` ran a plain loop, 13-30x slower than fp32,
-    while fbgemm's AVX2 kernels beat fp32; CPU flags do not say which path a
-    torch build takes, so it is timed, not guessed."""
-    if p not in _probes:
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            t8 = _time_int8(p) if int8_available() else float("inf")
-            _probes[p] = (t8, _time_fp32(p))
-        finally:
-            torch.set_num_threads(n)
-    return _probes[p]
-
-
-def int8_pays(p: Probe | None = None, margin: float = 0.9, floor_s: float = 50e-6) -> bool:
-    """Whether int8 beats fp32 here at the probe's shapes (default: 64 rows, d256,
-    8k vocabulary) by more than timing noise: fp32 is the model's own output, so
-    a near tie (tiny models, where neither product is bound by anything) stays
-    fp32 rather than flipping from run to run. At the students' shapes the gap
-    is 2-20x either way. Below `floor_s` of fp32 products per step (toy models)
-    the timing decides nothing worth an output change: fp32."""
-    p = p or Probe(kernel="int_mm" if int_mm_vnni() or not fbgemm_available() else "fbgemm")  # as by default
-    t8, t32 = probe(p)
-    return t32 > floor_s and t8 < margin * t32
-
-
-def _best_of(f, n: int = 3) -> float:
-    f()  # first call: oneDNN primitive creation, page faults
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _weights(p: Probe) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(n, p.d, generator=g) * 0.05 for n in (3 * p.d, p.vocab)]  # (out, in) each
-
-
-def _time_int8(p: Probe) -> float:
-    """The layers the decoder builds for `p.kernel`, called as a step calls them."""
-    x, ws = torch.randn(p.rows, p.d), _weights(p)
-    if p.kernel == "fbgemm" and fbgemm_available():
-        lins = [FbgemmLinear(w, None) for w in ws]
-    else:  # "gemv": the gemv kernel at these rows, whichever linear holds it; "int_mm": our C++ op
-        lins = [Int8Linear(w, None, gemv_rows=p.rows if p.kernel == "gemv" else 0) for w in ws]
-    return _best_of(lambda: [lin(x) for lin in lins])
-
-
-def _time_fp32(p: Probe) -> float:
-    x, ws = torch.randn(p.rows, p.d), _weights(p)
-    return _best_of(lambda: [F.linear(x, w) for w in ws])

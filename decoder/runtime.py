@@ -34,8 +34,8 @@ def describe(tr, requested: str | None = None) -> str:
     """The one stderr line a command prints once its Translator is loaded: what runs,
     so that two outputs can be told apart (fp32 and int8 differ on a few lines)."""
     import torch
-    precision = tr.precision + (f" ({requested})" if requested and requested != tr.precision else "")
-    if requested is None:  # the fast default, and why it is this one
+    precision = tr.precision + (f" ({requested})" if requested not in (None, "auto", tr.precision) else "")
+    if requested in (None, "auto"):  # the fast default, and why it is this one
         precision += (" (the default on CUDA)" if tr.device.startswith("cuda") else
                       " (the default: this CPU has an int8 kernel)" if tr.precision == "int8" else
                       " (the default: no int8 kernel on this CPU)")
@@ -48,9 +48,7 @@ def describe(tr, requested: str | None = None) -> str:
     if tr.precision == "int8":
         from .quant import describe_int8
         where += f", int8 by {describe_int8(tr.plan.int8_kernel)}"
-    why = getattr(tr, "auto_choice", lambda: None)() if requested == "auto" else None
     from .fused import describe as fused_ops  # whether the C++/CUDA kernels built (and passed their check)
     # the plan as resolved for this device (decoder/optimisations.py Plan.summary), and the batch sizes
     plan = f"; {tr.plan.summary(tr.precision)}; batches {tr.opts.max_tokens} tokens x {tr.opts.max_sentences}"
-    return (f"decoder: precision {precision}, {par}, {where}; {fused_ops()}" + plan
-            + (f"; auto timed {why}" if why else ""))
+    return f"decoder: precision {precision}, {par}, {where}; {fused_ops()}" + plan

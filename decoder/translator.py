@@ -13,13 +13,13 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import hostsync, modeldir, ops
+from . import hostsync, modeldir
 from .cliargs import MAX_BEAM, MAX_INT, MAX_LEN, MAX_LENGTH_PENALTY, max_sentences_for, max_tokens_for
 from .batching import make_batches, padded, restore
 from .model import Model
 from .optimisations import BY_NAME, Switches, resolve
 from .pipeline import NormalisePool, Text, normalise_processes, run, shares
-from .quant import Probe, fbgemm_available, int8_pays, int_mm_vnni, probe as time_probe
+from .quant import fbgemm_available, int_mm_vnni
 from .runtime import retain_freed_memory
 from .search import Outputs
 from .shortlist import Shortlist
@@ -98,25 +98,18 @@ def runs_on(device: str) -> str:
     return "cpu" if device.startswith("cuda") and not torch.cuda.is_available() else device
 
 
-def resolve_device_precision(device: str, precision: str | None, probe: Probe | None = None,
-                             warn: bool = True) -> tuple[str, str]:
+def resolve_device_precision(device: str, precision: str | None, warn: bool = True) -> tuple[str, str]:
     """(device, precision) that will actually run; falls back to CPU without CUDA, with a
-    warning (`warn`: a caller resolving many rows says it once itself). None: the device's
-    default (`DEFAULT_PRECISION`). CPU `auto` times `probe` (decoder/quant.py: the model's
-    step products at the rows the run will have) in int8 and fp32 and takes the faster."""
+    warning (`warn`: a caller resolving many rows says it once itself). None or "auto":
+    the device's default (`default_precision`), decided here once."""
     if runs_on(device) != device:
         if warn:
             print(NO_CUDA, file=sys.stderr, flush=True)
         device = "cpu"
         if precision == "fp16":
-            precision = "auto"
-    if precision is None:
+            precision = None
+    if precision in (None, "auto"):
         precision = default_precision(device)
-    if precision == "auto":
-        if device.startswith("cuda"):
-            precision = "fp16"
-        else:  # int8 where this CPU runs int8 products fast (VNNI/AVX-512), measured once
-            precision = "int8" if int8_pays(probe) else "fp32"
     if device == "cpu" and precision == "fp16":
         raise ValueError("fp16 is a GPU precision; use bf16 or int8 on CPU")
     if device.startswith("cuda") and precision == "int8":
@@ -149,8 +142,7 @@ class Translator:
         listed = modeldir.has_shortlist(model_dir, cfg)
         if options.get("shortlist") and not listed:
             modeldir.read_shortlist(model_dir, cfg)  # the error that names what is missing
-        self.probe = self.probe_for(cfg) if precision == "auto" else None
-        self.device, self.precision = resolve_device_precision(device, precision, self.probe)
+        self.device, self.precision = resolve_device_precision(device, precision)
         self.plan = resolve(o.switches, device=self.device, beam=o.beam, no_repeat_ngram=o.no_repeat_ngram,
                             static_shapes=o.static_shapes, sync_every=o.sync_every, precision=self.precision,
                             has_shortlist=listed)
@@ -180,23 +172,6 @@ class Translator:
         if self.plan.shortlist:
             self.shortlist = Shortlist(*modeldir.read_shortlist(model_dir, cfg), eos_id=cfg.eos_id,
                                        device=self.model.device, candidates=self.plan.ops.shortlist_candidates)
-
-    def probe_for(self, cfg) -> Probe:
-        """What `auto` times: this model's step products at the rows a step will
-        have: 1 where batches are single sentences (latency), else a batch
-        (64 rows: products are throughput-bound from there on)."""
-        # before the plan (it needs the precision): the CPU switches as they resolve on a CPU
-        plan = resolve(self.opts.switches, no_repeat_ngram=self.opts.no_repeat_ngram)
-        rows, kernel = min(self.opts.max_sentences, 64), plan.int8_kernel
-        if rows <= plan.int8_gemv_rows and ops.available():
-            kernel = "gemv"  # the kernel those rows run, in fbgemm's and in our _int_mm linear
-        return Probe(rows=rows, kernel=kernel, d=cfg.arch.d_model, vocab=cfg.arch.vocab_size)
-
-    def auto_choice(self) -> str | None:
-        """Why `auto` chose the precision that runs, in words (None without `auto` on CPU)."""
-        if self.probe is None or self.device != "cpu":
-            return None
-        return self.probe.describe(*time_probe(self.probe))
 
     def state_kind(self, sentences: int = 2) -> str:
         """The decoder state a batch of `sentences` runs on (decoder/state.py): the plan's."""

@@ -202,7 +202,7 @@ def test_settings_line_is_printed_once_and_quiet_silences_it(model_dir, command)
     quiet = subprocess.run(argv + ["--quiet"], input=b"the dog\n", capture_output=True, env=ENV, cwd=ROOT,
                            timeout=300)
     err = loud.stderr.decode().splitlines()
-    assert len(err) == 1 and err[0].startswith("decoder: precision ") and "(auto)" in err[0], err
+    assert len(err) == 1 and err[0].startswith("decoder: precision ") and "(the default" in err[0], err
     assert " ISA " in err[0] and "thread" in err[0]
     assert quiet.returncode == 0 and quiet.stderr == b"" and quiet.stdout == loud.stdout
 

@@ -64,9 +64,9 @@ def run(image, command=None, stdin=b"", **kw):
 
 
 def reference(model_dir, stdin: bytes, args: list[str], precision: str = "auto") -> bytes:
-    """`python -m decoder` on the host: what the container must reproduce (it runs `auto`, and
-    the shortlist when the model dir has one: serve.settings). Pass the container's
-    `chosen_precision` where auto's timing probe sits near its threshold for this model."""
+    """`python -m decoder` on the host: what the container must reproduce (the default precision,
+    and the shortlist when the model dir has one: serve.settings). Pass the container's
+    `chosen_precision` to compare with what it printed."""
     return _reference(model_dir, stdin, tuple(args), precision)
 
 
@@ -81,8 +81,7 @@ def _reference(model_dir, stdin: bytes, args: tuple, precision: str) -> bytes:
 
 
 def chosen_precision(stderr: bytes) -> str:
-    """The precision the container's `auto` picked, from its settings line: a timing probe
-    (1 row for latency) may pick otherwise on a loaded host, and the two differ in tokens."""
+    """The precision the container ran, from its settings line (fp32 and int8 differ in tokens)."""
     m = re.search(rb"decoder: precision (\w+)", stderr)
     assert m, stderr[-2000:]
     return m.group(1).decode()

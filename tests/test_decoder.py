@@ -475,16 +475,6 @@ def test_fixed_shape_state_with_fused_kernels_gives_same_tokens(model_dir, srcs,
     assert a == Translator(model_dir, precision="fp32", beam=beam, fused_project_argmax=False, fused_topk=False).translate_ids(sub)
 
 
-@pytest.mark.parametrize("int8_s,fp32_s,want", [(0.001, 0.003, "int8"), (0.015, 0.0005, "fp32")])
-def test_auto_precision_on_cpu_is_int8_only_where_int8_measures_faster(monkeypatch, int8_s, fp32_s, want):
-    from decoder import quant
-    from decoder.translator import resolve_device_precision
-    monkeypatch.setattr(quant, "_probes", {})
-    monkeypatch.setattr(quant, "_time_int8", lambda p: int8_s)
-    monkeypatch.setattr(quant, "_time_fp32", lambda p: fp32_s)
-    assert resolve_device_precision("cpu", "auto") == ("cpu", want)
-
-
 def test_beam_search_batches_half_the_source_tokens_unless_told(model_dir):
     from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS
     assert Translator(model_dir, precision="fp32").opts.max_tokens == MAX_TOKENS

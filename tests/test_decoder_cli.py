@@ -119,7 +119,7 @@ def test_help_fits_in_60_lines_with_the_users_options_before_the_switches():
     flags = {w.strip("[],") for w in r.stdout.split() if w.startswith(("--", "[--"))}
     assert not {"--" + o.name.replace("_", "-") for o in OPTIMISATIONS if o.name != "shortlist"} & flags
     text = " ".join(r.stdout.split())
-    assert "default: the device's fast default, int8 on a CPU with an int8 kernel else fp32, fp16 on CUDA" in text
+    assert "default (or auto): int8 on a CPU with an int8 kernel, else fp32; fp16 on CUDA" in text
     assert "--shortlist, --no-shortlist the model dir's lexical shortlist (default: " in text
 
 

@@ -356,9 +356,9 @@ def test_container_is_measured_through_run_sh(tmp_path):
                     str(tmp_path), repeats=1, warmup_lines=2, log=lambda m: None)
     from test_container import ONE_LATENCY, reference
     text = "".join(x + "\n" for x in src).encode()
-    # /run.sh CPU-1 is `python -m decoder --threads 1 --precision auto` (+ the shortlist, + batch 1 for latency)
-    # auto's 1-row latency probe may pick either precision for this small model: the container's
-    # output must be the host's at one of them (test_container pins the one it printed)
+    # /run.sh CPU-1 is `python -m decoder --threads 1` at the default precision (+ the shortlist, + batch 1
+    # for latency): the container's output must be the host's at fp32 or int8 (test_container pins the one
+    # it printed)
     want = {mode: [reference(model, text, args, p).decode().split("\n")[:-1] for p in ("fp32", "int8")]
             for mode, args in (("throughput", ["--threads", "1"]), ("latency", ONE_LATENCY))}
     from submission.evaluate import slug

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder import Translator, modeldir, ops, quant
-from decoder.quant import FbgemmLinear, Int8Linear, Probe
+from decoder.quant import FbgemmLinear, Int8Linear
 from fixture_model import make_model_dir
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
@@ -158,56 +158,16 @@ def test_int8_greedy_of_each_kernel_is_within_bleu_bound_of_fp32_on_trained_mode
     assert sum(a == b for a, b in zip(hyps, fp32)) >= share * len(src)
 
 
-# -- auto ---------------------------------------------------------------------------------------
+# -- the default precision ----------------------------------------------------------------------
 
-def fake_timings(monkeypatch, int8_us, fp32_us):
-    """Injected probe timings: seconds per probe, a function of its rows."""
-    monkeypatch.setattr(quant, "_probes", {})
-    monkeypatch.setattr(quant, "_time_int8", lambda p: int8_us(p.rows) * 1e-6)
-    monkeypatch.setattr(quant, "_time_fp32", lambda p: fp32_us(p.rows) * 1e-6)
-
-
-def test_auto_probes_the_rows_each_mode_runs_and_picks_per_shape(model_dir, monkeypatch):
-    # int8 wins at one row (weight bandwidth), loses at 64 (say, no fast int8 product here)
-    fake_timings(monkeypatch, lambda r: 50 if r == 1 else 5000, lambda r: 200 if r == 1 else 1000)
-    latency = Translator(model_dir, precision="auto", max_sentences=1)
-    batch = Translator(model_dir, precision="auto", max_sentences=512)
-    assert (latency.probe.rows, latency.precision) == (1, "int8")
-    assert (batch.probe.rows, batch.precision) == (64, "fp32")
-    cfg = modeldir.read_config(model_dir).arch
-    assert (batch.probe.d, batch.probe.vocab) == (cfg.d_model, cfg.vocab_size)
-
-
-@pytest.mark.parametrize("vnni", [False, True])
-def test_auto_probes_the_int8_kernel_the_plan_runs(model_dir, monkeypatch, vnni):
-    fake_timings(monkeypatch, lambda r: 1, lambda r: 2)
-    machine(monkeypatch, vnni)
-    assert Translator(model_dir, precision="auto", fbgemm_int8=False).probe.kernel == "int_mm"
-    if quant.fbgemm_available():
-        batch = "int_mm" if vnni else "fbgemm"  # int8_vnni_int_mm's choice
-        assert Translator(model_dir, precision="auto").probe.kernel == batch
-        assert Translator(model_dir, precision="auto", int8_vnni_int_mm=False).probe.kernel == "fbgemm"
-        assert Translator(model_dir, precision="auto", max_sentences=1, int8_gemv=False).probe.kernel == batch
-    if ops.available():  # one row a step: int8_gemv runs those calls in either linear, so the latency probe times it
-        assert Translator(model_dir, precision="auto", max_sentences=1).probe.kernel == "gemv"
-        assert Translator(model_dir, precision="auto", max_sentences=1, fbgemm_int8=False).probe.kernel == "gemv"
-
-
-@pytest.mark.parametrize("kernel,cls,gemv", [("int_mm", Int8Linear, False), ("gemv", Int8Linear, True),
-                                             ("fbgemm", FbgemmLinear, False)])
-def test_probe_times_the_linears_the_decoder_builds_for_its_kernel(monkeypatch, kernel, cls, gemv):
-    if cls is FbgemmLinear and not quant.fbgemm_available() or gemv and not ops.available():
-        pytest.skip("kernel not in this build")
-    calls = []
-    for c in (Int8Linear, FbgemmLinear):
-        real = c.__call__
-        monkeypatch.setattr(c, "__call__", lambda self, x, *a, real=real: calls.append(self) or real(self, x, *a))
-    real_gemv = ops.int8_gemv
-    monkeypatch.setattr(ops, "int8_gemv", lambda *a: calls.append("gemv") or real_gemv(*a))
-    quant._time_int8(Probe(rows=1, kernel=kernel, d=64, vocab=300))
-    lins = [c for c in calls if c != "gemv"]
-    assert lins and all(type(c) is cls for c in lins)
-    assert ("gemv" in calls) is gemv
+@pytest.mark.parametrize("fbgemm,vnni,want", [(True, False, "int8"), (False, True, "int8"), (False, False, "fp32")])
+def test_auto_and_no_precision_are_the_cpus_default_decided_by_its_int8_kernels(monkeypatch, fbgemm, vnni, want):
+    from decoder import translator
+    monkeypatch.setattr(translator, "fbgemm_available", lambda: fbgemm)
+    monkeypatch.setattr(translator, "int_mm_vnni", lambda: vnni)
+    for asked in (None, "auto"):
+        assert translator.resolve_device_precision("cpu", asked) == ("cpu", want)
+    assert translator.resolve_device_precision("cpu", "fp32") == ("cpu", "fp32")  # asked for: as asked
 
 
 @pytest.mark.parametrize("vnni,bits", [(True, "8-bit activations"), (False, "7-bit activations (no VNNI)")])
@@ -221,43 +181,22 @@ def test_settings_line_says_how_many_bits_fbgemms_activations_have(model_dir, mo
     assert f", int8 by fbgemm, {bits}; " in describe(tr, "int8")
 
 
-def test_auto_choice_is_in_the_settings_line(model_dir, monkeypatch):
-    from decoder.runtime import describe
-    fake_timings(monkeypatch, lambda r: 40, lambda r: 120)
-    line = describe(Translator(model_dir, precision="auto", max_sentences=1), "auto")
-    assert line.startswith("decoder: precision int8 (auto), 1 thread")
-    assert line.endswith("; auto timed 1-row step probe, int8 (gemv) 40 us vs fp32 120 us") or \
-        not ops.available()
-    assert "auto" not in describe(Translator(model_dir, precision="fp32"), "fp32")
-
-
-def test_probe_times_each_shape_once_per_process(monkeypatch):
-    calls = []
-    monkeypatch.setattr(quant, "_probes", {})
-    monkeypatch.setattr(quant, "_time_int8", lambda p: calls.append(p) or 1.0)
-    monkeypatch.setattr(quant, "_time_fp32", lambda p: 2.0)
-    for rows in (1, 1, 64):
-        quant.int8_pays(Probe(rows=rows, kernel="int_mm"))
-    assert [p.rows for p in calls] == [1, 64]
-
-
 # -- the container --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hardware,task", [("CPU-1", "latency"), ("CPU-ALL", "throughput")])
 def test_container_turns_on_the_model_dirs_shortlist(model_dir, tmp_path, monkeypatch, hardware, task):
     from submission.container import serve
-    fake_timings(monkeypatch, lambda r: 1, lambda r: 2)
     d = str(tmp_path / "model")
     shutil.copytree(model_dir, d)
     assert serve.settings(hardware, d, task)["shortlist"] is False
     V = modeldir.read_config(d).arch.vocab_size
     modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
     s = serve.settings(hardware, d, task)
-    assert s["shortlist"] is True and s["precision"] == "auto"
+    assert s["shortlist"] is True and s["precision"] is None  # the CPU's default
     tr = Translator(d, **{**s, "workers": 0})
     assert tr.shortlist is not None
     if task == "latency":
-        assert (s["max_sentences"], s["workers"]) == (1, 0) and tr.probe.rows == 1
+        assert (s["max_sentences"], s["workers"]) == (1, 0)
 
 
 def test_container_leaves_a_listed_but_missing_shortlist_off(model_dir, tmp_path):
@@ -270,19 +209,6 @@ def test_container_leaves_a_listed_but_missing_shortlist_off(model_dir, tmp_path
     modeldir.write_shortlist(d, torch.arange(V + 1), torch.arange(V), torch.tensor([], dtype=torch.long))
     os.remove(os.path.join(d, modeldir.read_config(d).shortlist))
     assert serve.settings("CPU-1", d, "latency")["shortlist"] is False
-
-
-def test_auto_keeps_fp32_where_int8_is_within_noise_or_the_products_are_tiny(monkeypatch):
-    """A toy model's 1-row step is ~10 us either way: a timing that flips from run
-    to run must not flip the output with it (the container's two runs differed)."""
-    monkeypatch.setattr(quant, "_time_fp32", lambda p: 20e-6)
-    monkeypatch.setattr(quant, "_time_int8", lambda p: 5e-6)
-    monkeypatch.setattr(quant, "_probes", {})
-    assert not quant.int8_pays(Probe(rows=1, d=64, vocab=333))
-    monkeypatch.setattr(quant, "_time_fp32", lambda p: 1000e-6)
-    monkeypatch.setattr(quant, "_time_int8", lambda p: 950e-6)
-    monkeypatch.setattr(quant, "_probes", {})
-    assert not quant.int8_pays(Probe(rows=1))
 
 
 cpp_ops = pytest.mark.skipif(not ops.available(), reason="the C++ ops could not be built here")

@@ -42,7 +42,7 @@ from decoder import cliargs, fileerrors, modeldir, ops, textio
 from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_int
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
-from decoder.quant import int8_pays
+from decoder.quant import fbgemm_available, int_mm_vnni
 from decoder.translator import Translator
 
 from . import bench_chart
@@ -215,9 +215,10 @@ def pick_best(rows: list[tuple[float, float | None, dict]], max_bleu_loss: float
 
 
 def slow_here(kw: dict, flags: list[str]) -> bool:
-    """A precision this CPU runs far slower than fp32: time it on a subset only."""
+    """A precision this CPU runs far slower than fp32: time it on a subset only. int8: `_int_mm`
+    without VNNI is a plain loop, 13-30x slower than fp32 (decoder/quant.py)."""
     if kw.get("precision") == "int8":
-        return not int8_pays()
+        return not (int_mm_vnni() or (kw.get("fbgemm_int8", True) and fbgemm_available()))
     if kw.get("precision") == "bf16":
         return not has_native_bf16(flags)
     return False

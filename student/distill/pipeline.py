@@ -611,13 +611,13 @@ class Pipeline:
 
 
 def _decoding(teacher) -> dict:
-    """How a model teacher decodes (its precision as measured by the decoder's `auto`, and
+    """How a model teacher decodes (its precision, the decoder's default for this CPU, and
     its worker processes), for the manifest."""
     if not hasattr(teacher, "workers"):
         return {"engine": teacher.engine}
     out = {"engine": teacher.engine, "precision": teacher.precision, "workers": teacher.workers}
     if teacher.precision == "int8":  # not the fp32 of earlier runs: say why
-        out["precision_note"] = "int8: the decoder's precision auto measured int8 products faster than fp32 here"
+        out["precision_note"] = "int8: the decoder's default on a CPU with an int8 kernel"
     return out
 
 

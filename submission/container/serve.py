@@ -19,8 +19,8 @@ def settings(hardware: str, model_dir: str, task: str = "throughput") -> dict:
     """The Translator options of a WMT mode: everything that keeps the output
     within the BLEU bound. The lexical shortlist whenever the model dir lists
     one and has it (greedy output was identical on the KD student, 1.24-1.49x
-    faster, docs/bench); on CPU precision `auto`, which times int8 against fp32
-    at the rows the mode runs (1 for latency, a batch for throughput)."""
+    faster, docs/bench); on CPU the decoder's default precision (int8 where the
+    CPU has an int8 kernel)."""
     s = {**hardware_settings(hardware, model_dir), "shortlist": has_shortlist(model_dir),
          "pipeline": task == "throughput"}
     if task == "latency":  # one line at a time: nothing to spread over worker threads or processes
@@ -47,18 +47,18 @@ def hardware_settings(hardware: str, model_dir: str) -> dict:
         print("warning: GPU requested but CUDA is not visible; running as CPU-ALL",
               file=sys.stderr, flush=True)
         hardware = "CPU-ALL"
-    # CPU precision "auto": int8 where this CPU runs int8 products faster than
-    # fp32, else fp32 (measured at start, decoder/README.md "Precision").
+    # CPU precision None: the decoder's default, int8 where this CPU has an int8
+    # kernel, else fp32 (decoder/translator.py default_precision).
     # CPU-ALL throughput: one pinned single-thread worker process per core, fed
     # whole batches (decoder/workers.py); 1.2-1.4x faster than one process with
     # a thread per core on 2 cores (docs/container.md), as long as the cgroup's
     # memory holds a model copy per worker (decoder/cgroup.py). Latency has
     # one sentence at a time, nothing to spread over processes: threads.
     if hardware == "CPU-1":
-        return dict(device="cpu", precision="auto", threads=1, workers=0)
+        return dict(device="cpu", precision=None, threads=1, workers=0)
     cores = cgroup.usable_cores()
     workers = cgroup.workers_that_fit(cores, cgroup.memory_limit(), cgroup.model_bytes(model_dir))
-    return dict(device="cpu", precision="auto", threads=cores, workers=workers)
+    return dict(device="cpu", precision=None, threads=cores, workers=workers)
 
 
 def main(argv=None) -> int:
