@@ -172,9 +172,6 @@ class Optimisation:
 
 
 OPTIMISATIONS: tuple[Optimisation, ...] = (
-    Optimisation("cache", True, "K/V cache, cross K/V once per sentence", "state", "incremental", "recompute",
-                 "the whole prefix re-run every step, encoder output copied per beam", "ladder",
-                 worth="7.1x beam 4 fp32 (ladder), AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 7.6x"),
     Optimisation("sort", True, "length-sorted batches", "sort", True, False, "batches in input order", "ladder",
                  worth="1.78x beam 4 fp32 (ladder), AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.63x"),
     Optimisation("softmax_free", True, "greedy without softmax", "normalise", identity, normalise_greedy,
@@ -264,7 +261,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step (on a GPU the whole fixed-shape "
                  "buffer: read and written twice a step)", "beam",
-                 needs=lambda o: o.fused_attention and o.cache,
+                 needs=lambda o: o.fused_attention,
                  worth="0.96x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (earlier AVX-512 1-thr 1.27x); GPU n/m"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
@@ -342,7 +339,7 @@ def describe(kw: dict) -> str:
 @dataclass(frozen=True)
 class StateOptions:
     """Which decoder state a batch runs on, and its options (decoder/state.py), resolved once."""
-    eager: str = "incremental"  # "incremental" | "row_table" | "recompute": a batch's state where none below
+    eager: str = "incremental"  # "incremental" | "row_table": a batch's state where none below
     one_row: bool = False       # a greedy batch of one sentence: the one-row latency state
     static: bool = False        # batches of at most `graph_rows` rows: the fixed-shape state
     graph_rows: int = 0
@@ -501,7 +498,7 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     k = loaded_kernels(device) if kernels is None else kernels
     view = SimpleNamespace(**dataclasses.asdict(switches), no_repeat_ngram=no_repeat_ngram)
     # a graph replays fixed addresses, a batch's candidates are not: on CUDA the graphs take precedence
-    graphs = device == "cuda" and view.cuda_graphs and view.cache and not no_repeat_ngram
+    graphs = device == "cuda" and view.cuda_graphs and not no_repeat_ngram
     if not has_shortlist or graphs:
         view.shortlist = False
     slots: dict = {}
@@ -517,8 +514,8 @@ def resolve(switches, *, device: str = "cpu", beam: int = 1, no_repeat_ngram: in
     loaded = k.cuda if device == "cuda" else k.cpu
     # the step's tensors are the precision's activations or fp32 (log-softmax): one dtype decides
     ops = fused.bound(device, DTYPES[precision], loaded)
-    bound = bind(slots, ops, step_slots(slots, st, loop, no_repeat_ngram))
-    for name in ("state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "one_row",
+    bound = bind(slots, ops, step_slots(slots, loop, no_repeat_ngram))
+    for name in ("cuda_graphs", "static_keep", "static_attend", "kv_row_table", "one_row",
                  "one_row_layer", "one_row_step"):
         del slots[name]  # in `states` now
     run = search.beam if loop == "beam" else (greedy_or_one if st.one_row else search.greedy)
@@ -530,15 +527,14 @@ def state_options(slots: dict, runs: set, loop: str, device: str, k: Kernels, st
                   every: int) -> StateOptions:
     """Which state each batch runs on and its options, from the resolved slots; `runs` loses
     the switches that do not apply."""
-    cache = slots["state"] == "incremental"
-    graphs = cache and slots["cuda_graphs"]
-    static = cache and (graphs or static_shapes)
+    graphs = slots["cuda_graphs"]
+    static = graphs or static_shapes
     masked = static and slots["static_attend"] and (device == "cpu" or k.cuda)
     # the row table: the CPU's eager beam state, or the fixed-shape one through the attention kernel
     # (SDPA reads no table); CUDA's eager state moves just the live K/V
     table = slots["kv_row_table"] and loop == "beam"
-    eager = "row_table" if table and device == "cpu" and cache else slots["state"]
-    one_row = slots["one_row"] and cache and not static and loop == "greedy"
+    eager = "row_table" if table and device == "cpu" else "incremental"
+    one_row = slots["one_row"] and not static and loop == "greedy"
     drop = {"graph_reuse": not static, "graph_attention": not masked, "cuda_graphs": not graphs,
             "kv_row_table": not (eager == "row_table" or (table and masked)), "one_row": not one_row}
     runs -= {name for name, off in drop.items() if off}
@@ -576,16 +572,10 @@ def bind(slots: dict, ops: fused.Ops, calls: set) -> tuple:
     return tuple(bound)
 
 
-def step_slots(slots: dict, st: StateOptions, loop: str, no_repeat_ngram: int) -> set:
-    """The slots that a decode with these resolved `slots` calls: the static state
-    attends with SDPA itself (unless masked_attend), the recompute state through the whole prefix."""
-    calls = {"add_norm", "hidden", "encoder_attend"}
-    if st.eager in ("incremental", "row_table"):
-        calls |= {"attend", "cross_kv"}
-    if st.masked_attend:
-        calls.add("attend")
-    if st.one_row:
-        calls.add("attend")
+def step_slots(slots: dict, loop: str, no_repeat_ngram: int) -> set:
+    """The slots that a decode with these resolved `slots` calls (the fixed-shape state attends
+    with SDPA itself unless masked_attend; the eager state of larger batches calls the plan's)."""
+    calls = {"add_norm", "hidden", "encoder_attend", "attend", "cross_kv"}
     if loop == "beam":
         calls.add("topk")
     else:

@@ -1,4 +1,4 @@
-"""Decoding states: one `DecoderState`, five caches.
+"""Decoding states: one `DecoderState`, four caches.
 
 A state is what the searches (decoder/search.py) drive: `step(tokens, t)`,
 `reorder(rows)`, `keep(sentences, rows)` and `can_shrink`. Every state runs the
@@ -23,8 +23,8 @@ the layers attend through:
   Its searches' whole steps are captured with it (`DecoderState.blocks`).
 - `OneRowCache`: the incremental cache for one sentence, greedy (the latency
   mode): Python-int tokens, no padding mask, its own one-query attention.
-- `RecomputeCache`: the naive reference: the whole prefix again every step,
-  encoder output copied per beam, cross K/V recomputed every time.
+
+The naive reference without a cache, the benchmarks' first row, is tools/naive.py.
 
 With a lexical shortlist the state's output projection `out` covers only the
 batch's candidate ids (Model.output_rows), and the searches map their picks back.
@@ -347,45 +347,6 @@ class OneRowCache(IncrementalCache):
     keep = reorder
 
 
-class RecomputeCache:
-    """No cache: the whole prefix again every step, encoder output per beam row."""
-    can_shrink = True
-
-    def __init__(self, model: Model, enc, mask, beam: int, max_len: int):
-        self.m, self.max_len = model, max_len
-        self.enc = enc.repeat_interleave(beam, 0)  # (B*beam, S, d)
-        self.mask = mask.repeat_interleave(beam, 0)  # (B*beam, 1, 1, S)
-        self.prefix = None  # (rows, t) tokens fed so far
-        self.causal = None
-
-    def run(self, tokens, t: int):
-        # a copy: the searches rewrite their token buffer in place
-        ys = tokens[:, None].clone() if self.prefix is None else torch.cat([self.prefix, tokens[:, None]], 1)
-        self.prefix = ys  # (N, t+1)
-        T = ys.shape[1]
-        self.causal = torch.ones(T, T, dtype=torch.bool, device=ys.device).tril()
-        return self.m.decode(self.m.embed(ys), self)[:, -1]
-
-    def self_attend(self, i: int, attn, y):
-        h = self.m.n_heads
-        q, k, v = (heads(t, h) for t in attn.project_qkv(y))
-        return merge(F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal))
-
-    def cross_attend(self, i: int, attn, y):
-        h = self.m.n_heads
-        k, v = attn.project_kv(self.enc)
-        o = F.scaled_dot_product_attention(heads(attn.q(y), h), heads(k, h), heads(v, h), attn_mask=self.mask)
-        return merge(o)
-
-    def reorder(self, rows):
-        self.prefix = self.prefix.index_select(0, rows)
-
-    def keep(self, sents, rows):
-        self.prefix = self.prefix.index_select(0, rows)
-        self.enc = self.enc.index_select(0, rows)
-        self.mask = self.mask.index_select(0, rows)
-
-
 class DecoderState:
     """What the searches drive: one decode step over `cache`, then the output layer.
     `phase(name)` is the context each step and shrink runs in (Translator.phase)."""
@@ -439,8 +400,7 @@ class DecoderState:
             self.cache.keep(sents, rows)
 
 
-CACHES = {"incremental": IncrementalCache, "recompute": RecomputeCache, "one_row": OneRowCache,
-          "row_table": RowTableCache}
+CACHES = {"incremental": IncrementalCache, "one_row": OneRowCache, "row_table": RowTableCache}
 
 
 def new_state(model: Model, enc, mask, beam: int, max_len: int, out=None,

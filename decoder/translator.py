@@ -214,8 +214,11 @@ class Translator:
     @torch.inference_mode()
     def search_batch(self, e: "Encoded") -> Outputs:
         """An encoded batch searched (decoder/search.py); its outputs as `start_ids` gives them."""
-        state = new_state(self.model, e.enc, e.mask, self.opts.beam, max(e.lims), e.out, self.phase)
-        return Outputs.of(self.plan.search(state, e.limits, self.search, e.lims, e.vocab))
+        return Outputs.of(self.plan.search(self.new_state(e), e.limits, self.search, e.lims, e.vocab))
+
+    def new_state(self, e: "Encoded"):
+        """The batch's decoder state, of the kind the plan fixed (decoder/state.py)."""
+        return new_state(self.model, e.enc, e.mask, self.opts.beam, max(e.lims), e.out, self.phase)
 
     # -- text level ----------------------------------------------------------------
     # Chunks of at least this many lines are encoded by the workers, a share each; below it

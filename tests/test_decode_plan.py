@@ -38,7 +38,6 @@ def test_cpu_plan_runs_the_per_step_loops_and_the_cpu_kernels():
     b = resolve(Switches(), device="cpu", beam=4, kernels=BOTH)
     assert (b.loop, b.states.eager, b.states.one_row, b.search) == ("beam", "row_table", False, search.beam)
     assert "kv_row_table" in b.runs and b.states.kind(1, 4) == "row_table"  # one sentence in a beam: no one-row
-    assert resolve(Switches(cache=False), beam=4, kernels=BOTH).states.eager == "recompute"
     fixed = resolve(Switches(), kernels=BOTH, static_shapes=True).states
     assert fixed.kind(1, 1) == fixed.kind(10_000, 1) == "static" and not fixed.graphs
     assert resolve(Switches(one_row=False), kernels=BOTH).search is search.greedy
@@ -57,7 +56,7 @@ def test_cuda_plan_replays_graphs_for_small_greedy_batches_and_every_beam_and_re
         st = p.states
         assert (p.device, st.static, st.graphs, st.one_row, p.kernels) == ("cuda", True, True, False, True)
         assert p.loop == ("beam" if beam > 1 else "greedy") and p.every == opt.SYNC_EVERY["cuda"] > 1
-        assert p.runs.isdisjoint(opt.CPU_ONLY) and not st.half_kv and "cuda_graphs" in p.runs
+        assert p.runs.isdisjoint(opt.CPU_ONLY) and "cuda_graphs" in p.runs
         assert p.encoder_attend is encoder_attend_plain and p.cross_kv is CrossPlain
     greedy = resolve(Switches(), device="cuda", kernels=BOTH).states
     # thousands of greedy rows decode eagerly: 1.18x there without graphs (docs/bench/gpu.md)
@@ -506,7 +505,7 @@ def test_resolve_is_the_only_place_that_picks_the_loop_and_the_state():
     assert {b for a, dot, b in zip(code, code[1:], code[2:]) if a == "plan" and dot == "."} <= {"states"} | calls
     # the loops are named where resolve binds them; the state classes where new_state builds them
     loops, states = {"greedy", "beam", "greedy_one", "greedy_or_one"}, {
-        "IncrementalCache", "RowTableCache", "StaticCache", "OneRowCache", "RecomputeCache"}
+        "IncrementalCache", "RowTableCache", "StaticCache", "OneRowCache"}
     for name, text in src.items():
         code = code_tokens(text)
         if name not in ("optimisations.py", "search.py"):

@@ -12,8 +12,9 @@ from decoder import Translator
 from decoder.batching import make_batches, padded, restore
 from decoder.quant import Int8Linear
 from fixture_model import make_model_dir, synthetic_corpus
+from tools.naive import NaiveTranslator
 
-NAIVE = dict(cache=False, sort=False, softmax_free=False, early_stop=False, fused_qkv=False, pipeline=False)
+NAIVE = dict(sort=False, softmax_free=False, early_stop=False, fused_qkv=False, pipeline=False)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_fixture_outputs_are_not_degenerate(fast, srcs):
 
 
 def test_optimised_greedy_equals_naive_reference(model_dir, fast, srcs, lines):
-    naive = Translator(model_dir, precision="fp32", **NAIVE)
+    naive = NaiveTranslator(model_dir, precision="fp32", **NAIVE)
     assert fast.translate_ids(srcs) == naive.translate_ids(srcs)
     assert fast.translate(lines) == naive.translate(lines)
 
@@ -70,7 +71,7 @@ def test_greedy_equals_training_model_with_tied_embeddings(tmp_path):
     assert tr.translate_ids(srcs) == ref.greedy(src)
 
 
-@pytest.mark.parametrize("switch", ["cache", "softmax_free", "early_stop", "fused_qkv", "sort", "pipeline",
+@pytest.mark.parametrize("switch", ["softmax_free", "early_stop", "fused_qkv", "sort", "pipeline",
                                     "fused_project_argmax"])
 def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines, switch):
     assert Translator(model_dir, precision="fp32", **{switch: False}).translate(lines) == fast.translate(lines)
@@ -147,7 +148,7 @@ def test_greedy_with_and_without_softmax_identical(model_dir, fast, srcs):
 def test_beam_with_cache_equals_beam_without_cache(model_dir, srcs, early_stop):
     sub = srcs[:12]
     a = Translator(model_dir, precision="fp32", beam=3, early_stop=early_stop).translate_ids(sub)
-    b = Translator(model_dir, precision="fp32", beam=3, cache=False, early_stop=early_stop).translate_ids(sub)
+    b = NaiveTranslator(model_dir, precision="fp32", beam=3, early_stop=early_stop).translate_ids(sub)
     assert a == b
 
 

@@ -150,7 +150,7 @@ def handed(monkeypatch):
 def test_set_turns_switches_on_and_off_and_leaves_the_others_to_the_library(handed):
     kw = handed("--set", "fused_norm=off", "--set", "kv_row_table=on", "--set", "shortlist=on", "--set", "chunk_lines=7")
     assert (kw["fused_norm"], kw["kv_row_table"], kw["shortlist"], kw["chunk_lines"]) == (False, True, True, 7)
-    assert "cache" not in handed()  # not given: the library's default, whatever it is
+    assert "sort" not in handed()  # not given: the library's default, whatever it is
     assert handed("--set", "fused_qkv=on", "--set", "fused_qkv=off")["fused_qkv"] is False  # the last one counts
     # --shortlist is the user's own option for the same switch; --chunk-lines the old name of the setting
     assert handed("--no-shortlist")["shortlist"] is False and "shortlist" not in handed()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decoder import Translator
+from tools.naive import NaiveTranslator
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "bible-tiny")
 MODEL, SRC, REF = (os.path.join(HERE, p) for p in ("model", "test.en", "test.es"))
@@ -130,7 +131,7 @@ def test_beam_with_fused_log_softmax_differs_at_most_in_a_few_lines_on_trained_m
 
 
 def test_optimised_greedy_equals_naive_on_trained_model(data, fp32):
-    naive = Translator(MODEL, precision="fp32", cache=False, sort=False, softmax_free=False,
+    naive = NaiveTranslator(MODEL, precision="fp32", sort=False, softmax_free=False,
                        early_stop=False, fused_qkv=False, pipeline=False)
     sub = data[0][:40]
     assert naive.translate(sub) == fp32[:40]
@@ -160,7 +161,7 @@ def test_beam_is_not_worse_than_greedy(data, fp32):
 def test_beam_cache_equals_no_cache_on_trained_model(data):
     sub = data[0][:20]
     a = Translator(MODEL, precision="fp32", beam=4).translate(sub)
-    b = Translator(MODEL, precision="fp32", beam=4, cache=False).translate(sub)
+    b = NaiveTranslator(MODEL, precision="fp32", beam=4).translate(sub)
     assert a == b
 
 

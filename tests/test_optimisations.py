@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what `resolve` decides from the device, the beam and the loaded kernels, not from one switch
 RESOLVED = {"device", "loop", "every", "kernels", "runs", "ops", "bound", "states", "search"}
 # the slots that choose the state and its options: `resolve` turns them into Plan.states
-IN_STATES = {"state", "cuda_graphs", "static_keep", "static_attend", "kv_row_table", "one_row",
+IN_STATES = {"cuda_graphs", "static_keep", "static_attend", "kv_row_table", "one_row",
              "one_row_layer", "one_row_step"}
 
 
@@ -29,14 +29,12 @@ NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"
          "int8_gemv": {"fbgemm_int8": True},
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
          "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
-         "one_row": {"cache": True},  # the one-row state is the incremental cache's
-         "cuda_graphs": {"cache": True},  # the fixed-shape state is the incremental cache's
-         "graph_reuse": {"cache": True, "cuda_graphs": True},  # it keeps the CUDA-graph state
-         "kv_row_table": {"fused_attention": True, "cache": True},
+         "graph_reuse": {"cuda_graphs": True},  # it keeps the CUDA-graph state
+         "kv_row_table": {"fused_attention": True},
          "normalise_processes": {"fast_normaliser": True},
-         "graph_attention": {"cache": True, "cuda_graphs": True, "fused_attention": True},
-         "one_row_layer": {"cache": True, "one_row": True, "fused_norm": True, "fused_qkv": True},
-         "one_row_step": {"cache": True, "one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
+         "graph_attention": {"cuda_graphs": True, "fused_attention": True},
+         "one_row_layer": {"one_row": True, "fused_norm": True, "fused_qkv": True},
+         "one_row_step": {"one_row": True, "fused_norm": True, "fused_qkv": True, "one_row_layer": True,
                           "fused_project_argmax": True, "softmax_free": True}}
 # switches resolved elsewhere than their bench group's device at batch 1
 WHERE = {"kv_row_table": dict(beam=4)}  # the CPU's beam state

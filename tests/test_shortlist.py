@@ -17,6 +17,7 @@ from decoder.shortlist import Shortlist, candidates_kernel
 from fixture_model import make_model_dir, synthetic_corpus
 from student.data import read_lines
 from student.shortlist import add_to_model_dir, build, cooc, encode_corpus
+from tools.naive import NaiveTranslator
 from tools.synth_corpus import generate
 
 build_mod = importlib.import_module("student.shortlist.build")  # the package's `build` is the function
@@ -52,15 +53,16 @@ def copy_with(base_dir, tmp_path, lists, frequent=()):
 
 @pytest.mark.parametrize("switches", [
     dict(beam=1), dict(beam=3), dict(beam=1, precision="int8"), dict(beam=3, precision="int8"),
-    dict(beam=1, static_shapes=True), dict(beam=2, cache=False, early_stop=False),
+    dict(beam=1, static_shapes=True), dict(beam=2, naive=True, early_stop=False),
     dict(beam=1, fused_project_argmax=False), dict(beam=3, fused_topk=False)],
     ids=["greedy", "beam", "greedy-int8", "beam-int8", "greedy-static", "beam-recompute", "greedy-plain-projection",
          "beam-plain-topk"])
 def test_whole_vocabulary_shortlist_gives_the_same_output(base_dir, tmp_path, vocab, lines, switches):
     d = copy_with(base_dir, tmp_path, [list(range(vocab))] * vocab)
     switches = {"precision": "fp32", **switches}
-    full = Translator(d, shortlist=False, **switches).translate(lines)
-    assert Translator(d, shortlist=True, **switches).translate(lines) == full
+    make = NaiveTranslator if switches.pop("naive", False) else Translator  # tools/naive.py: no K/V cache
+    full = make(d, shortlist=False, **switches).translate(lines)
+    assert make(d, shortlist=True, **switches).translate(lines) == full
 
 
 def test_shortlist_with_only_eos_and_one_token_produces_that_token(base_dir, tmp_path, vocab, lines):

@@ -49,6 +49,7 @@ from . import bench_chart
 from .baselines import CT2Run, _text, alternating, ct2_runs, ct2_translator, fastest, run_ct2, run_hf
 from .bench_groups import GROUPS, SUMMARY_RATIOS, group_best, group_ratios, head_to_head_rows
 from .convert import to_ctranslate2
+from .naive import NaiveTranslator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(ROOT, "tests", "fixtures", "bible-tiny")
@@ -98,7 +99,9 @@ def ours_go(model_dir, threads, batch1: bool = False, **kw):
     client (and CT2's batch-1 row) sends them. On exit the worker processes, if any, are
     stopped and waited for: left to the garbage collector, a pool of one row was seen
     exiting (a worker at 93% of a core) while a later row was timed, at a fifth of its speed."""
-    tr = Translator(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
+    make = NaiveTranslator if kw.get("naive") else Translator  # the ladder's first row: no K/V cache
+    kw = {k: v for k, v in kw.items() if k != "naive"}
+    tr = make(model_dir, threads=threads, **({**kw, "max_sentences": 1, "pipeline": False} if batch1 else kw))
 
     def go(ls):
         # torch shares its OpenMP pool with CTranslate2, whose Translator(intra_threads=1) set
@@ -138,7 +141,8 @@ def ablation() -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     kernel, so the table shows what each does on this CPU (on an AVX2-only CPU
     int8 and bf16 are slower than fp32) and the best configuration is picked by
     measurement, not assumed."""
-    rows, cur = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", dict(NAIVE))], dict(NAIVE)
+    rows, cur = [("naive PyTorch (beam 4, no cache, unsorted, fp32)", dict(NAIVE, naive=True))], dict(NAIVE)
+    rows.append(("+ K/V cache, cross K/V once per sentence", dict(cur)))  # decoder/state.py against tools/naive.py
     for o in group("ladder"):
         cur = {**cur, o.name: True, **o.row}
         rows.append((f"+ {o.label}", dict(cur)))
@@ -502,7 +506,7 @@ class Pass:
         full = []  # (words/s, BLEU, kw) of greedy rows timed on the whole input: candidates for "best"
         measured = {}  # {name: (words/s, kw)} of the same rows, for the composed row
         for name, kw in cumulative + variants:
-            naive_row = not kw.get("cache", True)
+            naive_row = kw.get("naive", False)
             if naive_row and "naive" in self.skip:
                 continue
             slow = naive_row or slow_here(kw, self.machine["flags"])
