@@ -108,6 +108,9 @@ def test_a_model_dir_or_input_that_is_not_there_is_one_line_naming_its_option(ca
     fill = lambda text: next((text.replace(k, v) for k, v in paths.items() if k in text), text)  # noqa: E731
     main = importlib.import_module(module if module in SINGLE_FILE else f"{module}.__main__").main
     monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    cwd = tmp_path / "cwd"  # where a command's defaults would write (student.distill's runs/)
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     try:
         code = main([fill(x) for x in argv])
     except SystemExit as e:  # a check's refusal in a command whose main lets it through
@@ -115,6 +118,7 @@ def test_a_model_dir_or_input_that_is_not_there_is_one_line_naming_its_option(ca
     out = capsys.readouterr()
     assert (code, out.out, out.err) == (2, "", f"error: {fill(says)}\n")
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "none")
+    assert not os.listdir(cwd)  # refused before any work: nothing written where it was run
 
 
 def test_a_model_dir_without_a_file_its_config_lists_is_refused_before_any_work(model_dir, tmp_path, capsys):
