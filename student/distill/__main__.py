@@ -223,9 +223,11 @@ def check(cfg: DistillConfig) -> None:
     for d in cfg.teacher_model:  # the full check (weights) comes with the teacher
         if why := cliargs.model_dir_error("--teacher-model", d, shortlist=False):
             raise ValueError(why)
-    for flag in ("src", "tgt", "dev_src", "dev_tgt", "test_src", "test_tgt"):  # before the run dir is made
-        if getattr(cfg, flag) and (why := cliargs.file_error("--" + flag.replace("_", "-"), getattr(cfg, flag))):
-            raise ValueError(why)
+    for x in ("", "dev-", "test-"):  # each given pair's files, before the run dir is made (half a pair: run's error)
+        paths = (getattr(cfg, f"{x.replace('-', '_')}src"), getattr(cfg, f"{x.replace('-', '_')}tgt"))
+        for flag, path in zip((f"--{x}src", f"--{x}tgt"), paths):
+            if all(paths) and (why := cliargs.file_error(flag, path)):
+                raise ValueError(why)
     if cfg.teacher_hf and not os.path.isdir(cfg.teacher_hf):
         raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")
     if cfg.teacher_cmd is not None and not cfg.teacher_cmd.strip():  # "" would train a teacher instead
