@@ -450,7 +450,8 @@ def loaded_kernels(device: str) -> Kernels:
 
 
 # switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step", "fused_project_topk"})
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step",
+                      "fused_project_topk"})
 # of those, the ones whose off path is the same math where the C++ ops are not loaded
 SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer",
                               "one_row_step", "fused_project_topk"})

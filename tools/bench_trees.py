@@ -10,7 +10,6 @@ identical. `--isa avx2` caps every engine to AVX2 (torch, oneDNN, fbgemm, our ke
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,15 +17,13 @@ import subprocess
 import sys
 import time
 
-from decoder import cliargs, machine
-
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "DECODER_MAX_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 BATCH1_LINES = 150
 
 
 def time_here(model: str, src: str, passes: int, lines: int) -> dict:
-    """This tree's decoder (the one on sys.path) in the three groups: {group: {words_s, out}}."""
+    """This tree's decoder (the one on sys.path) in the three groups: {group: {words_s, out}}.
+    It runs on the measured tree's code, which may predate this file: it uses `Translator`
+    alone, with the keywords every version of it took."""
     import torch
     from decoder import Translator
     text = [x.rstrip("\n") for x in open(src, encoding="utf-8")][:lines or None]
@@ -53,8 +50,10 @@ def time_here(model: str, src: str, passes: int, lines: int) -> dict:
 
 
 def run_tree(tree: str, a, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "tools.bench_trees", "--time-here", "--model", os.path.abspath(a.model),
-           "--src", os.path.abspath(a.src), "--passes", str(a.passes), "--lines", str(a.lines)]
+    """One tree's `time_here` in a process of its own: this file run by path, that tree's
+    `decoder` first on the path (the tree need not have tools/bench_trees.py)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--time-here", os.path.abspath(a.model),
+           os.path.abspath(a.src), str(a.passes), str(a.lines)]
     p = subprocess.run(cmd, cwd=tree, env={**env, "PYTHONPATH": tree}, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{tree}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
@@ -62,7 +61,8 @@ def run_tree(tree: str, a, env: dict) -> dict:
 
 
 def compare(a, log=print) -> dict:
-    env = {**os.environ, **(AVX2 if a.isa == "avx2" else {})}
+    from tools.bench import CAPPED  # the ISA caps tools.bench puts on every engine
+    env = {**os.environ, **CAPPED.get(a.isa, {})}
     trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
     speeds: dict = {name: {} for name in trees}
     outs: dict = {}
@@ -76,11 +76,13 @@ def compare(a, log=print) -> dict:
             log(f"round {r} {name}: " + ", ".join(f"{g} {v['words_s']:,.0f}" for g, v in res.items()))
     return {g: dict(before=round(max(speeds["before"][g])), after=round(max(speeds["after"][g])),
                     ratio=round(max(speeds["after"][g]) / max(speeds["before"][g]), 3),
-                    median_ratio=round(statistics.median(speeds["after"][g]) / statistics.median(speeds["before"][g]), 3),
+                    median_ratio=round(statistics.median(speeds["after"][g])
+                                       / statistics.median(speeds["before"][g]), 3),
                     same_outputs=outs["before", g] == outs["after", g]) for g in speeds["after"]}
 
 
 def parse_args(argv=None):
+    from decoder import cliargs
     p = cliargs.ArgumentParser(prog="python -m tools.bench_trees", description=__doc__.split("\n\n")[0])
     p.add_argument("--before", metavar="DIR", help="the checkout measured first (its decoder/)")
     p.add_argument("--after", metavar="DIR", help="the checkout measured against it")
@@ -90,16 +92,13 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=cliargs.positive_int, default=2, help="timed passes a group per round (default 2)")
     p.add_argument("--lines", type=cliargs.nonneg_int, default=0, help="the first N lines only (default 0: all)")
     p.add_argument("--isa", choices=("native", "avx2"), default="native", help="native, or every engine capped to AVX2")
-    p.add_argument("--time-here", action="store_true", help=argparse.SUPPRESS)  # one tree's run (the child)
     cliargs.add_version(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    from decoder import machine
     a = parse_args(argv)
-    if a.time_here:
-        print(json.dumps(time_here(a.model, a.src, a.passes, a.lines)))
-        return 0
     for flag in ("before", "after"):
         if not os.path.isdir(os.path.join(getattr(a, flag) or "", "decoder")):
             print(f"error: --{flag} {getattr(a, flag)}: not a checkout of the kit (no decoder/)", file=sys.stderr)
@@ -110,4 +109,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--time-here"]:  # one tree's run (run_tree): model, src, passes, lines
+        model, src, passes, lines = sys.argv[2:6]
+        print(json.dumps(time_here(model, src, int(passes), int(lines))))
+        sys.exit(0)
+    from decoder import cliargs
     sys.exit(cliargs.run(main))

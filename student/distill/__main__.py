@@ -223,10 +223,10 @@ def check(cfg: DistillConfig) -> None:
     for d in cfg.teacher_model:  # the full check (weights) comes with the teacher
         if why := cliargs.model_dir_error("--teacher-model", d, shortlist=False):
             raise ValueError(why)
-    for x in ("", "dev-", "test-"):  # each given pair's files, before the run dir is made (half a pair: run's error)
-        paths = (getattr(cfg, f"{x.replace('-', '_')}src"), getattr(cfg, f"{x.replace('-', '_')}tgt"))
-        for flag, path in zip((f"--{x}src", f"--{x}tgt"), paths):
-            if all(paths) and (why := cliargs.file_error(flag, path)):
+    for x in ("", "dev_", "test_"):  # each given pair's files, before the run dir is made (half a pair: run's error)
+        pair = {f"--{x.replace('_', '-')}{side}": getattr(cfg, x + side) for side in ("src", "tgt")}
+        for flag, path in pair.items():
+            if all(pair.values()) and (why := cliargs.file_error(flag, path)):
                 raise ValueError(why)
     if cfg.teacher_hf and not os.path.isdir(cfg.teacher_hf):
         raise ValueError(f"--teacher-hf {cfg.teacher_hf}: Hugging Face model dir does not exist")
