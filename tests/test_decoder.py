@@ -80,7 +80,7 @@ def test_each_switch_alone_leaves_greedy_tokens_unchanged(model_dir, fast, lines
 # bf16 is left out: the kernels round once in fp32 where the plain path rounds
 # after every op, so a random model's near-ties may break the other way
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_fused_norm_attention_and_cache_keep_greedy_tokens(model_dir, lines, precision):
+def test_fused_norm_and_attention_keep_greedy_tokens(model_dir, lines, precision):
     # int8 on our `_int_mm` kernel: fbgemm's one activation scale per tensor turns
     # the fused LayerNorm's last-bit differences into whole quantisation steps,
     # and this random model's near-ties flip (11 of 40 lines with fused_norm)
