@@ -533,39 +533,3 @@ def self_check(device, call=None) -> list[str]:
             check(probe)
     return bad
 
-
-def int8_linear_topk_reference(x, wq_t, w_scale, bias, scores, K: int, n: int):
-    """x (S*K, d) through the dynamic-int8 projection (decoder/quant.py Int8Linear.reference's
-    math, wq_t (d, N) int8), its (S*K, N) logits written whole, then log_softmax_topk_reference:
-    the beam step's plain path. -> the n best (values, indices in [0, K*N)) per sentence."""
-    from .quant import inv_scale
-    x2 = x.float()  # (S*K, d)
-    amax = x2.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (S*K, 1)
-    xq = torch.mul(x2, inv_scale(amax)).round_().to(torch.int8)
-    y = torch._int_mm(xq, wq_t).float().mul_(amax.mul_(1.0 / 127.0))  # (S*K, N)
-    y = y.mul_(w_scale) if bias is None else torch.addcmul(bias, y, w_scale)
-    return log_softmax_topk_reference(y, scores, K, n)
-
-
-def int8_linear_topk(x, wq_t, w_scale, bias, packed, scores, K: int, n: int):
-    """int8_linear_topk_reference's picks from the packed product's tiles (decoder/csrc/project_topk.cpp,
-    switch fused_project_topk): the logits are never written. packed: `ops.int8_gemm_pack` of the
-    layer's weights (Int8Linear.packed, which exists only where the C++ ops and VNNI do); None: the reference."""
-    require(x.dim() == 2 and x.dtype == torch.float32, "int8_linear_topk: x must be float32 (rows, d)")
-    R, N = x.shape[0], w_scale.numel()
-    require(K > 0 and R % K == 0, lambda: f"int8_linear_topk: {R} rows are not a multiple of K={K}")
-    require(scores.numel() == R and scores.dtype == torch.float32,
-            lambda: f"int8_linear_topk: one float32 score per row ({R}), got {scores.numel()} {scores.dtype}")
-    require(0 < n <= K * N, lambda: f"int8_linear_topk: n must be in [1, K*N = {K * N}], got {n}")
-    require(wq_t.dtype == torch.int8 and wq_t.shape == (x.shape[1], N),
-            lambda: f"int8_linear_topk: wq_t must be int8 ({x.shape[1]}, {N}), got {tuple(wq_t.shape)}")
-    require(w_scale.dtype == torch.float32 and (bias is None or (bias.numel() == N and bias.dtype == torch.float32)),
-            "int8_linear_topk: w_scale (N,) and bias (N,) must be float32")
-    if packed is None:  # packed weights exist only where the ops library is loaded (int8_gemm_pack)
-        return int8_linear_topk_reference(x, wq_t, w_scale, bias, scores, K, n)
-    require(packed.dtype == torch.int8 and packed.dim() == 1 and packed.numel() == ops.gemm_packed_numel(N, x.shape[1]),
-            lambda: f"int8_linear_topk: packed weights of {packed.numel()} bytes are not int8_gemm_pack's layout of "
-                    f"{N} outputs x {x.shape[1]} features")
-    return torch.ops.decoder_ops.int8_linear_topk(x, packed, w_scale.contiguous(),
-                                                  None if bias is None else bias.contiguous(), N,
-                                                  scores.contiguous(), K, n)

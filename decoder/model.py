@@ -191,22 +191,6 @@ class Model:
             return ops.linear_argmax(y, lin.w, lin.b, chunk)
         return ops.argmax_rows(lin(y))
 
-    def topk_projection(self, out, rows: int):
-        """Beam search without the logits written (switch fused_project_topk): a function
-        (y (rows, d), scores (rows,), K, n) -> the n best (values, indices in [0, K*C)) per
-        sentence of K rows of log_softmax(project(y, out)) + scores, where the output layer
-        (`out` or the model's) runs the packed int8 product at `rows` rows; None where it does
-        not (fbgemm, fp32, the gemv kernel's few rows, _int_mm above PACKED_ROWS): the step
-        then writes the logits and the plan's top-k takes them."""
-        lin = self.out_proj if out is None else out
-        if not isinstance(lin, Int8Linear) or not lin.fused:
-            return None
-        numel = rows * lin.wq_t.shape[0]
-        packed = None if lin.gemv is not None and numel <= lin.gemv_numel else lin._packed(numel)
-        if packed is None:
-            return None
-        return lambda y, scores, K, n: fused.int8_linear_topk(y, lin.wq_t, lin.w_scale, lin.b, packed, scores, K, n)
-
     def one_row_layers(self) -> list | None:
         """Per decoder layer the arguments of the C++ `one_row_layer` op that
         stay fixed (its 30 weight tensors, eps, where the biases go, the gemv

@@ -24,7 +24,7 @@ import threading
 import torch
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("int8_linear.cpp", "int8_gemm.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp", "project_topk.cpp")
+SOURCES = ("int8_linear.cpp", "int8_gemm.cpp", "int8_gemv.cpp", "fused_cpu.cpp", "shortlist.cpp")
 # -fopenmp, not just -fopenmp-simd: at::parallel_for is an OpenMP region compiled into the
 # caller, so without it every op ran serially in a multi-threaded process; the GOMP calls
 # resolve to the libgomp torch itself loads
@@ -267,11 +267,6 @@ def _register_fakes() -> None:
         S = logits.shape[0] // K
         return (logits.new_empty((S, n), dtype=torch.float32),
                 logits.new_empty((S, n), dtype=torch.int64))
-
-    @torch.library.register_fake("decoder_ops::int8_linear_topk")
-    def _(x, packed, w_scale, bias, N, scores, K, n):
-        S = x.shape[0] // K
-        return x.new_empty((S, n), dtype=torch.float32), x.new_empty((S, n), dtype=torch.int64)
 
 
 def build_library(build_dir: str | None = None) -> str:

@@ -173,19 +173,19 @@ class Optimisation:
 
 OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("sort", True, "length-sorted batches", "sort", True, False, "batches in input order", "ladder",
-                 worth="1.78x beam 4 fp32 (ladder), AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.63x"),
+                 worth="int8 as shipped, greedy/beam 4: 1.54x/1.31x EPYC AVX-512 VNNI, 1.54x/1.26x AVX2, 2026-11-29"),
     Optimisation("softmax_free", True, "greedy without softmax", "normalise", identity, normalise_greedy,
                  "log-softmax before the argmax", "ladder", row={"beam": 1},
-                 worth="not measured alone (its ladder row also switches beam 4 to greedy: 2.39x)"),
+                 worth="1.11x greedy int8 (with fused_project_argmax: it needs it), EPYC VNNI, 2026-11-29; AVX2 1.07x"),
     Optimisation("early_stop", True, "early stop (finished sentences leave)", "early_stop", True, False,
                  "every row decoded to the longest limit", "ladder",
-                 worth="1.02x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 1.07x"),
+                 worth="int8 as shipped, greedy/beam 4: 1.17x/1.11x EPYC AVX-512 VNNI, 1.15x/1.16x AVX2, 2026-11-29"),
     Optimisation("fused_qkv", True, "fused QKV", "fused_qkv", True, False,
                  "three products for q, k, v (cross: two for k, v)", "ladder",
-                 worth="1.16x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 0.95x"),
+                 worth="1.06x greedy int8, EPYC VNNI, 2026-11-29 (beam 4 0.99x; AVX2 1.01x/1.00x); fp32 1.16x"),
     Optimisation("pipeline", True, "async text pipeline", "pipeline", True, False,
                  "read, encode, translate, decode one after another", "ladder",
-                 worth="0.84x throughput fp32 ladder, AMD EPYC AVX-512, 2026-11-25; AVX2-capped 1.06x"),
+                 worth="1.02x/1.00x int8 greedy, 25k lines, EPYC VNNI, 2026-11-29 (CPU: noise); GPU not measured"),
     Optimisation("fast_normaliser", True, "Moses normalisation, rules skipped where they cannot match",
                  "fast_normaliser", True, False, "sacremoses' `normalize`: every rule's `re.sub` on every line",
                  "ladder",
@@ -201,24 +201,24 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="not measured (CUDA only; never run on a GPU)"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
-                 worth="0.97x throughput fp32 ladder, EPYC AVX-512, 2026-11-25; AVX2 0.90x (older int8 1-thr 1.31x)"),
+                 worth="1.18x greedy int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29 (beam 4 0.99x; AVX2 1.01x/0.97x)"),
     Optimisation("fused_ops", True, "int8 linear as one C++ call", "int8_fused", True, False,
                  "`Int8Linear.reference`: the same math as ~8 tensor ops", "int8",
-                 worth="1.15x int8 throughput, AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.07x"),
+                 worth="int8 as shipped, greedy/beam 4: 1.36x/1.22x EPYC VNNI, 2026-11-29 (AVX2 runs fbgemm: n/a)"),
     Optimisation("fbgemm_int8", True, "fbgemm prepacked int8 linear", "int8_kernel", "fbgemm", "int_mm",
                  "our `_int_mm` int8 linear (`Int8Linear`; `fused_ops` picks its C++ or tensor-op form)", "int8",
                  needs=lambda o: fbgemm_available(),
-                 worth="1.43x int8 throughput vs _int_mm, AVX2-capped EPYC, 2026-11-25; AVX-512 1.05x"),
+                 worth="int8, greedy/beam 4: 1.08x/1.08x AVX2-capped EPYC, 2026-11-29 (VNNI runs _int_mm: n/a)"),
     Optimisation("int8_vnni_int_mm", True, "our `_int_mm` int8 linear where it runs VNNI", "int8_kernel", "int_mm",
                  "fbgemm", "fbgemm's linear on VNNI CPUs too", "int8", row={"fbgemm_int8": True, "fused_ops": True},
                  needs=lambda o: int_mm_vnni(),
-                 worth="1.09x int8 throughput vs fbgemm, AMD EPYC AVX-512 VNNI, 2026-11-25 (n/a on AVX2)"),
+                 worth="int8 as shipped, greedy/beam 4: 1.21x/1.15x EPYC AVX-512 VNNI, 2026-11-29 (n/a on AVX2)"),
     Optimisation("int8_packed_gemm", True, "int8 product on weights packed once (C++, VNNI)", "int8_packed_gemm",
                  True, False, "`torch._int_mm` (oneDNN reorders the int8 weights on every call)", "int8",
                  row={"fbgemm_int8": True, "int8_vnni_int_mm": True, "fused_ops": True},
                  needs=lambda o: int_mm_vnni() and o.fused_ops and (o.int8_vnni_int_mm or not o.fbgemm_int8
                                                                     or not fbgemm_available()),
-                 worth="0.86x int8 throughput, EPYC AVX-512 VNNI, 2026-11-25 (earlier 1.04x greedy/1.03x beam)"),
+                 worth="int8 as shipped, greedy/beam 4: 1.06x/1.05x EPYC AVX-512 VNNI, 2026-11-29 (VNNI only)"),
     Optimisation("int8_gemv", True, "int8 gemv kernel at <= 4 rows (C++)", "int8_gemv_rows", 4, 0,
                  "fbgemm's `quantized::linear_dynamic` (or `_int_mm`) at every row count", "int8",
                  row={"fbgemm_int8": True},
@@ -229,40 +229,36 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="1.03x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2-capped 1.04x (earlier int8 1.05x)"),
     Optimisation("int8_quantized_hidden", True, "int8 fc1 quantises its output for fc2 (C++)", "hidden",
                  hidden_int8, hidden_plain, "fc1's float output, quantised again by fc2", "int8",
-                 worth="1.04x int8 greedy, 1 thread, AMD EPYC AVX-512 VNNI, 2026-11-25"),
+                 worth="1.11x greedy int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29 (beam 4 1.00x; AVX2 1.01x/0.98x)"),
     Optimisation("fused_attention", True, "fused decode-step attention (C++)", "attend", op("decode_attention"),
                  attend_sdpa, "`scaled_dot_product_attention`", "step",
-                 worth="1.21x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2-capped 1.05x (int8 1-thr 1.22x)"),
+                 worth="int8 as shipped, greedy/beam 4: 1.09x/1.14x EPYC AVX-512 VNNI, 1.03x/1.09x AVX2, 2026-11-29"),
     Optimisation("fused_encoder_attention", True, "fused encoder self-attention (C++)", "encoder_attend",
                  with_ops(encoder_attend_fused, "encoder_attention"), encoder_attend_plain,
                  "chunk, head views, `scaled_dot_product_attention`, merge copy", "step",
-                 worth="1.10x thrpt fp32, EPYC AVX-512, 2026-11-25; AVX2 1.16x; int8 2 workers 0.99x/1.01x beam"),
+                 worth="int8 as shipped, greedy/beam 4: 1.09x/1.03x EPYC AVX-512 VNNI, 1.02x/1.02x AVX2, 2026-11-29"),
     Optimisation("fused_cross_attention", True, "fused cross-attention on K/V arranged per batch (C++)",
                  "cross_kv",
                  Bound(cross_fused, ("cross_store",)), CrossPlain,
                  "`fused_attention`'s attention (or SDPA) on the cross K/V as projected, padding masked", "step",
-                 worth="1.03x throughput fp32, EPYC AVX-512, 2026-11-25; AVX2 1.15x; int8 beam 4 1.06x"),
+                 worth="int8 as shipped, greedy/beam 4: 1.08x/1.07x EPYC AVX-512 VNNI, 1.02x/1.00x AVX2, 2026-11-29"),
     Optimisation("fused_project_argmax", True, "fused output projection + argmax (C++)", "argmax_in_step", True,
                  False, "`F.linear`, then the argmax", "greedy",
                  needs=lambda o: o.softmax_free and not o.no_repeat_ngram,
-                 worth="1.37x throughput fp32, AMD EPYC AVX-512 2 cores, 2026-11-25; AVX2-capped 1.15x"),
+                 worth="1.09x greedy int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29; AVX2 1.03x; fp32 1.37x"),
     Optimisation("fused_topk", True, "fused add+top-k (C++)", "topk",
                  with_ops(topk_split, "log_softmax_topk"), None,
                  "log-softmax, add, `Tensor.topk`", "beam",
-                 worth="1.15x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (AVX-512 fixture 1.06x, 2026-11-24)"),
+                 worth="1.08x beam 4 int8 (with fused_log_softmax), AVX2-capped EPYC, 2026-11-29; VNNI 0.99x"),
     Optimisation("fused_log_softmax", True, "fused log-softmax+top-k (C++)", "topk",
                  with_ops(topk_one_pass, "log_softmax_topk"), None,
                  "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
                  worth="1.04x beam 4 int8, AVX2-capped EPYC, 2026-11-25; AVX-512 int8 1-thread 1.03x"),
-    Optimisation("fused_project_topk", True, "fused output projection + log-softmax + top-k (C++)", "project_topk",
-                 True, False, "the projection's (rows x C) logits written, then the plan's log-softmax + top-k", "beam",
-                 needs=lambda o: not o.no_repeat_ngram and o.int8_packed_gemm and BY_NAME["int8_packed_gemm"].needs(o),
-                 worth="1.05x beam 4 vs shipped, AMD EPYC AVX-512 VNNI, 2026-11-26 (VNNI only)"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step (on a GPU the whole fixed-shape "
                  "buffer: read and written twice a step)", "beam",
                  needs=lambda o: o.fused_attention,
-                 worth="0.96x beam 4 int8, AVX2-capped EPYC, 2026-11-25 (earlier AVX-512 1-thr 1.27x); GPU n/m"),
+                 worth="1.11x beam 4 int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29; AVX2 1.07x; GPU not measured"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
                  worth="not measured"),
@@ -301,7 +297,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="1.19x batch 1, AMD EPYC AVX-512 1 thread, 2026-11-28; AVX2-capped 1.13x"),
     Optimisation("shortlist", True, "lexical shortlist", "shortlist", True, False, "the full vocabulary",
                  "shortlist",
-                 worth="1.40x beam 4, 1.13x throughput (2 workers), EPYC AVX-512, 2026-11-28; AVX2 1.23x/1.01x"),
+                 worth="int8 as shipped, greedy/beam 4: 1.09x/1.27x EPYC AVX-512 VNNI, 1.09x/1.34x AVX2, 2026-11-29"),
 )
 BY_NAME = {o.name: o for o in OPTIMISATIONS}
 
@@ -384,7 +380,6 @@ class Plan:
     encoder_attend: Callable    # encoder self-attention (attn, y, heads, mask) -> (B, S, d)
     argmax_in_step: bool        # greedy: the state returns argmax columns itself
     topk: Callable | None       # beam: (logits, scores, K, n) -> top n; None = plain add + topk
-    project_topk: bool          # beam: the state takes the top n from the projection's tiles
     block: Callable             # n-gram blocking, in place
     encode_ahead: bool          # the next batch's inputs and encoder queued before this batch's search
     normalise_processes: bool   # the text pipeline's normaliser in worker processes (pipeline.NormalisePool)
@@ -406,7 +401,7 @@ class Plan:
             search.pick_argmax(self.normalise, self.block, no_repeat_ngram)
         return search.Search(start_id, eos_id, pad_id, beam, length_penalty, shrink_ratio, no_repeat_ngram,
                              every=self.every, shrink=self.early_stop, pick=pick, block=self.block,
-                             topk=self.topk, project_topk=self.project_topk)
+                             topk=self.topk)
 
     def summary(self, precision: str = "fp32") -> str:
         """The plan in one clause of the settings line: loop, state, graphs, host reads, the
@@ -415,7 +410,8 @@ class Plan:
         relevant = {"ladder", "step", "shortlist", self.loop, "batch1" if self.loop == "greedy" else "beam",
                     "int8" if precision == "int8" else "", self.device}
         diff = [("" if o.name in self.runs else "no ") + o.name for o in OPTIMISATIONS
-                if o.bench in relevant and (o.name in self.runs) != o.default and o.name not in ("cuda_graphs", "shortlist")]
+                if o.bench in relevant and (o.name in self.runs) != o.default
+                and o.name not in ("cuda_graphs", "shortlist")]
         st = self.states
         reads = "every step" if self.every == 1 else f"every {self.every} steps"
         static = "" if not st.static else (f", fixed-shape state up to {st.graph_rows} rows" if st.graph_rows < MAX_ROWS
@@ -449,12 +445,9 @@ def loaded_kernels(device: str) -> Kernels:
     return Kernels(ops.available(), cuda, fused.cuda_refused_alone() if cuda else frozenset())
 
 
-# switches whose kernels exist for the CPU only: a CUDA plan never holds them
-CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step",
-                      "fused_project_topk"})
-# of those, the ones whose off path is the same math where the C++ ops are not loaded
-SAME_WITHOUT_OPS = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer",
-                              "one_row_step", "fused_project_topk"})
+# switches whose kernels exist for the CPU only: a CUDA plan, or a CPU's without the C++ ops, never holds
+# them (their off path is the same math)
+CPU_ONLY = frozenset({"fused_encoder_attention", "fused_cross_attention", "one_row_layer", "one_row_step"})
 # switches that a CPU gains nothing from (or has no such thing): a CPU plan never holds them
 CUDA_ONLY = frozenset({"cuda_graphs", "short_gil_interval", "encode_ahead", "decode_ahead", "normalise_processes"})
 # switches whose off path beats their ops' PyTorch reference: on only where the device's kernels are loaded
@@ -478,7 +471,7 @@ def _allowed(name: str, device: str, k: Kernels) -> bool:
     if name in CUDA_ONLY:
         return device == "cuda"
     if name in CPU_ONLY:
-        return device == "cpu" and (k.cpu or name not in SAME_WITHOUT_OPS)
+        return device == "cpu" and k.cpu
     if name in WITH_KERNELS:
         return k.cuda if device == "cuda" else k.cpu
     return True

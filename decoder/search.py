@@ -45,7 +45,6 @@ class Search:
     pick: Callable = None       # greedy: (state, tokens, t) -> argmax columns (rows,)
     block: Callable = None      # n-gram blocking of logits, in place
     topk: Callable | None = None  # beam: (logits, scores, K, n) -> top n; None = plain add + topk
-    project_topk: bool = False  # beam: the state takes the top n from the projection's tiles
 
 
 class Outputs:
@@ -349,16 +348,9 @@ def put_column(x, t, values) -> None:
 
 
 def scored_step(b: Beam, t, forced: bool):
-    """Step t of the beam: the n_top best (score, index in [0, K*V)) per sentence (nb, n_top).
-    With `project_topk` the state takes them from the output product's tiles, the logits never
-    written, unless </s> is forced this step or its output layer has no such path (resolve
-    never pairs it with n-gram blocking, which needs the whole row). Else the logits
-    (nb*K, V) are written, blocked and `beam_top` picks."""
+    """Step t of the beam: the n_top best (score, index in [0, K*V)) per sentence (nb, n_top):
+    the logits (nb*K, V) written, blocked and `beam_top` picks."""
     s, K, state = b.s, b.K, b.state
-    if s.project_topk and not forced:
-        top = state.step_topk(b.tokens, t, b.scores.view(-1), K, b.n_top)
-        if top is not None:
-            return top
     logits = state.step(b.tokens, t)  # (nb*K, V), or (nb*K, C) with a shortlist
     if s.no_repeat_ngram:  # before the normalisation, so fused and plain top-k agree
         s.block(logits, b.hist[:, :t], s.no_repeat_ngram, b.vocab)

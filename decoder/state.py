@@ -381,17 +381,6 @@ class DecoderState:
         """C: the columns of the step's logits (the vocabulary, or the shortlist's candidates)."""
         return (self.m.out_proj if self.out is None else self.out).out_features
 
-    def step_topk(self, tokens, t: int, scores, K: int, n: int):
-        """tokens (rows,) at position t -> the n best (values, indices in [0, K*C)) per sentence of
-        K rows of log_softmax(logits) + scores (rows,), the logits never written
-        (Model.topk_projection); None, nothing run, where the output layer has no such path at
-        this many rows: then `step`."""
-        top = self.m.topk_projection(self.out, tokens.shape[0])
-        if top is None:
-            return None
-        with self.phase("decode steps"):
-            return top(self.cache.run(tokens, t), scores, K, n)
-
     def reorder(self, rows):
         self.cache.reorder(rows)
 

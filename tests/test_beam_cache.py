@@ -56,7 +56,7 @@ def test_beam_through_the_position_major_cache_equals_beam_moving_the_cache(mode
     assert table == Translator(model_dir, precision="fp32", beam=4, kv_row_table=False).translate_ids(srcs)
 
 
-STATIC_BEAM = dict(beam=4, static_shapes=True, fused_project_topk=False)  # the graphs' beam loop, eagerly
+STATIC_BEAM = dict(beam=4, static_shapes=True)  # the graphs' beam loop, eagerly
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(sync_every=3, max_sentences=5)])

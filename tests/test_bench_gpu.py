@@ -383,7 +383,7 @@ def test_the_profiled_pass_counts_the_beam_steps_it_ran(monkeypatch, tiny_transl
     from decoder import Translator
     _, lines = tiny_translator
     model = os.path.join(os.path.dirname(__file__), "fixtures", "bible-tiny", "model")
-    beam = Translator(model, beam=4, static_shapes=True, fused_project_topk=False, max_tokens=1024,
+    beam = Translator(model, beam=4, static_shapes=True, max_tokens=1024,
                       max_sentences=16)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     with warnings.catch_warnings():

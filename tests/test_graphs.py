@@ -156,9 +156,8 @@ def eager_outputs(kw: dict, n: int):
     return srcs, [eager.translate_ids([s])[0] for s in srcs] + [eager.translate_ids(srcs)]
 
 
-# the searches' whole steps on the static state; fused_project_topk off: where it resolves (a VNNI
-# CPU) the beam takes its top-k from the product's tiles
-LOOPS = [dict(beam=1), dict(beam=4, fused_project_topk=False)]
+# the searches' whole steps on the static state
+LOOPS = [dict(beam=1), dict(beam=4)]
 
 
 @trained
@@ -267,7 +266,7 @@ def test_whole_beam_steps_give_the_per_step_hypotheses(every, caps):
     if caps:
         lims = plain.limits([len(s) for s in srcs[:16]])
         assert len(set(lims.tolist())) > 1 and sum(len(w) + 1 == lim for w, lim in zip(want, lims.tolist())) > 1
-    tr = Translator(MODEL, precision="fp32", beam=4, static_shapes=True, sync_every=every, fused_project_topk=False, **caps)
+    tr = Translator(MODEL, precision="fp32", beam=4, static_shapes=True, sync_every=every, **caps)
     assert tr.state_kind(16) == "static" and "fixed-shape state" in tr.plan.summary()
     hostsync.reset()
     got = tr.translate_ids(srcs[:16])
@@ -298,7 +297,7 @@ def test_a_failed_capture_warns_once_and_the_steps_run_eagerly(kw, monkeypatch, 
 
 
 @trained
-@pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4, fused_project_topk=False)])
+@pytest.mark.parametrize("kw", [dict(beam=1), dict(beam=4)])
 def test_the_model_tallies_its_captures_and_the_hosts_seconds_in_them(kw, monkeypatch):
     """What the GPU bench reports a pass: each new state's graphs show their cost."""
     import time
@@ -325,7 +324,7 @@ def test_the_model_tallies_its_captures_and_the_hosts_seconds_in_them(kw, monkey
 def test_static_state_attending_through_the_decode_kernel_keeps_the_tokens(beam):
     with open(SRC, encoding="utf-8") as fh:
         lines = [line.rstrip("\n") for line in fh][:16]
-    kw = dict(beam=beam, static_shapes=True, fused_project_topk=False)
+    kw = dict(beam=beam, static_shapes=True)
     sdpa = Translator(MODEL, graph_attention=False, **kw)
     kernel = Translator(MODEL, **kw)
     assert kernel.plan.states.masked_attend and not sdpa.plan.states.masked_attend
@@ -362,7 +361,7 @@ def test_a_batchs_fixed_shape_state_is_freed_with_the_batch_without_the_collecto
     made, init = [], cache.StaticCache.__init__
     monkeypatch.setattr(cache.StaticCache, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), made.append(weakref.ref(self)))[0])
-    tr = Translator(fixture_dir, static_shapes=True, fused_project_topk=False, max_sentences=24, **kw)
+    tr = Translator(fixture_dir, static_shapes=True, max_sentences=24, **kw)
     gc.disable()
     try:
         tr.translate(synthetic_corpus(64, seed=3))

@@ -28,7 +28,6 @@ def test_every_plan_slot_is_filled_by_a_registry_entry():
 NEEDS = {"fused_project_argmax": {"softmax_free": True}, "fused_log_softmax": {"fused_topk": True},
          "int8_gemv": {"fbgemm_int8": True},
          "int8_vnni_int_mm": {"fbgemm_int8": True}, "int8_packed_gemm": {"fused_ops": True},
-         "fused_project_topk": {"int8_packed_gemm": True, "fused_ops": True},
          "graph_reuse": {"cuda_graphs": True},  # it keeps the CUDA-graph state
          "kv_row_table": {"fused_attention": True},
          "normalise_processes": {"fast_normaliser": True},

@@ -1,9 +1,9 @@
 """python -m tools.bench_fused --model DIR [--src F --ref F] [--threads N] [--passes K] [--precision P] [--against A]
 
 The fused kernels and the lexical shortlist against the plain decoder (fp32, or --precision), each
-switch alone; or (`--against shipped`) every switch that ships off against the decoder as
+switch alone; or (`--against shipped`) each switch flipped alone (on, off; off, on) against the decoder as
 shipped (its defaults, `auto` precision, one 1-thread worker per thread, the model's
-shortlist), each alone: whether it would pay as a default. All configurations of a group
+shortlist): whether each default earns its place. All configurations of a group
 are built first, then timed in turns, pass after pass, and the fastest pass counts, so
 drifting load on a shared machine hits every configuration alike. Prints a markdown table
 (docs/bench/fused-and-shortlist-*.md).
@@ -44,12 +44,17 @@ def rows() -> tuple[dict, dict]:
 
 
 def shipped_rows() -> tuple[dict, dict]:
-    """(greedy rows, beam rows) against the shipped decoder: each switch that ships off, alone."""
-    off = [o for o in OPTIMISATIONS if not o.default and o.bench != "shortlist"]
+    """(greedy rows, beam rows) against the shipped decoder: each CPU switch flipped alone (one
+    that ships on, off; one that ships off, on): whether each default still earns its place.
+    The batch-1, n-gram and CUDA switches apply to none of these rows."""
+    flip = [o for o in OPTIMISATIONS if o.bench not in ("batch1", "ngram", "cuda")]
+
+    def row(o):
+        return ("+ " if not o.default else "- ") + o.name, {**(o.row if not o.default else {}), o.name: not o.default}
     g = {"shipped (greedy)": {}}
-    g.update({f"+ {o.label}": {**o.row, o.name: True} for o in off if o.bench != "beam"})
+    g.update(row(o) for o in flip if o.bench != "beam")
     b = {"shipped (beam 4)": dict(beam=4)}
-    b.update({f"beam 4 + {o.label}": dict(beam=4, **o.row, **{o.name: True}) for o in off})
+    b.update((f"beam 4 {k}", dict(beam=4, **kw)) for k, kw in map(row, flip))
     return g, b
 
 
@@ -60,10 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_test_set_args(p)
     p.add_argument("--threads", type=cliargs.positive_int, default=2)
     p.add_argument("--precision", choices=("fp32", "int8", "bf16", "auto"), default=None,
-                   help="of every row (default: fp32 against plain, auto against shipped): int8 measures the "
-                        "kernels of the int8 output layer (fused_project_topk)")
+                   help="of every row (default: fp32 against plain, auto against shipped)")
     p.add_argument("--against", choices=("plain", "shipped"), default="plain",
-                   help="plain: each kernel against every fused switch off; shipped: each switch that ships off "
+                   help="plain: each kernel against every fused switch off; shipped: each switch flipped alone "
                         "against the shipped decoder (workers and shortlist as shipped)")
     return p.parse_args(argv)
 
@@ -99,8 +103,10 @@ def main(argv=None):
         precision = next(iter(trs.values())).precision  # `auto` resolved once, not once per row
         timed = alternating([tr.translate for tr in trs.values()], src, a.passes)  # [(outputs, seconds)]
         first_out, first_s = timed[0]
-        table += [(k, words / s, first_s / s, scores(out, ref)[0], out == first_out)
-                  for k, (out, s) in zip(trs, timed)]
+        runs = next(iter(trs.values())).plan.runs
+        table += [(k, words / s, first_s / s, scores(out, ref)[0], out == first_out,
+                   " ".join(sorted(runs ^ tr.plan.runs)))
+                  for (k, tr), (out, s) in zip(trs.items(), timed)]
         for tr in trs.values():
             tr.close()
     how = f"{a.threads} threads"
@@ -112,9 +118,10 @@ def main(argv=None):
           f"our kernels {ops.kernel_isa() if ops.available() else 'not loaded'}; {how}, {precision}. {len(src)} "
           f"lines ({words} words), fastest of {a.passes} interleaved passes.\n")
     first = "shipped" if shipped else "plain"
-    print(f"| configuration | words/s | x {first} | BLEU | same output as {first} |\n|---|---:|---:|---:|---|")
-    for k, w, x, b, same in table:
-        print(f"| {k} | {w:,.0f} | {x:.3f} | {b:.2f} | {'yes' if same else 'no'} |")
+    print(f"| configuration | words/s | x {first} | BLEU | same output as {first} | switches that differ |\n"
+          "|---|---:|---:|---:|---|---|")
+    for k, w, x, b, same, differ in table:
+        print(f"| {k} | {w:,.0f} | {x:.3f} | {b:.2f} | {'yes' if same else 'no'} | {differ} |")
 
 
 if __name__ == "__main__":

@@ -18,18 +18,6 @@ at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& packed, int64_t N);
 at::Tensor int_mm_dequant(const at::Tensor& xq, const at::Tensor& packed, int64_t N, const at::Tensor& xs,
                           const float* w_scale, const float* bias, bool relu);
 
-// The product one panel at a time, for an epilogue that reads each panel's int32 tile while it
-// is in L1 (project_topk.cpp). kPanelCols output columns a panel; shift_activations writes the
-// rows as the tiles read them (u = q + 128, row stride padded_k(K)); panel_product writes
-// c (M, min(64, N - 64 p)) int32 with row stride ldc: columns [64 p, 64 p + 64) of int_mm's
-// result. Only where vnni().
-constexpr int64_t kPanelCols = 64;
-bool vnni();
-int64_t padded_k(int64_t K);
-void shift_activations(const int8_t* xq, uint8_t* u, int64_t M, int64_t K);
-void panel_product(const uint8_t* u, int64_t M, int64_t K, const int8_t* packed, int64_t N, int64_t p, int32_t* c,
-                   int64_t ldc);
-
 // y[r, j] = acc[r, j] * xs[r] * w_scale[j] (+ bias[j]) (relu), `rows` rows of n columns (row strides
 // lda, ldy): the int8 linears' one dequantising epilogue, also int_mm_dequant's
 void dequant_rows(const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_t rows, int64_t n, const float* xs,

@@ -306,32 +306,6 @@ void dequant_rows(const int32_t* acc, int64_t lda, float* y, int64_t ldy, int64_
   dequant_tile(acc, lda, y, ldy, rows, n, xs, ws, b, relu);
 }
 
-// For fused epilogues (project_topk.cpp): one panel's columns of the product for M rows.
-void shift_activations(const int8_t* xq, uint8_t* u, int64_t M, int64_t K) {
-  shift_rows(reinterpret_cast<const uint8_t*>(xq), u, M, K, round_up(K, 4));
-}
-
-int64_t padded_k(int64_t K) { return round_up(K, 4); }
-
-bool vnni() { return cpu_vnni(); }
-
-void panel_product(const uint8_t* u, int64_t M, int64_t K, const int8_t* packed, int64_t N, int64_t p, int32_t* c,
-                   int64_t ldc) {
-#ifdef GEMM_X86
-  const int64_t Np = round_up(N, kCols), K4 = round_up(K, 4) / 4, Kp = 4 * K4;
-  const int32_t* shift = reinterpret_cast<const int32_t*>(packed) + p * kCols;
-  const int8_t* panel = packed + Np * 4 + p * K4 * kCols * 4;
-  const int64_t ncols = std::min(kCols, N - p * kCols);
-  for (int64_t g0 = 0; g0 < K4; g0 += kBlockK4) {  // K in blocks, as int_mm's tasks
-    const int64_t gn = std::min(kBlockK4, K4 - g0);
-    for (int64_t r = 0; r < M; r += kRows) {
-      const int64_t mr = std::min(kRows, M - r);
-      kTiles[mr](u + r * Kp + 4 * g0, Kp, panel + g0 * kCols * 4, gn, shift, c + r * ldc, ldc, ncols, g0 == 0);
-    }
-  }
-#endif
-}
-
 }  // namespace decoder_gemm
 
 namespace {
