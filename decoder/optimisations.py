@@ -194,11 +194,11 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  "switch_interval", 0.0002, None,
                  "Python's switch interval of 5 ms: the decoding thread waits up to that for the GIL after "
                  "each op and each wait for the GPU while a text thread runs Python", "cuda",
-                 worth="not measured on GPU; GIL micro-bench feeder busy 35%->85%, EPYC, 2026-11-26; CPU 0.98x"),
+                 worth="GPU not measured; GIL micro-bench feeder busy 35%->85%, EPYC, 2026-11-26; CPU 0.98x"),
     Optimisation("decode_ahead", True, "the next chunk decoded while this chunk's outputs are handed out",
                  "decode_ahead", True, False, "the decoding waits at every chunk's end while its last batch is "
                  "detokenised and its lines are written", "cuda",
-                 worth="not measured (CUDA only; never run on a GPU)"),
+                 worth="GPU not measured (CUDA only)"),
     Optimisation("retain_memory", True, "glibc keeps freed memory", "retain_memory", True, False,
                  "glibc's default mmap thresholds (page faults on every large activation)", "ladder",
                  worth="1.18x greedy int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29 (beam 4 0.99x; AVX2 1.01x/0.97x)"),
@@ -253,7 +253,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("fused_log_softmax", True, "fused log-softmax+top-k (C++)", "topk",
                  with_ops(topk_one_pass, "log_softmax_topk"), None,
                  "fused_topk with ATen's log-softmax", "beam", needs=lambda o: o.fused_topk,
-                 worth="1.04x beam 4 int8, AVX2-capped EPYC, 2026-11-25; AVX-512 int8 1-thread 1.03x"),
+                 worth="1.01x beam 4 int8, AVX2-capped EPYC, 2026-11-29 (VNNI 1.00x): CPU noise; GPU not measured"),
     Optimisation("kv_row_table", True, "beam reorder through a row table", "kv_row_table", True, False,
                  "the live K/V cache copied to its new rows at every beam step (on a GPU the whole fixed-shape "
                  "buffer: read and written twice a step)", "beam",
@@ -272,10 +272,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation("normalise_processes", True, "a chunk's Moses normalisation in worker processes",
                  "normalise_processes", True, False, "normalised in the text pipeline's thread, which holds the GIL "
                  "meanwhile", "cuda", needs=lambda o: o.fast_normaliser,
-                 worth="not measured on GPU (1-line batch-1 H200 row only); 2 procs 46->31 ms/10k lines"),
+                 worth="GPU not measured (1-line batch-1 H200 row only); 2 procs 46->31 ms/10k lines"),
     Optimisation("encode_ahead", True, "the next batch encoded before this one's search", "encode_ahead", True,
                  False, "each batch's inputs copied and encoded after the last batch's search has ended", "cuda",
-                 worth="not measured (only a 1-line batch-1 H200 row, off 0.90x, 2026-11-27)"),
+                 worth="GPU not measured (only a 1-line batch-1 H200 row, off 0.90x, 2026-11-27)"),
     Optimisation("graph_attention", True, "decode-step attention kernel in the fixed-shape state",
                  "static_attend", True, False, "`scaled_dot_product_attention` over the whole cache with a -inf "
                  "bias past the position (cuDNN's flash attention on a GPU: a third of the H100's GPU time)", "cuda",

@@ -283,6 +283,11 @@ def test_bench_runs_ct2_as_the_guide_says_with_vmap_beside_our_shortlist_rows(sh
     ours = [r for r in rows if r["engine"] == "ours"]
     assert any(r["shortlist"] for r in ours if r["group"] == "throughput")
     assert all(r["threads"] == 1 for r in ours if r["group"] == "batch1")
+    # the shortlist is the decoder's default: each "+ lexical shortlist" row's twin beside it runs without it
+    paired = {r["config"] for r in ours if r["config"].endswith(", + lexical shortlist")}
+    twins = [r for r in ours if r["config"] + ", + lexical shortlist" in paired]
+    assert twins and not any(r["shortlist"] for r in twins) and all(
+        r["shortlist"] for r in ours if r["config"] in paired)
 
 
 def test_head_to_head_reruns_each_groups_best_configurations_only(shortlisted, tmp_path, monkeypatch):

@@ -63,7 +63,10 @@ def test_speed_and_bench_stage_options_are_the_tools():
     a = parse_args(opts)
     assert a.engines == ["ours", "ct2", "hf"] and a.passes == 2
     assert a.ablate == ["cuda_graphs", "graph_attention", "sync_every=4", "normalise_processes", "encode_ahead",
-                       "short_gil_interval", "kv_row_table"]
+                       "short_gil_interval", "decode_ahead", "pipeline", "kv_row_table", "fused_log_softmax"]
+    # every switch the registry says is not measured on a GPU is among them
+    from decoder.optimisations import OPTIMISATIONS
+    assert {o.name for o in OPTIMISATIONS if "GPU not measured" in o.worth} <= set(a.ablate)
 
 
 def test_a_data_tarball_is_unpacked_where_data_is_absent(tmp_path):

@@ -43,7 +43,7 @@ from decoder.cliargs import BEAM_MAX_TOKENS, MAX_TOKENS, nonneg_int, positive_in
 from decoder.machine import cpu_info, ct2_isa, has_native_bf16
 from decoder.optimisations import all_off, defaults, describe, group
 from decoder.quant import fbgemm_available, int_mm_vnni
-from decoder.translator import Translator
+from decoder.translator import Translator, default_precision
 
 from . import bench_chart
 from .baselines import CT2Run, _text, alternating, ct2_runs, ct2_translator, fastest, run_ct2, run_hf
@@ -180,11 +180,12 @@ def batch1_rows(best: dict) -> list[tuple[str, dict]]:
     return rows
 
 
-def defaults_row(measured: dict[str, tuple[float, dict]]) -> tuple[str, dict]:
-    """The decoder as shipped (every switch at its registry default) at the precision
-    whose variant ran fastest: the kernels' defaults were measured at one thread per
-    worker in int8 (decoder/README.md), where the fp32 ablation rows cannot show them."""
-    prec = max(((w, kw["precision"]) for w, kw in measured.values()), default=(0.0, "fp32"))[1]
+def defaults_row() -> tuple[str, dict]:
+    """The decoder as shipped: every switch at its registry default, at the CPU's default
+    precision (decoder/translator.py `default_precision`, decided there once: int8 where this
+    CPU has an int8 kernel). Not the fastest ablation variant's: an ablation row timed on a
+    subset (`slow_here`) is no candidate, and on AVX2 that left the shipped row fp32."""
+    prec = default_precision("cpu")
     return f"the decoder's defaults, {prec}", {**defaults(), "beam": 1, "precision": prec}
 
 
@@ -472,6 +473,8 @@ class Pass:
         # every core as parallel 1-thread workers: our counterpart of CT2's inter_threads
         self.spread = [("", {})] + ([(f", {a.threads} workers", {"workers": a.threads})] if a.threads > 1 else [])
         self.extra = [(", + lexical shortlist", {"shortlist": True})] if self.has_shortlist else []
+        # the rows beside them run without it: the decoder takes the model dir's shortlist by default
+        self.bare = {"shortlist": False} if self.has_shortlist else {}
         self.rows: list[dict] = []
         self.settings = {}  # id of each of our rows -> (threads, batch1, settings): the head-to-head reruns one
 
@@ -517,7 +520,7 @@ class Pass:
                 full.append((r["src_words_per_s"], r.get("bleu"), kw))
                 measured[name] = (r["src_words_per_s"], kw)
         mix = compose(measured, cumulative[-1][1]) if "ablation" not in self.skip else None
-        shipped = defaults_row(measured)
+        shipped = defaults_row()
         for name, kw in ([mix] if mix else []) + [shipped]:
             r = self.ours(name, lines, "throughput", **kw)
             full.append((r["src_words_per_s"], r.get("bleu"), kw))
@@ -534,7 +537,7 @@ class Pass:
             cands.append((f"shipped ({shipped['precision']})", shipped))
         for label, ckw in cands:
             for w, wkw in self.spread[1:]:
-                self.ours(f"{label}{w}", self.lines, "throughput", **{**ckw, **wkw})
+                self.ours(f"{label}{w}", self.lines, "throughput", **{**ckw, **wkw, **self.bare})
             for s, skw in self.extra:
                 for w, wkw in self.spread:
                     self.ours(f"{label}{w}{s}", self.lines, "throughput", **{**ckw, **wkw, **skw})
@@ -551,14 +554,14 @@ class Pass:
         bbest = max((r for r in timed if ref is None or r[1] is None or r[1] >= ref - 0.2), key=lambda r: r[0])[2]
         btag = ", ".join([tag] + [o.name for o in group("beam") if bbest.get(o.name)])
         for s, skw in self.spread[1:] + self.extra:
-            self.ours(f"best beam ({btag}){s}", lines, "beam4", **{**bbest, **skw})
+            self.ours(f"best beam ({btag}){s}", lines, "beam4", **{**bbest, **self.bare, **skw})
         if self.has_shortlist and a.threads > 1:
             self.ours(f"best beam ({btag}), {a.threads} workers, + lexical shortlist", lines, "beam4",
                       **{**bbest, "workers": a.threads, "shortlist": True})
         if shipped != best and a.threads > 1:
             for s, skw in [("", {})] + self.extra:
                 self.ours(f"shipped ({shipped['precision']}), beam 4, {a.threads} workers{s}", lines, "beam4",
-                          **{**shipped, "beam": 4, "workers": a.threads, **skw})
+                          **{**shipped, "beam": 4, "workers": a.threads, **self.bare, **skw})
 
     def batch1(self, best: dict, shipped: dict, tag: str) -> None:
         """One thread, one sentence a call: the one-row levers' ladder, then best and shipped."""
@@ -567,10 +570,10 @@ class Pass:
             self.ours(f"batch 1, 1 thread: ours {tag} greedy, {name}", self.b1, "batch1", threads=1, batch1=True, **kw)
         for s, skw in [("", {})] + self.extra:
             self.ours(f"batch 1, 1 thread: ours {tag} greedy{s}", self.b1, "batch1", threads=1, batch1=True,
-                      **{**b1best, **skw})
+                      **{**b1best, **self.bare, **skw})
             if shipped != b1best:
                 self.ours(f"batch 1, 1 thread: ours shipped ({shipped['precision']}) greedy{s}", self.b1, "batch1",
-                          threads=1, batch1=True, **{**shipped, **skw})
+                          threads=1, batch1=True, **{**shipped, **self.bare, **skw})
 
     def ct2(self) -> None:
         """CTranslate2 as its guide advises, each group; then the head-to-head reruns."""

@@ -16,7 +16,8 @@
 # Environment: OUT, PY (python3), KIT_DATA_DIR (default data/ here when present, unpacked from build/carry/data.tar.xz if only that is), TRAIN_MINUTES (2.5),
 # BENCH_LINES (10000), BENCH_MODEL, BENCH_ARGS (extra options to tools.bench_gpu, as --engines ours,ct2),
 # BENCH_ABLATE (the switches also measured flipped and settings changed, --ablate: cuda_graphs,graph_attention,
-#   sync_every=4,normalise_processes,encode_ahead,short_gil_interval,kv_row_table: a beam switch, measured in the
+#   sync_every=4, and every switch whose GPU worth is not measured yet: normalise_processes,encode_ahead,
+#   short_gil_interval,decode_ahead,pipeline, and the beam switches kv_row_table,fused_log_softmax, measured in the
 #   beam 4 group),
 # DISTILL_NAME (gpu-default), DISTILL_ARGS (extra options), CALL_SECONDS (the seconds this call may run, where a lent
 #   machine's call has a hard limit: the bench then gets what is left, less a margin, as --time-limit and ends with
@@ -29,7 +30,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-session}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}
 BENCH_LINES=${BENCH_LINES:-10000}
-BENCH_ABLATE=${BENCH_ABLATE-cuda_graphs,graph_attention,sync_every=4,normalise_processes,encode_ahead,short_gil_interval,kv_row_table}  # switches flipped, settings changed ("": none)
+BENCH_ABLATE=${BENCH_ABLATE-cuda_graphs,graph_attention,sync_every=4,normalise_processes,encode_ahead,short_gil_interval,decode_ahead,pipeline,kv_row_table,fused_log_softmax}  # switches flipped, settings changed ("": none)
 DISTILL_NAME=${DISTILL_NAME:-gpu-default}
 CALL_SECONDS=${CALL_SECONDS:-}
 CALL_MARGIN=30  # the bench's start-up before its clock, its last row's overrun and writes, the caller's packing
