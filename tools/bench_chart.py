@@ -7,8 +7,8 @@ tools.bench draws it beside every run (PREFIX.png next to PREFIX.md/.json). This
 command redraws it from the JSON a run wrote, without rerunning anything; a tools.bench_gpu
 JSON draws the same chart of the GPU run, one panel:
 
-    python -m tools.bench_chart docs/bench/cpu/kd-student-2026-11-28-avx512.json \\
-        docs/bench/cpu/kd-student-2026-11-28-avx2.json --out docs/bench/cpu/kd-student-2026-11-28.png
+    python -m tools.bench_chart docs/bench/cpu/kd-student-2026-11-29-avx512.json \\
+        docs/bench/cpu/kd-student-2026-11-29-avx2.json --out docs/bench/cpu/kd-student-2026-11-29.png
 """
 from __future__ import annotations
 
