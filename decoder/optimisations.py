@@ -261,7 +261,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
                  worth="1.11x beam 4 int8 as shipped, EPYC AVX-512 VNNI, 2026-11-29; AVX2 1.07x; GPU not measured"),
     Optimisation("fused_ngram", True, "n-gram blocking in C++", "block", op("ngram_block_"),
                  fused.ngram_block_reference, "`ngram_block_reference` (Python loop)", "ngram",
-                 worth="not measured"),
+                 worth="--no-repeat-ngram 3, int8 as shipped: 1.19x greedy, 1.21x beam 4, EPYC VNNI, 2026-11-29"),
     Optimisation("cuda_graphs", True, "whole search steps replayed from CUDA graphs (small batches)",
                  "cuda_graphs", True, False, "eager steps: the decoder's and the search's ~14 (greedy) or ~35 "
                  "(beam) launches a step", "cuda", needs=lambda o: not o.shortlist and not o.no_repeat_ngram,
