@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fused, graphs, modeldir
+from . import graphs, modeldir
 from .modeldir import sinusoidal_table
 from .optimisations import Plan, bias_in_epilogue
-from .quant import DTYPES, Int8Linear, Linear, make_linear
+from .quant import DTYPES, Linear, make_linear
 
 
 class Attention:
